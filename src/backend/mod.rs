@@ -1,0 +1,157 @@
+//! The backend abstraction: the op set of one GPT-2 training step.
+//!
+//! Tensors are backend-owned buffers addressed by [`View`]s (buffer id + element offset + length), so the
+//! parameters and gradients can each live in one flat buffer with named views into it, and the collective
+//! layer can work on the whole flat buffer or on buckets of it. Nothing moves between host and device except
+//! through the explicit transfer calls (`upload*`, `download`), so a GPU backend never round-trips through
+//! host memory between ops.
+//!
+//! Accumulation rules (shared by every backend; the CPU backend is the readable specification):
+//! - parameter gradients (`dweight`, `dbias`, `dwte`, `dwpe`) are always accumulated (`+=`), so gradient
+//!   accumulation over micro-batches needs no extra pass;
+//! - `layernorm_backward` accumulates into `dinp` (`+=`) because its input is the residual stream, whose
+//!   gradient is the sum of the skip path and the normalised path;
+//! - every other activation gradient is overwritten (`=`).
+//!
+//! Outputs never alias inputs, except where an op says so (`crossentropy_backward` may write `dlogits`
+//! over `logits`).
+
+pub mod cpu;
+mod view;
+
+pub use view::{TokenView, View};
+
+use anyhow::Result;
+
+/// How a matmul weight is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `[in, out]`: Hugging Face `Conv1D` layout, `out = inp @ w`.
+    InOut,
+    /// `[out, in]`: the tied LM head reads `wte` `[V, C]` this way, `out = inp @ w^T`.
+    OutIn,
+}
+
+/// Shape of a matmul: `inp [n, c] -> out [n, oc]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulShape {
+    pub n: usize,
+    pub c: usize,
+    pub oc: usize,
+    pub layout: WeightLayout,
+}
+
+/// Shape of causal self-attention over a `[b, t, c]` activation with `nh` heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    pub nh: usize,
+}
+
+/// One AdamW update, already resolved to scalars (the schedule, clipping and bias corrections are
+/// computed on the host, identically on every rank).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Decoupled decay; 0 for tensors of rank < 2.
+    pub weight_decay: f32,
+    /// `lr / (1 - beta1^t)`, with `t` the 1-based optimizer step (computed in f64 as torch does).
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)` (computed in f64 as torch does).
+    pub bias_correction2_sqrt: f32,
+    /// Multiplies the gradient before use: gradient averaging and clipping in one place.
+    pub grad_scale: f32,
+}
+
+/// The op set of a GPT-2 training step. Every method panics only on a programming error (views of the
+/// wrong length); anything that depends on the outside world returns `Result`.
+pub trait Backend {
+    /// A short human-readable name, e.g. `cpu (f32, 2 threads)`.
+    fn name(&self) -> String;
+
+    // ---- memory and transfers ----
+    /// A new zero-filled f32 buffer of `len` elements.
+    fn alloc(&mut self, len: usize) -> Result<View>;
+    /// A new zero-filled token buffer of `len` elements.
+    fn alloc_tokens(&mut self, len: usize) -> Result<TokenView>;
+    fn upload(&mut self, dst: View, src: &[f32]) -> Result<()>;
+    fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()>;
+    fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()>;
+    fn fill(&mut self, dst: View, value: f32);
+    /// `dst = src` (same length, no overlap).
+    fn copy(&mut self, dst: View, src: View);
+
+    // ---- forward/backward ops ----
+    /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`.
+    /// Shapes: out `[b*t, c]`, tokens `[b*t]`, wte `[v, c]`, wpe `[>=t, c]`.
+    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize);
+    /// `dwte[tokens[b,t],:] += dout[b,t,:]`, `dwpe[t,:] += dout[b,t,:]`.
+    fn encoder_backward(&mut self, dwte: View, dwpe: View, dout: View, tokens: TokenView, b: usize, t: usize, c: usize);
+    /// Layer norm over the last axis, eps 1e-5. Shapes: out/inp `[n, c]`, mean/rstd `[n]`, weight/bias `[c]`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, inp: View, weight: View, bias: View, n: usize, c: usize);
+    /// Accumulates into `dinp`, `dweight` and `dbias`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: View,
+        dout: View,
+        inp: View,
+        weight: View,
+        mean: View,
+        rstd: View,
+        n: usize,
+        c: usize,
+    );
+    /// `out = inp @ W (+ bias)`. Shapes: out `[n, oc]`, inp `[n, c]`, weight per `shape.layout`, bias `[oc]`.
+    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, shape: MatmulShape);
+    /// Overwrites `dinp`; accumulates into `dweight` and `dbias`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: Option<View>,
+        dout: View,
+        inp: View,
+        weight: View,
+        shape: MatmulShape,
+    );
+    /// Causal multi-head attention. Shapes: out `[b, t, c]`, att `[b, nh, t, t]` (softmax probabilities,
+    /// kept for backward; entries above the diagonal are 0), qkv `[b, t, 3c]` laid out as q | k | v.
+    fn attention_forward(&mut self, out: View, att: View, qkv: View, shape: AttentionShape);
+    /// Overwrites `dqkv`; `datt` `[b, nh, t, t]` is scratch.
+    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, shape: AttentionShape);
+    /// GELU, tanh approximation (`gelu_new`). Shapes: out/inp `[n]`.
+    fn gelu_forward(&mut self, out: View, inp: View);
+    /// Overwrites `dinp`.
+    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View);
+    /// `out = a + b`.
+    fn residual_forward(&mut self, out: View, a: View, b: View);
+    /// `dst += src`.
+    fn add_inplace(&mut self, dst: View, src: View);
+    /// Per-position cross-entropy of `softmax(logits)` against `targets`.
+    /// Shapes: losses `[n]`, logits `[n, v]`, targets `[n]`.
+    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize);
+    /// `dlogits = dloss * (softmax(logits) - onehot(targets))`; `dlogits` may be the same view as `logits`.
+    fn crossentropy_backward(&mut self, dlogits: View, logits: View, targets: TokenView, n: usize, v: usize, dloss: f32);
+
+    // ---- optimizer support ----
+    /// `sum(x^2)` with a fixed reduction order; non-finite inputs give a non-finite result.
+    fn sum_squares(&mut self, x: View) -> Result<f64>;
+    /// `x *= s`.
+    fn scale(&mut self, x: View, s: f32);
+    /// One AdamW step (torch.optim.AdamW semantics) over equally long views.
+    fn adamw(&mut self, params: View, grads: View, m: View, v: View, step: &AdamWStep);
+    /// Waits for queued work; a no-op on synchronous backends.
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,1 @@
+//! Collectives: deterministic ring reduce-scatter / all-gather / AllReduce, sans-IO core and transports.

@@ -1,0 +1,1 @@
+//! Tokenizers, corpora, window sampler and the synthetic corpus.

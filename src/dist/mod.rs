@@ -1,0 +1,1 @@
+//! Distributed launch: environment detection, rendezvous, local launcher.
