@@ -6,3 +6,4 @@ pub mod collective;
 pub mod data;
 pub mod dist;
 pub mod model;
+pub mod optim;

@@ -94,7 +94,17 @@ pub trait Backend {
     fn encoder_backward(&mut self, dwte: View, dwpe: View, dout: View, tokens: TokenView, b: usize, t: usize, c: usize);
     /// Layer norm over the last axis, eps 1e-5. Shapes: out/inp `[n, c]`, mean/rstd `[n]`, weight/bias `[c]`.
     #[allow(clippy::too_many_arguments)]
-    fn layernorm_forward(&mut self, out: View, mean: View, rstd: View, inp: View, weight: View, bias: View, n: usize, c: usize);
+    fn layernorm_forward(
+        &mut self,
+        out: View,
+        mean: View,
+        rstd: View,
+        inp: View,
+        weight: View,
+        bias: View,
+        n: usize,
+        c: usize,
+    );
     /// Accumulates into `dinp`, `dweight` and `dbias`.
     #[allow(clippy::too_many_arguments)]
     fn layernorm_backward(
@@ -141,7 +151,15 @@ pub trait Backend {
     /// Shapes: losses `[n]`, logits `[n, v]`, targets `[n]`.
     fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize);
     /// `dlogits = dloss * (softmax(logits) - onehot(targets))`; `dlogits` may be the same view as `logits`.
-    fn crossentropy_backward(&mut self, dlogits: View, logits: View, targets: TokenView, n: usize, v: usize, dloss: f32);
+    fn crossentropy_backward(
+        &mut self,
+        dlogits: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    );
 
     // ---- optimizer support ----
     /// `sum(x^2)` with a fixed reduction order; non-finite inputs give a non-finite result.

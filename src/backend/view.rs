@@ -19,8 +19,17 @@ pub struct TokenView {
 impl View {
     /// The sub-range `[start, start + len)` of this view.
     pub fn sub(&self, start: usize, len: usize) -> View {
-        assert!(start + len <= self.len, "sub-view [{start}, {}) out of a view of {}", start + len, self.len);
-        View { buf: self.buf, offset: self.offset + start, len }
+        assert!(
+            start + len <= self.len,
+            "sub-view [{start}, {}) out of a view of {}",
+            start + len,
+            self.len
+        );
+        View {
+            buf: self.buf,
+            offset: self.offset + start,
+            len,
+        }
     }
 
     pub fn end(&self) -> usize {
@@ -34,7 +43,16 @@ impl View {
 
 impl TokenView {
     pub fn sub(&self, start: usize, len: usize) -> TokenView {
-        assert!(start + len <= self.len, "sub-view [{start}, {}) out of a view of {}", start + len, self.len);
-        TokenView { buf: self.buf, offset: self.offset + start, len }
+        assert!(
+            start + len <= self.len,
+            "sub-view [{start}, {}) out of a view of {}",
+            start + len,
+            self.len
+        );
+        TokenView {
+            buf: self.buf,
+            offset: self.offset + start,
+            len,
+        }
     }
 }

@@ -6,3 +6,7 @@ pub mod layout;
 pub use config::ModelConfig;
 pub use layout::{ParamLayout, ParamSpec};
 pub mod checkpoint;
+pub mod gpt2;
+pub mod init;
+
+pub use gpt2::Gpt2;

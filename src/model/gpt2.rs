@@ -1,0 +1,475 @@
+//! GPT-2 forward and backward, written once against the [`Backend`] trait (llm.c's structure, Hugging Face's
+//! semantics): pre-LN blocks, GELU tanh, causal attention, learned positions, LM head tied to `wte`.
+
+use super::layout::{BlockParams, ParamLayout};
+use super::ModelConfig;
+use crate::backend::{AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
+use anyhow::{bail, Result};
+
+/// Activations of one transformer block for a `[b, t]` batch.
+#[derive(Clone, Copy, Debug)]
+struct BlockActs {
+    ln1: View,       // [b*t, c]
+    ln1_mean: View,  // [b*t]
+    ln1_rstd: View,  // [b*t]
+    qkv: View,       // [b*t, 3c]
+    att: View,       // [b, nh, t, t]
+    atty: View,      // [b*t, c]
+    residual2: View, // [b*t, c]
+    ln2: View,       // [b*t, c]
+    ln2_mean: View,  // [b*t]
+    ln2_rstd: View,  // [b*t]
+    fch: View,       // [b*t, 4c]
+    fch_gelu: View,  // [b*t, 4c]
+    residual3: View, // [b*t, c] (block output)
+}
+
+/// Everything forward keeps for backward, plus backward's scratch, for one batch shape.
+#[derive(Clone, Debug)]
+struct Activations {
+    b: usize,
+    t: usize,
+    tokens: TokenView,  // [b*t]
+    targets: TokenView, // [b*t]
+    encoded: View,      // [b*t, c]
+    blocks: Vec<BlockActs>,
+    lnf: View,      // [b*t, c]
+    lnf_mean: View, // [b*t]
+    lnf_rstd: View, // [b*t]
+    logits: View,   // [b*t, v]; overwritten by dlogits in backward
+    losses: View,   // [b*t]
+    // Backward scratch.
+    dres: View,  // [b*t, c]: gradient of the residual stream
+    dbtc: View,  // [b*t, c]
+    d4c_a: View, // [b*t, 4c]
+    d4c_b: View, // [b*t, 4c]
+    dqkv: View,  // [b*t, 3c]
+    datt: View,  // [b, nh, t, t]
+}
+
+/// Carves consecutive views out of one allocation. With no allocation yet it only counts, so the same
+/// carving code sizes the buffer and then fills it.
+struct Carver {
+    whole: Option<View>,
+    next: usize,
+}
+
+impl Carver {
+    fn take(&mut self, len: usize) -> View {
+        let v = match self.whole {
+            Some(whole) => whole.sub(self.next, len),
+            None => View {
+                buf: usize::MAX,
+                offset: self.next,
+                len,
+            },
+        };
+        self.next += len;
+        v
+    }
+}
+
+impl Activations {
+    fn new<B: Backend>(be: &mut B, cfg: &ModelConfig, b: usize, t: usize) -> Result<Self> {
+        let mut counter = Carver { whole: None, next: 0 };
+        Self::carve(
+            &mut counter,
+            cfg,
+            b,
+            t,
+            TokenView {
+                buf: usize::MAX,
+                offset: 0,
+                len: 0,
+            },
+            TokenView {
+                buf: usize::MAX,
+                offset: 0,
+                len: 0,
+            },
+        );
+        let mut carver = Carver {
+            whole: Some(be.alloc(counter.next)?),
+            next: 0,
+        };
+        let (tokens, targets) = (be.alloc_tokens(b * t)?, be.alloc_tokens(b * t)?);
+        let acts = Self::carve(&mut carver, cfg, b, t, tokens, targets);
+        debug_assert_eq!(carver.next, counter.next);
+        Ok(acts)
+    }
+
+    fn carve(a: &mut Carver, cfg: &ModelConfig, b: usize, t: usize, tokens: TokenView, targets: TokenView) -> Self {
+        let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
+        let bt = b * t;
+        let encoded = a.take(bt * c);
+        let blocks = (0..cfg.n_layer)
+            .map(|_| BlockActs {
+                ln1: a.take(bt * c),
+                ln1_mean: a.take(bt),
+                ln1_rstd: a.take(bt),
+                qkv: a.take(bt * 3 * c),
+                att: a.take(b * nh * t * t),
+                atty: a.take(bt * c),
+                residual2: a.take(bt * c),
+                ln2: a.take(bt * c),
+                ln2_mean: a.take(bt),
+                ln2_rstd: a.take(bt),
+                fch: a.take(bt * 4 * c),
+                fch_gelu: a.take(bt * 4 * c),
+                residual3: a.take(bt * c),
+            })
+            .collect();
+        Activations {
+            b,
+            t,
+            tokens,
+            targets,
+            encoded,
+            blocks,
+            lnf: a.take(bt * c),
+            lnf_mean: a.take(bt),
+            lnf_rstd: a.take(bt),
+            logits: a.take(bt * v),
+            losses: a.take(bt),
+            dres: a.take(bt * c),
+            dbtc: a.take(bt * c),
+            d4c_a: a.take(bt * 4 * c),
+            d4c_b: a.take(bt * 4 * c),
+            dqkv: a.take(bt * 3 * c),
+            datt: a.take(b * nh * t * t),
+        }
+    }
+}
+
+/// A GPT-2 replica on one backend: flat parameters and gradients plus the activations of the last forward.
+pub struct Gpt2 {
+    pub config: ModelConfig,
+    pub layout: ParamLayout,
+    /// [layout.total]: every parameter, in layout order.
+    pub params: View,
+    /// [layout.total]: gradients, same layout; accumulated by backward until `zero_grads`.
+    pub grads: View,
+    acts: Option<Activations>,
+}
+
+impl Gpt2 {
+    /// Allocates parameters and gradients on the backend and uploads `init` (layout order).
+    pub fn new<B: Backend>(be: &mut B, config: ModelConfig, init: &[f32]) -> Result<Self> {
+        config.validate()?;
+        let layout = ParamLayout::new(&config);
+        if init.len() != layout.total {
+            bail!(
+                "initial parameters have {} values, the model needs {}",
+                init.len(),
+                layout.total
+            );
+        }
+        let params = be.alloc(layout.total)?;
+        let grads = be.alloc(layout.total)?;
+        be.upload(params, init)?;
+        Ok(Gpt2 {
+            config,
+            layout,
+            params,
+            grads,
+            acts: None,
+        })
+    }
+
+    fn p(&self, offset: usize, len: usize) -> View {
+        self.params.sub(offset, len)
+    }
+
+    fn g(&self, offset: usize, len: usize) -> View {
+        self.grads.sub(offset, len)
+    }
+
+    /// Activations for a `[b, t]` batch, allocated on first use and reused while the shape stays the same.
+    fn ensure_acts<B: Backend>(&mut self, be: &mut B, b: usize, t: usize) -> Result<Activations> {
+        if t == 0 || t > self.config.n_positions {
+            bail!("sequence length {t} is outside 1..={}", self.config.n_positions);
+        }
+        if b == 0 {
+            bail!("batch size must be at least 1");
+        }
+        match &self.acts {
+            Some(a) if a.b == b && a.t == t => {}
+            _ => {
+                self.acts = None;
+                self.acts = Some(Activations::new(be, &self.config, b, t)?);
+            }
+        }
+        Ok(self.acts.clone().expect("activations were just allocated"))
+    }
+
+    /// Forward pass over `inputs [b, t]`, with per-position losses against `targets [b, t]`.
+    /// Returns the mean loss of this batch (one small readback).
+    pub fn forward<B: Backend>(
+        &mut self,
+        be: &mut B,
+        inputs: &[u32],
+        targets: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<f64> {
+        if inputs.len() != b * t || targets.len() != b * t {
+            bail!(
+                "batch of {} inputs / {} targets does not match b*t = {}",
+                inputs.len(),
+                targets.len(),
+                b * t
+            );
+        }
+        let v = self.config.vocab_size;
+        if let Some(bad) = inputs.iter().chain(targets).find(|&&x| x as usize >= v) {
+            bail!("token id {bad} is outside the model's vocabulary of {v}");
+        }
+        let acts = self.ensure_acts(be, b, t)?;
+        be.upload_tokens(acts.tokens, inputs)?;
+        be.upload_tokens(acts.targets, targets)?;
+        self.forward_logits(be, &acts);
+        let n = b * t;
+        be.crossentropy_forward(acts.losses, acts.logits, acts.targets, n, v);
+        let mut losses = vec![0f32; n];
+        be.download(acts.losses, &mut losses)?;
+        Ok(losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64)
+    }
+
+    /// Logits only, for sampling and evaluation: returns `[b, t, v]` on the host.
+    pub fn logits<B: Backend>(&mut self, be: &mut B, inputs: &[u32], b: usize, t: usize) -> Result<Vec<f32>> {
+        if inputs.len() != b * t {
+            bail!("batch of {} inputs does not match b*t = {}", inputs.len(), b * t);
+        }
+        let v = self.config.vocab_size;
+        if let Some(bad) = inputs.iter().find(|&&x| x as usize >= v) {
+            bail!("token id {bad} is outside the model's vocabulary of {v}");
+        }
+        let acts = self.ensure_acts(be, b, t)?;
+        be.upload_tokens(acts.tokens, inputs)?;
+        self.forward_logits(be, &acts);
+        let mut out = vec![0f32; b * t * v];
+        be.download(acts.logits, &mut out)?;
+        Ok(out)
+    }
+
+    fn forward_logits<B: Backend>(&self, be: &mut B, acts: &Activations) {
+        let cfg = &self.config;
+        let (b, t, c, v) = (acts.b, acts.t, cfg.n_embd, cfg.vocab_size);
+        let n = b * t;
+        let lay = &self.layout;
+        let wte = self.p(lay.wte, v * c);
+        let wpe = self.p(lay.wpe, cfg.n_positions * c);
+        be.encoder_forward(acts.encoded, acts.tokens, wte, wpe, b, t, c);
+        let attn_shape = AttentionShape {
+            b,
+            t,
+            c,
+            nh: cfg.n_head,
+        };
+        let mut residual = acts.encoded;
+        for (bp, a) in lay.blocks.iter().zip(&acts.blocks) {
+            let w = self.block_views(bp, self.params);
+            be.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, residual, w.ln_1_w, w.ln_1_b, n, c);
+            be.matmul_forward(a.qkv, a.ln1, w.attn_w, Some(w.attn_b), mm(n, c, 3 * c));
+            be.attention_forward(a.atty, a.att, a.qkv, attn_shape);
+            // residual2 = residual + c_proj(atty): project into residual2, then add the skip in place.
+            be.matmul_forward(a.residual2, a.atty, w.attn_proj_w, Some(w.attn_proj_b), mm(n, c, c));
+            be.add_inplace(a.residual2, residual);
+            be.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.residual2, w.ln_2_w, w.ln_2_b, n, c);
+            be.matmul_forward(a.fch, a.ln2, w.fc_w, Some(w.fc_b), mm(n, c, 4 * c));
+            be.gelu_forward(a.fch_gelu, a.fch);
+            be.matmul_forward(a.residual3, a.fch_gelu, w.fc_proj_w, Some(w.fc_proj_b), mm(n, 4 * c, c));
+            be.add_inplace(a.residual3, a.residual2);
+            residual = a.residual3;
+        }
+        let (lnf_w, lnf_b) = (self.p(lay.ln_f_w, c), self.p(lay.ln_f_b, c));
+        be.layernorm_forward(acts.lnf, acts.lnf_mean, acts.lnf_rstd, residual, lnf_w, lnf_b, n, c);
+        let head = MatmulShape {
+            n,
+            c,
+            oc: v,
+            layout: WeightLayout::OutIn,
+        };
+        be.matmul_forward(acts.logits, acts.lnf, wte, None, head);
+    }
+
+    /// Backward pass of the last `forward`, accumulating into `grads`. `dloss` is the weight of each
+    /// position's loss in the objective: `1 / (tokens in the global batch on this rank)`.
+    pub fn backward<B: Backend>(&mut self, be: &mut B, dloss: f32) -> Result<()> {
+        let Some(acts) = self.acts.clone() else {
+            bail!("backward called before forward")
+        };
+        let cfg = &self.config;
+        let (b, t, c, v) = (acts.b, acts.t, cfg.n_embd, cfg.vocab_size);
+        let n = b * t;
+        let lay = &self.layout;
+        be.crossentropy_backward(acts.logits, acts.logits, acts.targets, n, v, dloss);
+        let dlogits = acts.logits;
+        let head = MatmulShape {
+            n,
+            c,
+            oc: v,
+            layout: WeightLayout::OutIn,
+        };
+        let (wte, dwte) = (self.p(lay.wte, v * c), self.g(lay.wte, v * c));
+        be.matmul_backward(acts.dbtc, dwte, None, dlogits, acts.lnf, wte, head);
+        let last = acts.blocks.last().map_or(acts.encoded, |a| a.residual3);
+        be.fill(acts.dres, 0.0);
+        let (lnf_w, dlnf_w, dlnf_b) = (self.p(lay.ln_f_w, c), self.g(lay.ln_f_w, c), self.g(lay.ln_f_b, c));
+        be.layernorm_backward(
+            acts.dres,
+            dlnf_w,
+            dlnf_b,
+            acts.dbtc,
+            last,
+            lnf_w,
+            acts.lnf_mean,
+            acts.lnf_rstd,
+            n,
+            c,
+        );
+        let attn_shape = AttentionShape {
+            b,
+            t,
+            c,
+            nh: cfg.n_head,
+        };
+        for (l, (bp, a)) in lay.blocks.iter().zip(&acts.blocks).enumerate().rev() {
+            let residual = if l == 0 {
+                acts.encoded
+            } else {
+                acts.blocks[l - 1].residual3
+            };
+            let w = self.block_views(bp, self.params);
+            let dw = self.block_views(bp, self.grads);
+            // dres holds d(residual3) = d(residual2 + fc_proj(gelu(fc(ln2(residual2))))).
+            be.matmul_backward(
+                acts.d4c_a,
+                dw.fc_proj_w,
+                Some(dw.fc_proj_b),
+                acts.dres,
+                a.fch_gelu,
+                w.fc_proj_w,
+                mm(n, 4 * c, c),
+            );
+            be.gelu_backward(acts.d4c_b, a.fch, acts.d4c_a);
+            be.matmul_backward(
+                acts.dbtc,
+                dw.fc_w,
+                Some(dw.fc_b),
+                acts.d4c_b,
+                a.ln2,
+                w.fc_w,
+                mm(n, c, 4 * c),
+            );
+            be.layernorm_backward(
+                acts.dres,
+                dw.ln_2_w,
+                dw.ln_2_b,
+                acts.dbtc,
+                a.residual2,
+                w.ln_2_w,
+                a.ln2_mean,
+                a.ln2_rstd,
+                n,
+                c,
+            );
+            // dres now holds d(residual2) = d(residual + c_proj(attention(c_attn(ln1(residual))))).
+            be.matmul_backward(
+                acts.dbtc,
+                dw.attn_proj_w,
+                Some(dw.attn_proj_b),
+                acts.dres,
+                a.atty,
+                w.attn_proj_w,
+                mm(n, c, c),
+            );
+            be.attention_backward(acts.dqkv, acts.datt, acts.dbtc, a.qkv, a.att, attn_shape);
+            be.matmul_backward(
+                acts.dbtc,
+                dw.attn_w,
+                Some(dw.attn_b),
+                acts.dqkv,
+                a.ln1,
+                w.attn_w,
+                mm(n, c, 3 * c),
+            );
+            be.layernorm_backward(
+                acts.dres, dw.ln_1_w, dw.ln_1_b, acts.dbtc, residual, w.ln_1_w, a.ln1_mean, a.ln1_rstd, n, c,
+            );
+        }
+        let (dwpe, wpe_len) = (lay.wpe, cfg.n_positions * c);
+        be.encoder_backward(dwte, self.g(dwpe, wpe_len), acts.dres, acts.tokens, b, t, c);
+        Ok(())
+    }
+
+    /// Per-position losses `[b*t]` of the last forward (tests read them at full precision).
+    pub fn losses_view(&self) -> Option<View> {
+        self.acts.as_ref().map(|a| a.losses)
+    }
+
+    pub fn zero_grads<B: Backend>(&self, be: &mut B) {
+        be.fill(self.grads, 0.0);
+    }
+
+    /// Views of one block's tensors inside `base` (the parameter or the gradient buffer).
+    fn block_views(&self, bp: &BlockParams, base: View) -> BlockViews {
+        let c = self.config.n_embd;
+        let at = |offset: usize, len: usize| base.sub(offset, len);
+        BlockViews {
+            ln_1_w: at(bp.ln_1_w, c),
+            ln_1_b: at(bp.ln_1_b, c),
+            attn_w: at(bp.attn_w, c * 3 * c),
+            attn_b: at(bp.attn_b, 3 * c),
+            attn_proj_w: at(bp.attn_proj_w, c * c),
+            attn_proj_b: at(bp.attn_proj_b, c),
+            ln_2_w: at(bp.ln_2_w, c),
+            ln_2_b: at(bp.ln_2_b, c),
+            fc_w: at(bp.fc_w, c * 4 * c),
+            fc_b: at(bp.fc_b, 4 * c),
+            fc_proj_w: at(bp.fc_proj_w, 4 * c * c),
+            fc_proj_b: at(bp.fc_proj_b, c),
+        }
+    }
+
+    /// Downloads every parameter (layout order).
+    pub fn download_params<B: Backend>(&self, be: &mut B) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; self.layout.total];
+        be.download(self.params, &mut out)?;
+        Ok(out)
+    }
+
+    /// Forward FLOPs per token (matmuls and attention), the usual 6N-style estimate's building block.
+    pub fn flops_per_token(&self, t: usize) -> f64 {
+        let cfg = &self.config;
+        let (c, l, v) = (cfg.n_embd as f64, cfg.n_layer as f64, cfg.vocab_size as f64);
+        let matmul = 2.0 * (l * (3.0 * c * c + c * c + 8.0 * c * c) + c * v);
+        let attention = 2.0 * l * 2.0 * c * t as f64 / 2.0;
+        matmul + attention
+    }
+}
+
+/// The views of one block's twelve tensors.
+struct BlockViews {
+    ln_1_w: View,
+    ln_1_b: View,
+    attn_w: View,      // [c, 3c]
+    attn_b: View,      // [3c]
+    attn_proj_w: View, // [c, c]
+    attn_proj_b: View, // [c]
+    ln_2_w: View,
+    ln_2_b: View,
+    fc_w: View,      // [c, 4c]
+    fc_b: View,      // [4c]
+    fc_proj_w: View, // [4c, c]
+    fc_proj_b: View, // [c]
+}
+
+fn mm(n: usize, c: usize, oc: usize) -> MatmulShape {
+    MatmulShape {
+        n,
+        c,
+        oc,
+        layout: WeightLayout::InOut,
+    }
+}
