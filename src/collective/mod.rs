@@ -1,1 +1,152 @@
 //! Collectives: deterministic ring reduce-scatter / all-gather / AllReduce, sans-IO core and transports.
+//!
+//! - [`ring`]: the sans-IO engines (no sockets, clocks or threads); the reduction order is documented there.
+//! - [`mem`]: N ranks in one process over channels, with fault injection (tests, simulator).
+//! - [`frame`]: the bounded, versioned wire format.
+//! - [`quic`]: the QUIC transport (quinn), with rendezvous in [`crate::dist`].
+//! - [`bench`]: the all-reduce benchmark behind `ringtrain bench allreduce`.
+//!
+//! The layer knows no backend: it works on f32 and byte slices. Every transport implements [`Collective`]
+//! by providing [`Collective::run_engine`]; the collectives themselves are provided methods, so they behave
+//! identically over every transport.
+
+pub mod bench;
+pub mod frame;
+pub mod mem;
+pub mod quic;
+pub mod ring;
+
+use std::ops::Range;
+
+pub use ring::{chunk_range, Engine, GatherEngine, Reduce, RingEngine, RingError, RingOp};
+
+/// Why a collective failed. Every variant that involves a peer names its rank.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CollectiveError {
+    /// A peer disappeared (process exit, connection loss, keep-alive timeout).
+    #[error("rank {rank} is dead: {reason}")]
+    PeerDead { rank: usize, reason: String },
+    /// A peer reported a failure and aborted the job.
+    #[error("rank {rank} aborted the job: {reason}")]
+    Aborted { rank: usize, reason: String },
+    /// Nothing arrived from `waiting_on` before the per-collective deadline.
+    #[error("collective #{seq} timed out after {secs:.1}s waiting for data from rank {waiting_on}")]
+    Timeout { seq: u64, waiting_on: usize, secs: f64 },
+    /// A peer sent something the protocol does not allow.
+    #[error("protocol error from rank {rank}: {msg}")]
+    Protocol { rank: usize, msg: String },
+    /// Local failure (configuration, I/O setup, earlier abort).
+    #[error("{0}")]
+    Local(String),
+}
+
+impl CollectiveError {
+    /// The rank this error blames, if any.
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            CollectiveError::PeerDead { rank, .. }
+            | CollectiveError::Aborted { rank, .. }
+            | CollectiveError::Protocol { rank, .. } => Some(*rank),
+            CollectiveError::Timeout { waiting_on, .. } => Some(*waiting_on),
+            CollectiveError::Local(_) => None,
+        }
+    }
+}
+
+pub type Result<T, E = CollectiveError> = std::result::Result<T, E>;
+
+/// A group of `world()` ranks joined in a ring. Calls are collective: every rank must make the same calls,
+/// in the same order, with the same buffer lengths.
+pub trait Collective: Send {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+
+    /// Drives one engine to completion over this transport: send its messages to the right neighbour,
+    /// feed it messages from the left, within the per-collective deadline.
+    fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()>;
+
+    /// Tells every other rank that this one failed; later collectives on any rank then fail, naming it.
+    fn abort(&mut self, reason: &str);
+
+    /// Records the training step, stamped into frames (and checked) by transports that have frames.
+    fn set_step(&mut self, _step: u64) {}
+
+    /// Sub-chunk size in f32 elements used for pipelining.
+    fn sub_chunk(&self) -> usize {
+        ring::DEFAULT_SUB_CHUNK
+    }
+
+    /// Every rank ends with the element-wise mean of all ranks' `buf` (identical bits on every rank).
+    fn all_reduce_mean(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.run_f32(RingOp::AllReduce(Reduce::Mean), buf)
+    }
+
+    /// Every rank ends with the element-wise sum.
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.run_f32(RingOp::AllReduce(Reduce::Sum), buf)
+    }
+
+    /// Rank r ends with the mean of `chunk_range(len, world, r)`, which is returned; the rest of its buffer
+    /// holds partial sums and must be treated as garbage.
+    fn reduce_scatter_mean(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
+        self.run_f32(RingOp::ReduceScatter(Reduce::Mean), buf)?;
+        Ok(chunk_range(buf.len(), self.world(), self.rank()))
+    }
+
+    /// Rank r contributes `chunk_range(len, world, r)` of `buf`; every rank ends with all chunks.
+    fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.run_f32(RingOp::AllGather, buf)
+    }
+
+    /// Copies rank `root`'s buffer to every rank.
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.run_f32(RingOp::Broadcast { root }, buf)
+    }
+
+    /// Element-wise sum of a few f64 scalars (loss, squared grad norm, non-finite counts...). Summed in rank
+    /// order 0..N on every rank, so every rank gets identical bits.
+    fn all_reduce_scalars(&mut self, vals: &mut [f64]) -> Result<()> {
+        let blobs = self.gather_bytes(ring::scalars_to_bytes(vals))?;
+        ring::sum_scalar_blobs(&blobs, vals);
+        Ok(())
+    }
+
+    /// Every rank gets every rank's 32-byte hash, in rank order.
+    fn gather_hashes(&mut self, hash: [u8; 32]) -> Result<Vec<[u8; 32]>> {
+        let blobs = self.gather_bytes(hash.to_vec())?;
+        Ok(blobs
+            .into_iter()
+            .map(|b| b.try_into().expect("length checked by the engine"))
+            .collect())
+    }
+
+    /// Every rank gets every rank's blob (all blobs must have the same length).
+    fn gather_bytes(&mut self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let mut e =
+            GatherEngine::new(self.rank(), self.world(), mine).map_err(|e| CollectiveError::Local(e.to_string()))?;
+        self.run_engine(&mut e)?;
+        Ok(e.into_blobs())
+    }
+
+    /// Runs one f32 ring collective.
+    fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {
+        let (rank, world, sub) = (self.rank(), self.world(), self.sub_chunk());
+        let mut e = RingEngine::new(op, rank, world, buf, sub).map_err(|e| CollectiveError::Local(e.to_string()))?;
+        self.run_engine(&mut e)
+    }
+}
+
+/// Ranks whose hash differs from the majority (ties broken towards rank 0's hash); empty when all agree.
+pub fn diverged_ranks(hashes: &[[u8; 32]]) -> Vec<usize> {
+    if hashes.is_empty() {
+        return Vec::new();
+    }
+    let count = |h: &[u8; 32]| hashes.iter().filter(|x| *x == h).count();
+    let mut best = hashes[0];
+    for h in hashes {
+        if count(h) > count(&best) {
+            best = *h;
+        }
+    }
+    (0..hashes.len()).filter(|&r| hashes[r] != best).collect()
+}

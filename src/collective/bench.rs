@@ -1,0 +1,1 @@
+//! All-reduce benchmark (in progress).

@@ -1,0 +1,340 @@
+//! In-memory transport: N ranks in one process (one thread each), linked in a ring by channels.
+//!
+//! It drives the same sans-IO engines as QUIC, so it is the reference transport for tests and the
+//! simulator. Fault injection ([`Faults`]):
+//! - `delay`: every message becomes deliverable only `delay` after it was sent;
+//! - `reorder_seed`: the receiver picks uniformly (seeded) among all deliverable messages of the current
+//!   collective instead of the oldest, so independent messages (different phase/chunk/sub tags) arrive out
+//!   of order; engines reassemble them by tag;
+//! - `slow_rank`: that rank sleeps before handling each message;
+//! - `die_after`: that rank "dies" after sending the given number of messages (counted over its lifetime):
+//!   its call fails and every other rank fails with [`CollectiveError::PeerDead`] naming it, within the
+//!   deadline, never hanging.
+//!
+//! Dropping a [`MemCollective`] between collectives is a clean exit; dropping it during one (a panicking
+//! thread) counts as death.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::ring::{Engine, Msg};
+use super::{Collective, CollectiveError, Result};
+
+/// Fault injection for the in-memory transport. `Default` injects nothing.
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    pub delay: Option<Duration>,
+    pub reorder_seed: Option<u64>,
+    pub slow_rank: Option<(usize, Duration)>,
+    /// `(rank, n)`: `rank` dies after sending `n` messages.
+    pub die_after: Option<(usize, usize)>,
+}
+
+/// Options for [`mem_cluster`].
+#[derive(Clone, Debug)]
+pub struct MemOptions {
+    /// Per-collective deadline.
+    pub deadline: Duration,
+    /// Pipelining granularity in f32 elements.
+    pub sub_chunk: usize,
+    pub faults: Faults,
+}
+
+impl Default for MemOptions {
+    fn default() -> Self {
+        MemOptions {
+            deadline: Duration::from_secs(30),
+            sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
+            faults: Faults::default(),
+        }
+    }
+}
+
+const RUNNING: u8 = 0;
+const EXITED: u8 = 1;
+const DEAD: u8 = 2;
+
+struct Shared {
+    state: Vec<AtomicU8>,
+    abort: Mutex<Option<(usize, String)>>,
+}
+
+struct Envelope {
+    seq: u64,
+    deliver_at: Instant,
+    msg: Msg,
+}
+
+/// One rank of an in-memory cluster. Move each into its own thread.
+pub struct MemCollective {
+    rank: usize,
+    world: usize,
+    opts: MemOptions,
+    tx: Option<Sender<Envelope>>,
+    rx: Receiver<Envelope>,
+    pending: Vec<Envelope>,
+    shared: Arc<Shared>,
+    rng: Option<ChaCha8Rng>,
+    seq: u64,
+    sent: usize,
+    in_collective: bool,
+    failed: Option<CollectiveError>,
+}
+
+/// Builds `world` connected ranks.
+pub fn mem_cluster(world: usize, opts: MemOptions) -> Vec<MemCollective> {
+    assert!(world > 0, "world must be at least 1");
+    let shared = Arc::new(Shared {
+        state: (0..world).map(|_| AtomicU8::new(RUNNING)).collect(),
+        abort: Mutex::new(None),
+    });
+    // Channel i carries rank i-1 → rank i.
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..world).map(|_| mpsc::channel::<Envelope>()).unzip();
+    let mut rxs: Vec<Option<Receiver<Envelope>>> = rxs.into_iter().map(Some).collect();
+    (0..world)
+        .map(|r| MemCollective {
+            rank: r,
+            world,
+            tx: Some(txs[(r + 1) % world].clone()),
+            rx: rxs[r].take().expect("each receiver taken once"),
+            pending: Vec::new(),
+            shared: shared.clone(),
+            rng: opts
+                .faults
+                .reorder_seed
+                .map(|s| ChaCha8Rng::seed_from_u64(s ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))),
+            opts: opts.clone(),
+            seq: 0,
+            sent: 0,
+            in_collective: false,
+            failed: None,
+        })
+        .collect()
+}
+
+impl MemCollective {
+    fn left(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    fn die(&mut self) {
+        self.shared.state[self.rank].store(DEAD, Ordering::SeqCst);
+        self.tx = None;
+    }
+
+    fn check_peers(&self) -> Result<()> {
+        if let Some((rank, reason)) = self.shared.abort.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            if rank != self.rank {
+                return Err(CollectiveError::Aborted { rank, reason });
+            }
+        }
+        for (r, s) in self.shared.state.iter().enumerate() {
+            if r != self.rank && s.load(Ordering::SeqCst) == DEAD {
+                return Err(CollectiveError::PeerDead {
+                    rank: r,
+                    reason: "process died".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, msg: Msg) -> Result<()> {
+        if let Some((r, n)) = self.opts.faults.die_after {
+            if r == self.rank && self.sent >= n {
+                self.die();
+                return Err(CollectiveError::Local(format!(
+                    "rank {r}: injected failure after {n} messages"
+                )));
+            }
+        }
+        self.sent += 1;
+        let deliver_at = Instant::now() + self.opts.faults.delay.unwrap_or_default();
+        let right = (self.rank + 1) % self.world;
+        let tx = self
+            .tx
+            .as_ref()
+            .ok_or_else(|| CollectiveError::Local("this rank has failed".into()))?;
+        tx.send(Envelope {
+            seq: self.seq,
+            deliver_at,
+            msg,
+        })
+        .map_err(|_| CollectiveError::PeerDead {
+            rank: right,
+            reason: "channel closed".into(),
+        })
+    }
+
+    /// Next message of the current collective from the left neighbour.
+    fn recv(&mut self, deadline: Instant) -> Result<Msg> {
+        let left = self.left();
+        let mut disconnected = false;
+        loop {
+            loop {
+                match self.rx.try_recv() {
+                    Ok(e) => self.pending.push(e),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        disconnected = true;
+                        break;
+                    }
+                }
+            }
+            let now = Instant::now();
+            if let Some(e) = self.pending.iter().find(|e| e.seq < self.seq) {
+                return Err(CollectiveError::Protocol {
+                    rank: left,
+                    msg: format!("stale message of collective #{} during #{}", e.seq, self.seq),
+                });
+            }
+            let ready: Vec<usize> = (0..self.pending.len())
+                .filter(|&i| self.pending[i].seq == self.seq && self.pending[i].deliver_at <= now)
+                .collect();
+            if !ready.is_empty() {
+                let pick = match &mut self.rng {
+                    Some(rng) => ready[rng.gen_range(0..ready.len())],
+                    None => ready[0],
+                };
+                return Ok(self.pending.remove(pick).msg);
+            }
+            self.check_peers()?;
+            if disconnected && self.pending.iter().all(|e| e.seq != self.seq) {
+                return Err(CollectiveError::PeerDead {
+                    rank: left,
+                    reason: "disconnected".into(),
+                });
+            }
+            if now >= deadline {
+                return Err(CollectiveError::Timeout {
+                    seq: self.seq,
+                    waiting_on: left,
+                    secs: self.opts.deadline.as_secs_f64(),
+                });
+            }
+            let next_due = self
+                .pending
+                .iter()
+                .filter(|e| e.seq == self.seq)
+                .map(|e| e.deliver_at)
+                .min();
+            let mut wait = (deadline - now).min(Duration::from_millis(5));
+            if let Some(t) = next_due {
+                wait = wait.min(t.saturating_duration_since(now));
+            }
+            if disconnected {
+                std::thread::sleep(wait);
+                continue;
+            }
+            match self.rx.recv_timeout(wait) {
+                Ok(e) => self.pending.push(e),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => disconnected = true,
+            }
+        }
+    }
+
+    fn run_inner(&mut self, engine: &mut dyn Engine) -> Result<()> {
+        let deadline = Instant::now() + self.opts.deadline;
+        self.check_peers()?;
+        let left = self.left();
+        loop {
+            let mut burst = Vec::new();
+            while let Some(m) = engine.poll_transmit() {
+                burst.push(m);
+            }
+            if let Some(rng) = &mut self.rng {
+                // Seeded shuffle of independent messages (Fisher-Yates).
+                for i in (1..burst.len()).rev() {
+                    let j = rng.gen_range(0..=i);
+                    burst.swap(i, j);
+                }
+            }
+            for m in burst {
+                self.send(m)?;
+            }
+            if engine.is_done() {
+                return Ok(());
+            }
+            let msg = self.recv(deadline)?;
+            if let Some((r, d)) = self.opts.faults.slow_rank {
+                if r == self.rank {
+                    std::thread::sleep(d);
+                }
+            }
+            engine.handle(msg).map_err(|e| CollectiveError::Protocol {
+                rank: left,
+                msg: e.to_string(),
+            })?;
+        }
+    }
+}
+
+impl Collective for MemCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn sub_chunk(&self) -> usize {
+        self.opts.sub_chunk
+    }
+
+    fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        self.in_collective = true;
+        let res = self.run_inner(engine);
+        self.in_collective = false;
+        self.seq += 1;
+        if let Err(e) = &res {
+            self.failed = Some(e.clone());
+        }
+        res
+    }
+
+    fn abort(&mut self, reason: &str) {
+        let mut a = self.shared.abort.lock().unwrap_or_else(|e| e.into_inner());
+        if a.is_none() {
+            *a = Some((self.rank, reason.to_string()));
+        }
+    }
+}
+
+impl Drop for MemCollective {
+    fn drop(&mut self) {
+        let s = &self.shared.state[self.rank];
+        if self.in_collective || std::thread::panicking() {
+            s.store(DEAD, Ordering::SeqCst);
+        } else {
+            let _ = s.compare_exchange(RUNNING, EXITED, Ordering::SeqCst, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Runs `f` on every rank of a fresh in-memory cluster, one thread per rank, and returns each rank's result.
+pub fn run_cluster<T: Send>(world: usize, opts: MemOptions, f: impl Fn(&mut MemCollective) -> T + Sync) -> Vec<T> {
+    let ranks = mem_cluster(world, opts);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|mut c| {
+                let f = &f;
+                s.spawn(move || f(&mut c))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}

@@ -1,0 +1,1 @@
+//! QUIC transport (in progress).

@@ -1,0 +1,666 @@
+//! Sans-IO ring collectives: no sockets, no clocks, no threads.
+//!
+//! Each rank owns one engine per collective. The caller drives it:
+//!
+//! 1. `poll_transmit()` until `None`, sending every message to the **right** neighbour (`rank + 1 mod N`);
+//! 2. if `is_done()`, stop;
+//! 3. otherwise receive one message from the **left** neighbour (`rank - 1 mod N`) and pass it to
+//!    `handle()`; go to 1.
+//!
+//! The same engines therefore run over the in-memory transport ([`super::mem`]), QUIC ([`super::quic`]) and
+//! the simulator. Every message is tagged with `(phase, chunk, sub)` and may arrive in any order that
+//! respects causality; tags are checked, so a duplicated, misplaced or wrongly sized message is an error.
+//!
+//! # Chunking
+//! A buffer of `len` elements is split into `N` contiguous chunks: chunk `c` has `len / N` elements, plus one
+//! for the first `len % N` chunks ([`chunk_range`]). Each chunk is split again into sub-chunks of at most
+//! `sub_chunk` elements; sub-chunks travel independently, so the ring is pipelined.
+//!
+//! # Reduction order (determinism)
+//! Reduce-scatter leaves chunk `c` fully reduced on rank `c`. Its sum is a left fold around the ring that
+//! starts at rank `c+1`: `((x[c+1] + x[c+2]) + x[c+3]) + ... + x[c]` (indices mod N). The order depends only
+//! on `(c, N)`, never on timing, and the owner's result is then copied byte-for-byte by the all-gather, so
+//! every rank ends with identical bits.
+//!
+//! Averaging (`Reduce::Mean`) divides the finished sum once, on the owner, by `N` (an IEEE division, which is
+//! correctly rounded). Pre-scaling each contribution by `1/N` would round N times and lose exactness for
+//! integer-valued data; dividing the sum equals multiplying by `1/N` exactly when N is a power of two.
+//!
+//! # Phases
+//! A reduce-scatter has `N-1` phases, an all-gather `N-1`, an all-reduce `2(N-1)` (reduce-scatter phases
+//! `0..N-1`, then all-gather phases `N-1..2N-2`). In reduce-scatter phase `p` rank `r` sends chunk
+//! `r-1-p`; in all-gather phase `q` it sends chunk `r-q`. A sub-chunk moves to the next phase as soon as
+//! it has arrived, independently of the other sub-chunks.
+
+use std::fmt;
+
+/// Default sub-chunk size in f32 elements (256 KiB per message).
+pub const DEFAULT_SUB_CHUNK: usize = 64 * 1024;
+
+/// Range of chunk `rank` when `len` elements are split over `n` ranks: the first `len % n` chunks get one
+/// extra element. Chunks are contiguous and cover `0..len` in rank order.
+pub fn chunk_range(len: usize, n: usize, rank: usize) -> std::ops::Range<usize> {
+    assert!(n > 0 && rank < n, "chunk_range: rank {rank} out of world {n}");
+    let base = len / n;
+    let extra = len % n;
+    let start = rank * base + rank.min(extra);
+    let size = base + usize::from(rank < extra);
+    start..start + size
+}
+
+/// How contributions are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Sum,
+    /// Sum, then one division by the world size on the chunk owner.
+    Mean,
+}
+
+/// Which f32 collective an engine runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingOp {
+    /// Every rank ends with the reduced buffer.
+    AllReduce(Reduce),
+    /// Rank `r` ends with the reduced `chunk_range(len, N, r)`; the rest of its buffer holds partial sums.
+    ReduceScatter(Reduce),
+    /// Rank `r` contributes `chunk_range(len, N, r)`; every rank ends with all chunks.
+    AllGather,
+    /// Rank `root`'s buffer is copied to every rank (a pipelined chain around the ring).
+    Broadcast { root: usize },
+}
+
+/// Payload of a ring message.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Payload {
+    F32(Vec<f32>),
+    Bytes(Vec<u8>),
+}
+
+impl Payload {
+    pub fn len_bytes(&self) -> usize {
+        match self {
+            Payload::F32(v) => v.len() * 4,
+            Payload::Bytes(v) => v.len(),
+        }
+    }
+}
+
+/// One message between ring neighbours. `(phase, chunk, sub)` identify it uniquely within a collective.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Msg {
+    pub phase: u32,
+    pub chunk: u32,
+    pub sub: u32,
+    pub payload: Payload,
+}
+
+/// A protocol violation seen by an engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RingError {
+    /// Constructor arguments are inconsistent.
+    Config(String),
+    /// A message that the protocol does not allow at this point.
+    Unexpected {
+        phase: u32,
+        chunk: u32,
+        sub: u32,
+        why: String,
+    },
+    /// A message arrived twice.
+    Duplicate { phase: u32, chunk: u32, sub: u32 },
+}
+
+impl fmt::Display for RingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RingError::Config(s) => write!(f, "ring configuration error: {s}"),
+            RingError::Unexpected { phase, chunk, sub, why } => {
+                write!(
+                    f,
+                    "unexpected ring message (phase {phase}, chunk {chunk}, sub {sub}): {why}"
+                )
+            }
+            RingError::Duplicate { phase, chunk, sub } => {
+                write!(f, "duplicate ring message (phase {phase}, chunk {chunk}, sub {sub})")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RingError {}
+
+/// The interface every transport drives. See the module docs for the loop.
+pub trait Engine {
+    /// Next message to send to the right neighbour, if any.
+    fn poll_transmit(&mut self) -> Option<Msg>;
+    /// Feed one message received from the left neighbour.
+    fn handle(&mut self, msg: Msg) -> Result<(), RingError>;
+    /// All expected messages have arrived and every output has been queued.
+    fn is_done(&self) -> bool;
+    /// Largest payload, in bytes, that this engine may receive (for bounding frame decoding).
+    fn max_payload_bytes(&self) -> usize;
+}
+
+fn modn(x: i64, n: usize) -> usize {
+    x.rem_euclid(n as i64) as usize
+}
+
+/// Engine for the f32 collectives ([`RingOp`]). Borrows the caller's buffer for its lifetime.
+pub struct RingEngine<'a> {
+    op: RingOp,
+    rank: usize,
+    world: usize,
+    sub_chunk: usize,
+    buf: &'a mut [f32],
+    /// Received flags per `(phase, sub)`; the chunk of a phase is implied.
+    seen: Vec<Vec<bool>>,
+    remaining: usize,
+    outbox: std::collections::VecDeque<Msg>,
+}
+
+impl<'a> RingEngine<'a> {
+    /// Creates the engine for rank `rank` of `world`, queueing its first messages.
+    /// `sub_chunk` is the pipelining granularity in elements (≥ 1).
+    pub fn new(op: RingOp, rank: usize, world: usize, buf: &'a mut [f32], sub_chunk: usize) -> Result<Self, RingError> {
+        if world == 0 || rank >= world {
+            return Err(RingError::Config(format!("rank {rank} not in world of {world}")));
+        }
+        if sub_chunk == 0 {
+            return Err(RingError::Config("sub_chunk must be at least 1".into()));
+        }
+        if let RingOp::Broadcast { root } = op {
+            if root >= world {
+                return Err(RingError::Config(format!(
+                    "broadcast root {root} not in world of {world}"
+                )));
+            }
+        }
+        let mut e = RingEngine {
+            op,
+            rank,
+            world,
+            sub_chunk,
+            buf,
+            seen: Vec::new(),
+            remaining: 0,
+            outbox: Default::default(),
+        };
+        let phases = e.num_phases();
+        e.seen = (0..phases).map(|p| vec![false; e.subs_of(e.recv_chunk(p))]).collect();
+        e.remaining = e.seen.iter().map(|v| v.len()).sum();
+        e.start();
+        Ok(e)
+    }
+
+    fn num_phases(&self) -> usize {
+        let n = self.world;
+        match self.op {
+            RingOp::AllReduce(_) => 2 * (n - 1),
+            RingOp::ReduceScatter(_) | RingOp::AllGather => n - 1,
+            RingOp::Broadcast { root } => {
+                // One phase; only ranks other than root receive.
+                usize::from(self.rank != root && n > 1)
+            }
+        }
+    }
+
+    fn is_ag_phase(&self, phase: usize) -> bool {
+        match self.op {
+            RingOp::AllReduce(_) => phase >= self.world - 1,
+            RingOp::AllGather => true,
+            _ => false,
+        }
+    }
+
+    /// Chunk this rank sends in `phase`.
+    fn send_chunk(&self, phase: usize) -> usize {
+        let (r, n) = (self.rank as i64, self.world);
+        match self.op {
+            RingOp::Broadcast { .. } => 0,
+            RingOp::AllReduce(_) if phase >= n - 1 => modn(r - (phase - (n - 1)) as i64, n),
+            RingOp::AllGather => modn(r - phase as i64, n),
+            _ => modn(r - 1 - phase as i64, n),
+        }
+    }
+
+    /// Chunk this rank receives in `phase` (= what the left neighbour sends in that phase).
+    fn recv_chunk(&self, phase: usize) -> usize {
+        let n = self.world;
+        match self.op {
+            RingOp::Broadcast { .. } => 0,
+            RingOp::AllReduce(_) if phase >= n - 1 => modn(self.rank as i64 - 1 - (phase - (n - 1)) as i64, n),
+            RingOp::AllGather => modn(self.rank as i64 - 1 - phase as i64, n),
+            _ => modn(self.rank as i64 - 2 - phase as i64, n),
+        }
+    }
+
+    /// Element range of chunk `c` (the whole buffer for broadcast).
+    fn chunk(&self, c: usize) -> std::ops::Range<usize> {
+        match self.op {
+            RingOp::Broadcast { .. } => 0..self.buf.len(),
+            _ => chunk_range(self.buf.len(), self.world, c),
+        }
+    }
+
+    fn subs_of(&self, c: usize) -> usize {
+        self.chunk(c).len().div_ceil(self.sub_chunk)
+    }
+
+    fn sub_range(&self, c: usize, sub: usize) -> std::ops::Range<usize> {
+        let r = self.chunk(c);
+        let s = r.start + sub * self.sub_chunk;
+        s..(s + self.sub_chunk).min(r.end)
+    }
+
+    fn queue(&mut self, phase: usize, sub: usize) {
+        let c = self.send_chunk(phase);
+        let range = self.sub_range(c, sub);
+        self.outbox.push_back(Msg {
+            phase: phase as u32,
+            chunk: c as u32,
+            sub: sub as u32,
+            payload: Payload::F32(self.buf[range].to_vec()),
+        });
+    }
+
+    fn start(&mut self) {
+        let n = self.world;
+        if n == 1 {
+            return; // Nothing to exchange; the mean over one rank is the value itself.
+        }
+        match self.op {
+            RingOp::Broadcast { root } => {
+                if self.rank == root {
+                    for s in 0..self.subs_of(0) {
+                        self.queue(0, s);
+                    }
+                }
+            }
+            _ => {
+                for s in 0..self.subs_of(self.send_chunk(0)) {
+                    self.queue(0, s);
+                }
+            }
+        }
+    }
+
+    fn reduce_mode(&self) -> Option<Reduce> {
+        match self.op {
+            RingOp::AllReduce(m) | RingOp::ReduceScatter(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+impl Engine for RingEngine<'_> {
+    fn poll_transmit(&mut self) -> Option<Msg> {
+        self.outbox.pop_front()
+    }
+
+    fn handle(&mut self, msg: Msg) -> Result<(), RingError> {
+        let (phase, chunk, sub) = (msg.phase as usize, msg.chunk as usize, msg.sub as usize);
+        let bad = |why: String| RingError::Unexpected {
+            phase: msg.phase,
+            chunk: msg.chunk,
+            sub: msg.sub,
+            why,
+        };
+        if phase >= self.seen.len() {
+            return Err(bad(format!(
+                "phase out of range (this collective has {} here)",
+                self.seen.len()
+            )));
+        }
+        let want = self.recv_chunk(phase);
+        if chunk != want {
+            return Err(bad(format!("expected chunk {want} in this phase")));
+        }
+        if sub >= self.seen[phase].len() {
+            return Err(bad(format!("chunk has {} sub-chunks", self.seen[phase].len())));
+        }
+        let data = match msg.payload {
+            Payload::F32(d) => d,
+            Payload::Bytes(_) => return Err(bad("byte payload in an f32 collective".into())),
+        };
+        let range = self.sub_range(chunk, sub);
+        if data.len() != range.len() {
+            return Err(bad(format!(
+                "payload has {} elements, expected {}",
+                data.len(),
+                range.len()
+            )));
+        }
+        if self.seen[phase][sub] {
+            return Err(RingError::Duplicate {
+                phase: msg.phase,
+                chunk: msg.chunk,
+                sub: msg.sub,
+            });
+        }
+        self.seen[phase][sub] = true;
+        self.remaining -= 1;
+
+        let n = self.world;
+        let is_ag = self.is_ag_phase(phase);
+        let mean = self.reduce_mode() == Some(Reduce::Mean);
+        let dst = &mut self.buf[range];
+        if let RingOp::Broadcast { root } = self.op {
+            dst.copy_from_slice(&data);
+            if (self.rank + 1) % n != root {
+                self.queue(0, sub);
+            }
+            return Ok(());
+        }
+        if is_ag {
+            dst.copy_from_slice(&data);
+        } else {
+            // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution.
+            for (d, s) in dst.iter_mut().zip(&data) {
+                *d = *s + *d;
+            }
+            let last_rs = phase == n - 2;
+            if last_rs {
+                // chunk == rank: the sum is complete here.
+                if mean {
+                    let k = n as f32;
+                    for d in dst.iter_mut() {
+                        *d /= k;
+                    }
+                }
+            }
+        }
+        let next = phase + 1;
+        if next < self.num_phases() {
+            // The chunk we send in phase p+1 is the one we just received in phase p.
+            debug_assert_eq!(self.send_chunk(next), chunk);
+            self.queue(next, sub);
+        }
+        Ok(())
+    }
+
+    fn is_done(&self) -> bool {
+        self.remaining == 0 && self.outbox.is_empty()
+    }
+
+    fn max_payload_bytes(&self) -> usize {
+        let max_chunk = match self.op {
+            RingOp::Broadcast { .. } => self.buf.len(),
+            _ => self.buf.len().div_ceil(self.world),
+        };
+        self.sub_chunk.min(max_chunk) * 4
+    }
+}
+
+/// Ring all-gather of equal-sized byte blobs: rank `r` contributes `blobs[r]`; every rank ends with all
+/// of them. Used for hash comparison and for scalar all-reduce (gather, then a fixed-order sum).
+pub struct GatherEngine {
+    rank: usize,
+    world: usize,
+    blob_len: usize,
+    blobs: Vec<Option<Vec<u8>>>,
+    remaining: usize,
+    outbox: std::collections::VecDeque<Msg>,
+}
+
+impl GatherEngine {
+    pub fn new(rank: usize, world: usize, mine: Vec<u8>) -> Result<Self, RingError> {
+        if world == 0 || rank >= world {
+            return Err(RingError::Config(format!("rank {rank} not in world of {world}")));
+        }
+        let blob_len = mine.len();
+        let mut blobs = vec![None; world];
+        let mut outbox = std::collections::VecDeque::new();
+        if world > 1 {
+            outbox.push_back(Msg {
+                phase: 0,
+                chunk: rank as u32,
+                sub: 0,
+                payload: Payload::Bytes(mine.clone()),
+            });
+        }
+        blobs[rank] = Some(mine);
+        Ok(GatherEngine {
+            rank,
+            world,
+            blob_len,
+            blobs,
+            remaining: world - 1,
+            outbox,
+        })
+    }
+
+    /// All blobs in rank order. Panics if called before `is_done()`.
+    pub fn into_blobs(self) -> Vec<Vec<u8>> {
+        self.blobs
+            .into_iter()
+            .map(|b| b.expect("gather not finished"))
+            .collect()
+    }
+}
+
+impl Engine for GatherEngine {
+    fn poll_transmit(&mut self) -> Option<Msg> {
+        self.outbox.pop_front()
+    }
+
+    fn handle(&mut self, msg: Msg) -> Result<(), RingError> {
+        let bad = |why: String| RingError::Unexpected {
+            phase: msg.phase,
+            chunk: msg.chunk,
+            sub: msg.sub,
+            why,
+        };
+        let n = self.world;
+        let phase = msg.phase as usize;
+        if n < 2 || phase >= n - 1 {
+            return Err(bad("phase out of range".into()));
+        }
+        let want = modn(self.rank as i64 - 1 - phase as i64, n);
+        if msg.chunk as usize != want || msg.sub != 0 {
+            return Err(bad(format!("expected blob of rank {want}")));
+        }
+        let data = match msg.payload {
+            Payload::Bytes(d) => d,
+            Payload::F32(_) => return Err(bad("f32 payload in a byte gather".into())),
+        };
+        if data.len() != self.blob_len {
+            return Err(bad(format!(
+                "blob has {} bytes, expected {}",
+                data.len(),
+                self.blob_len
+            )));
+        }
+        if self.blobs[want].is_some() {
+            return Err(RingError::Duplicate {
+                phase: msg.phase,
+                chunk: msg.chunk,
+                sub: msg.sub,
+            });
+        }
+        if phase + 1 < n - 1 {
+            self.outbox.push_back(Msg {
+                phase: msg.phase + 1,
+                chunk: msg.chunk,
+                sub: 0,
+                payload: Payload::Bytes(data.clone()),
+            });
+        }
+        self.blobs[want] = Some(data);
+        self.remaining -= 1;
+        Ok(())
+    }
+
+    fn is_done(&self) -> bool {
+        self.remaining == 0 && self.outbox.is_empty()
+    }
+
+    fn max_payload_bytes(&self) -> usize {
+        self.blob_len
+    }
+}
+
+/// Encodes f64 scalars as little-endian bytes for a [`GatherEngine`].
+pub fn scalars_to_bytes(v: &[f64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Sums gathered scalar blobs in rank order 0..N (a fixed order, so every rank gets identical bits).
+pub fn sum_scalar_blobs(blobs: &[Vec<u8>], out: &mut [f64]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut acc = 0.0f64;
+        for b in blobs {
+            let bytes: [u8; 8] = b[i * 8..i * 8 + 8]
+                .try_into()
+                .expect("blob length checked by the engine");
+            acc += f64::from_le_bytes(bytes);
+        }
+        *o = acc;
+    }
+}
+
+/// Runs a set of engines, one per rank, to completion in a single thread, delivering messages in FIFO
+/// order. A reference driver for tests and for the simulator; real transports have their own loops.
+pub fn run_local<E: Engine>(engines: &mut [E]) -> Result<(), RingError> {
+    let n = engines.len();
+    let mut queues: Vec<std::collections::VecDeque<Msg>> = vec![Default::default(); n];
+    loop {
+        let mut progressed = false;
+        for r in 0..n {
+            while let Some(m) = engines[r].poll_transmit() {
+                queues[(r + 1) % n].push_back(m);
+                progressed = true;
+            }
+        }
+        for r in 0..n {
+            if let Some(m) = queues[r].pop_front() {
+                engines[r].handle(m)?;
+                progressed = true;
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    if let Some(r) = engines.iter().position(|e| !e.is_done()) {
+        return Err(RingError::Config(format!("rank {r} did not finish (protocol stalled)")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_ranges_cover() {
+        for len in [0usize, 1, 2, 7, 13, 100] {
+            for n in 1..=8 {
+                let mut next = 0;
+                for r in 0..n {
+                    let c = chunk_range(len, n, r);
+                    assert_eq!(c.start, next);
+                    next = c.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+        assert_eq!(chunk_range(7, 3, 0), 0..3);
+        assert_eq!(chunk_range(7, 3, 1), 3..5);
+        assert_eq!(chunk_range(7, 3, 2), 5..7);
+    }
+
+    fn all_reduce_local(n: usize, len: usize, sub: usize, mode: Reduce) -> Vec<Vec<f32>> {
+        let mut bufs: Vec<Vec<f32>> = (0..n)
+            .map(|r| (0..len).map(|i| ((i * 7 + r * 3) % 11) as f32).collect())
+            .collect();
+        {
+            let mut engines: Vec<RingEngine> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, b)| RingEngine::new(RingOp::AllReduce(mode), r, n, b, sub).unwrap())
+                .collect();
+            run_local(&mut engines).unwrap();
+        }
+        bufs
+    }
+
+    #[test]
+    fn local_all_reduce_sums() {
+        for n in 1..=5 {
+            for len in [0, 1, 2, 7, 13, 97] {
+                for sub in [1, 3, 1000] {
+                    let out = all_reduce_local(n, len, sub, Reduce::Sum);
+                    for (i, v) in out[0].iter().enumerate() {
+                        let want: f32 = (0..n).map(|r| ((i * 7 + r * 3) % 11) as f32).sum();
+                        assert_eq!(*v, want, "n={n} len={len} sub={sub} i={i}");
+                    }
+                    for b in &out {
+                        assert_eq!(b, &out[0]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn local_broadcast_and_gather() {
+        for n in 1..=4 {
+            for root in 0..n {
+                let mut bufs: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32; 10]).collect();
+                {
+                    let mut engines: Vec<RingEngine> = bufs
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(r, b)| RingEngine::new(RingOp::Broadcast { root }, r, n, b, 3).unwrap())
+                        .collect();
+                    run_local(&mut engines).unwrap();
+                }
+                assert!(bufs.iter().all(|b| b.iter().all(|&x| x == root as f32)));
+            }
+            let mut gs: Vec<GatherEngine> = (0..n)
+                .map(|r| GatherEngine::new(r, n, vec![r as u8; 4]).unwrap())
+                .collect();
+            run_local(&mut gs).unwrap();
+            for g in gs {
+                let blobs = g.into_blobs();
+                assert_eq!(blobs, (0..n).map(|r| vec![r as u8; 4]).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_duplicates_and_bad_tags() {
+        let mut a = vec![1.0f32; 10];
+        let mut e = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 1, 3, &mut a, 2).unwrap();
+        // Rank 1 receives chunk (1-2-0) mod 3 = 2 in phase 0; chunk 2 is 6..10 → subs of 2 elements.
+        let m = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 0,
+            payload: Payload::F32(vec![1.0, 1.0]),
+        };
+        e.handle(m.clone()).unwrap();
+        assert!(matches!(e.handle(m), Err(RingError::Duplicate { .. })));
+        let wrong_chunk = Msg {
+            phase: 0,
+            chunk: 0,
+            sub: 0,
+            payload: Payload::F32(vec![1.0, 1.0]),
+        };
+        assert!(e.handle(wrong_chunk).is_err());
+        let wrong_len = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 1,
+            payload: Payload::F32(vec![1.0]),
+        };
+        assert!(e.handle(wrong_len).is_err());
+        let wrong_phase = Msg {
+            phase: 9,
+            chunk: 2,
+            sub: 0,
+            payload: Payload::F32(vec![1.0, 1.0]),
+        };
+        assert!(e.handle(wrong_phase).is_err());
+    }
+}
