@@ -1,0 +1,116 @@
+//! Rendezvous messages. Rank 0 hosts the rendezvous; every other rank sends a [`Hello`], and rank 0 answers
+//! [`Control::Welcome`] with the ring of listen addresses once all ranks have joined, or
+//! [`Control::Refused`] with a message naming the field that does not match.
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// What a rank says when it joins.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub version: u16,
+    pub job_id: u64,
+    pub rank: usize,
+    pub world: usize,
+    pub config_hash: u64,
+}
+
+impl Hello {
+    /// Checks a joining rank's hello against rank 0's own. The error names the first mismatching field.
+    pub fn check_against(&self, host: &Hello) -> Result<(), String> {
+        let r = self.rank;
+        if self.version != host.version {
+            return Err(format!(
+                "protocol version mismatch: rank {r} speaks version {}, rank 0 speaks {}",
+                self.version, host.version
+            ));
+        }
+        if self.job_id != host.job_id {
+            return Err(format!(
+                "job id mismatch: rank {r} has job id {:#x}, rank 0 has {:#x}",
+                self.job_id, host.job_id
+            ));
+        }
+        if self.world != host.world {
+            return Err(format!(
+                "world size mismatch: rank {r} says world size {}, rank 0 says {}",
+                self.world, host.world
+            ));
+        }
+        if self.config_hash != host.config_hash {
+            return Err(format!(
+                "config hash mismatch: rank {r} has config hash {:#x}, rank 0 has {:#x}",
+                self.config_hash, host.config_hash
+            ));
+        }
+        if self.rank == 0 || self.rank >= host.world {
+            return Err(format!(
+                "rank {r} is not a valid joining rank for world size {}",
+                host.world
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Control messages (JSON in `Kind::Control` frames).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Control {
+    /// Joining rank → rank 0.
+    Hello(Hello),
+    /// Rank 0 → every rank: listen address of every rank, in rank order (entry 0 is the master address).
+    Welcome { addrs: Vec<SocketAddr> },
+    /// Rank 0 → a joining rank whose hello does not match.
+    Refused { reason: String },
+    /// Ring link opener → its right neighbour.
+    PeerHello { job_id: u64, rank: usize },
+    /// A rank leaving cleanly after its last collective → rank 0.
+    Bye,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mismatches_name_the_field() {
+        let host = Hello {
+            version: 1,
+            job_id: 7,
+            rank: 0,
+            world: 4,
+            config_hash: 9,
+        };
+        let ok = Hello {
+            rank: 2,
+            ..host.clone()
+        };
+        assert!(ok.check_against(&host).is_ok());
+        let e = Hello {
+            job_id: 8,
+            ..ok.clone()
+        }
+        .check_against(&host)
+        .unwrap_err();
+        assert!(e.contains("job id"), "{e}");
+        let e = Hello { world: 3, ..ok.clone() }.check_against(&host).unwrap_err();
+        assert!(e.contains("world size"), "{e}");
+        let e = Hello {
+            config_hash: 1,
+            ..ok.clone()
+        }
+        .check_against(&host)
+        .unwrap_err();
+        assert!(e.contains("config hash"), "{e}");
+        let e = Hello {
+            version: 2,
+            ..ok.clone()
+        }
+        .check_against(&host)
+        .unwrap_err();
+        assert!(e.contains("protocol version"), "{e}");
+        let e = Hello { rank: 4, ..ok }.check_against(&host).unwrap_err();
+        assert!(e.contains("rank 4"), "{e}");
+    }
+}
