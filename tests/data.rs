@@ -22,18 +22,10 @@ fn spec(p: &Path) -> &str {
 
 /// Writes a shard with a hand-made header: (magic, version, count) and then `tokens` as u16.
 fn raw_shard(path: &Path, magic: i32, version: i32, count: i32, tokens: &[u16]) {
-    let mut bytes = Vec::new();
-    for (i, v) in [magic, version, count]
-        .into_iter()
-        .chain(std::iter::repeat(0).take(253))
-        .enumerate()
-    {
-        assert!(i < 256);
-        bytes.extend_from_slice(&v.to_le_bytes());
-    }
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
-    }
+    let mut header = [0i32; 256];
+    header[..3].copy_from_slice(&[magic, version, count]);
+    let mut bytes: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
+    bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
     std::fs::write(path, bytes).unwrap();
 }
 
