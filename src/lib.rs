@@ -7,3 +7,4 @@ pub mod data;
 pub mod dist;
 pub mod model;
 pub mod optim;
+pub mod trainer;

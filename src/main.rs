@@ -1,1 +1,130 @@
-fn main() {}
+//! The `ringtrain` command line (the contract is in DESIGN.md; flags are stable).
+
+use clap::{Parser, Subcommand};
+use ringtrain::cli::{args::TrainArgs, eval, info, plot, sample, train};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "ringtrain", version, about = "Data-parallel GPT-2 trainer")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (single process in this build)
+    Train(TrainArgs),
+    /// Generate text from a checkpoint
+    Sample {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long, default_value = "")]
+        prompt: String,
+        #[arg(long, default_value_t = 200)]
+        tokens: usize,
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Keep the K most likely tokens (0: all)
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        #[arg(long, default_value_t = 1337)]
+        seed: u64,
+    },
+    /// Mean loss and perplexity of a checkpoint on a corpus
+    Eval {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        #[arg(long)]
+        data: String,
+        #[arg(long, default_value_t = 4)]
+        batch_size: usize,
+        #[arg(long)]
+        seq_len: Option<usize>,
+        /// At most this many batches
+        #[arg(long, default_value_t = 50)]
+        batches: usize,
+        /// Also write the first batch's inputs and logits (safetensors) for scripts/hf_check.py
+        #[arg(long)]
+        dump_logits: Option<PathBuf>,
+    },
+    /// Benchmarks
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Plot loss and throughput from a metrics file
+    Plot {
+        metrics: PathBuf,
+        #[arg(short = 'o', long = "output", default_value = "loss.png")]
+        output: PathBuf,
+    },
+    /// Backends and adapters found, and why others are missing
+    Info,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// ms/step, tokens/s and GFLOP/s of training steps (takes the train flags; --steps = timed steps)
+    Step {
+        #[command(flatten)]
+        args: TrainArgs,
+        /// Untimed steps first
+        #[arg(long, default_value_t = 2)]
+        warmup_steps: u64,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train::run_train(args),
+        Command::Sample {
+            checkpoint,
+            prompt,
+            tokens,
+            temperature,
+            top_k,
+            seed,
+        } => sample::run_sample(
+            &checkpoint,
+            &sample::SampleOptions {
+                prompt,
+                tokens,
+                temperature,
+                top_k,
+                seed,
+            },
+        ),
+        Command::Eval {
+            checkpoint,
+            data,
+            batch_size,
+            seq_len,
+            batches,
+            dump_logits,
+        } => eval::run_eval(
+            &checkpoint,
+            &data,
+            &eval::EvalOptions {
+                batch_size,
+                seq_len,
+                batches,
+                dump_logits,
+            },
+        ),
+        Command::Bench(BenchCommand::Step { args, warmup_steps }) => train::run_bench_step(args, warmup_steps),
+        Command::Plot { metrics, output } => plot::plot_file(&metrics, &output),
+        Command::Info => info::run_info(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,5 +1,11 @@
 //! The command line: subcommands, progress, metrics and plots.
 
+pub mod args;
+pub mod eval;
+pub mod info;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
+pub mod sample;
+pub mod select;
+pub mod train;

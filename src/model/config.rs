@@ -23,17 +23,35 @@ const MAX_PARAMS: usize = 1 << 34;
 impl ModelConfig {
     /// L=2, C=64, NH=4, T=64, V=256: the test model.
     pub fn tiny() -> Self {
-        ModelConfig { n_layer: 2, n_embd: 64, n_head: 4, vocab_size: 256, n_positions: 64 }
+        ModelConfig {
+            n_layer: 2,
+            n_embd: 64,
+            n_head: 4,
+            vocab_size: 256,
+            n_positions: 64,
+        }
     }
 
     /// L=4, C=128, NH=4, T=128, V=256.
     pub fn small() -> Self {
-        ModelConfig { n_layer: 4, n_embd: 128, n_head: 4, vocab_size: 256, n_positions: 128 }
+        ModelConfig {
+            n_layer: 4,
+            n_embd: 128,
+            n_head: 4,
+            vocab_size: 256,
+            n_positions: 128,
+        }
     }
 
     /// GPT-2 124M: L=12, C=768, NH=12, T=1024, V=50257.
     pub fn gpt2() -> Self {
-        ModelConfig { n_layer: 12, n_embd: 768, n_head: 12, vocab_size: 50257, n_positions: 1024 }
+        ModelConfig {
+            n_layer: 12,
+            n_embd: 768,
+            n_head: 12,
+            vocab_size: 50257,
+            n_positions: 1024,
+        }
     }
 
     pub fn preset(name: &str) -> Result<Self> {
@@ -63,7 +81,11 @@ impl ModelConfig {
             }
         }
         if self.n_head == 0 || self.n_embd % self.n_head != 0 {
-            bail!("model config: n_embd = {} is not divisible by n_head = {}", self.n_embd, self.n_head);
+            bail!(
+                "model config: n_embd = {} is not divisible by n_head = {}",
+                self.n_embd,
+                self.n_head
+            );
         }
         let params = super::layout::ParamLayout::count(self);
         if params > MAX_PARAMS {

@@ -59,7 +59,12 @@ impl ParamLayout {
         let mut push = |name: String, shape: Vec<usize>| -> usize {
             let len = shape.iter().product();
             let offset = total;
-            specs.push(ParamSpec { name, shape, offset, len });
+            specs.push(ParamSpec {
+                name,
+                shape,
+                offset,
+                len,
+            });
             total += len;
             offset
         };
@@ -85,12 +90,25 @@ impl ParamLayout {
         }
         let ln_f_w = push("ln_f.weight".into(), vec![c]);
         let ln_f_b = push("ln_f.bias".into(), vec![c]);
-        ParamLayout { specs, total, wte, wpe, blocks, ln_f_w, ln_f_b }
+        ParamLayout {
+            specs,
+            total,
+            wte,
+            wpe,
+            blocks,
+            ln_f_w,
+            ln_f_b,
+        }
     }
 
     /// Number of parameters without building the layout (used to bound configs before allocating).
     pub fn count(cfg: &ModelConfig) -> usize {
-        let (c, v, t, l) = (cfg.n_embd as u128, cfg.vocab_size as u128, cfg.n_positions as u128, cfg.n_layer as u128);
+        let (c, v, t, l) = (
+            cfg.n_embd as u128,
+            cfg.vocab_size as u128,
+            cfg.n_positions as u128,
+            cfg.n_layer as u128,
+        );
         let per_block = 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + 2 * c + (c * 4 * c + 4 * c) + (4 * c * c + c);
         let n = v * c + t * c + l * per_block + 2 * c;
         usize::try_from(n).unwrap_or(usize::MAX)

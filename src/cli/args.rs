@@ -1,0 +1,300 @@
+//! `ringtrain train` flags, the TOML config file that can hold any of them, and their resolution into
+//! validated [`TrainOptions`]. Flags override the file; the file overrides the defaults.
+
+use crate::data::TokenizerKind;
+use crate::model::ModelConfig;
+use crate::optim::schedule::{LrScaling, ScheduleKind};
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::trainer::{OnNonFinite, TrainOptions};
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Every flag of `ringtrain train` (and `ringtrain bench step`). All optional so that a TOML file can
+/// supply them; the keys of the file are the flag names (`batch-size = 8`).
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct TrainArgs {
+    /// TOML file with any of these flags as keys
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Model preset: tiny, small or gpt2
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Custom shape: number of layers (overrides the preset)
+    #[arg(long)]
+    pub n_layer: Option<usize>,
+    /// Custom shape: embedding width
+    #[arg(long)]
+    pub n_embd: Option<usize>,
+    /// Custom shape: attention heads
+    #[arg(long)]
+    pub n_head: Option<usize>,
+    /// Custom shape: vocabulary size (defaults to the tokenizer's)
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
+    /// Custom shape: longest sequence (position table size)
+    #[arg(long)]
+    pub n_positions: Option<usize>,
+    /// Start from a Hugging Face GPT-2 directory
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Training data: synthetic, a .txt file, a .bin shard, a directory or glob of shards
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Validation data (same forms as --data)
+    #[arg(long)]
+    pub val_data: Option<String>,
+    /// byte or gpt2
+    #[arg(long)]
+    pub tokenizer: Option<String>,
+    /// auto, cpu, wgpu or cuda
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Sequences per micro-batch per rank
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Tokens per sequence
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Micro-batches per optimizer step
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Optimizer steps (total, counting resumed ones)
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Peak learning rate
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// constant or cosine
+    #[arg(long)]
+    pub lr_schedule: Option<String>,
+    /// Linear warmup steps
+    #[arg(long)]
+    pub warmup: Option<u64>,
+    /// Floor of the cosine schedule (default lr/10)
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// none, linear or sqrt: scale --lr by global batch / --base-batch
+    #[arg(long)]
+    pub lr_scaling: Option<String>,
+    /// Global batch (sequences) that --lr was tuned for
+    #[arg(long)]
+    pub base_batch: Option<usize>,
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    #[arg(long)]
+    pub beta1: Option<f64>,
+    #[arg(long)]
+    pub beta2: Option<f64>,
+    #[arg(long)]
+    pub eps: Option<f64>,
+    /// Clip the global gradient L2 norm to this; 0 turns clipping off
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// on or off
+    #[arg(long)]
+    pub shuffle: Option<String>,
+    /// sharded (ZeRO-1) or replicated
+    #[arg(long)]
+    pub update: Option<String>,
+    /// Compare replica hashes every N steps (0: never)
+    #[arg(long)]
+    pub verify_every: Option<u64>,
+    /// abort or resync
+    #[arg(long)]
+    pub on_divergence: Option<String>,
+    /// skip or abort
+    #[arg(long)]
+    pub on_nonfinite: Option<String>,
+    /// Gradient bucket size for the AllReduce, MiB
+    #[arg(long)]
+    pub bucket_mb: Option<f64>,
+    /// Checkpoint directory written at the end (and every --save-every steps)
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Continue from a checkpoint directory
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// JSONL file with one line of metrics per step
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Evaluate on the validation data every N steps (0: only at the end)
+    #[arg(long)]
+    pub eval_every: Option<u64>,
+    /// Validation batches per evaluation
+    #[arg(long)]
+    pub eval_batches: Option<usize>,
+    /// Deadline of one collective, seconds
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    #[arg(long)]
+    pub rank: Option<usize>,
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// File holding the cluster secret (or set RINGTRAIN_SECRET)
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    /// Flags over the `--config` file (if any).
+    pub fn merged_with_file(self) -> Result<TrainArgs> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading --config {}", path.display()))?;
+        let file: TrainArgs = toml::from_str(&text).with_context(|| format!("parsing --config {}", path.display()))?;
+        let mut merged = serde_json::to_value(&file)?;
+        let flags = serde_json::to_value(&self)?;
+        if let (Some(base), Some(over)) = (merged.as_object_mut(), flags.as_object()) {
+            for (key, value) in over {
+                if !value.is_null() {
+                    base.insert(key.clone(), value.clone());
+                }
+            }
+        }
+        let mut out: TrainArgs = serde_json::from_value(merged)?;
+        out.config = Some(path);
+        Ok(out)
+    }
+
+    pub fn tokenizer_kind(&self) -> Result<TokenizerKind> {
+        Ok(self.tokenizer.as_deref().unwrap_or("byte").parse::<TokenizerKind>()?)
+    }
+
+    /// The model shape of a fresh run: the preset, then any custom values.
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        let tokenizer = self.tokenizer_kind()?;
+        let mut cfg = match self.model.as_deref() {
+            Some(name) => ModelConfig::preset(name)?,
+            None => ModelConfig::tiny(),
+        };
+        if self.vocab_size.is_none() {
+            // A byte-level preset with the gpt2 tokenizer needs the BPE vocabulary.
+            cfg.vocab_size = cfg.vocab_size.max(tokenizer.vocab_size());
+        }
+        let custom = [
+            (&mut cfg.n_layer, self.n_layer),
+            (&mut cfg.n_embd, self.n_embd),
+            (&mut cfg.n_head, self.n_head),
+            (&mut cfg.vocab_size, self.vocab_size),
+            (&mut cfg.n_positions, self.n_positions),
+        ];
+        for (slot, value) in custom {
+            if let Some(v) = value {
+                *slot = v;
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Validated options for the loop. `n_positions` bounds the default sequence length.
+    pub fn resolve(&self, n_positions: usize, world: usize) -> Result<TrainOptions> {
+        let batch_size = positive("--batch-size", self.batch_size.unwrap_or(4))?;
+        let seq_len = positive("--seq-len", self.seq_len.unwrap_or(n_positions.min(1024)))?;
+        let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(1))?;
+        let steps = self.steps.unwrap_or(200);
+        let global = world * batch_size * grad_accum;
+        let base_batch = positive("--base-batch", self.base_batch.unwrap_or(batch_size * grad_accum))?;
+        let scaling: LrScaling = self.lr_scaling.as_deref().unwrap_or("none").parse()?;
+        let lr = finite_positive("--lr", self.lr.unwrap_or(1e-3))? * scaling.factor(global, base_batch);
+        let kind: ScheduleKind = self.lr_schedule.as_deref().unwrap_or("cosine").parse()?;
+        let min_lr = self.min_lr.unwrap_or(lr / 10.0);
+        ensure!(
+            min_lr.is_finite() && min_lr >= 0.0 && min_lr <= lr,
+            "--min-lr {min_lr} must be between 0 and --lr"
+        );
+        let schedule = LrSchedule {
+            kind,
+            lr,
+            warmup: self.warmup.unwrap_or(0),
+            min_lr,
+            total_steps: steps,
+        };
+        let adamw = AdamWConfig {
+            beta1: unit_interval("--beta1", self.beta1.unwrap_or(0.9))?,
+            beta2: unit_interval("--beta2", self.beta2.unwrap_or(0.95))?,
+            eps: finite_positive("--eps", self.eps.unwrap_or(1e-8))?,
+            weight_decay: non_negative("--weight-decay", self.weight_decay.unwrap_or(0.1))?,
+        };
+        let shuffle = match self.shuffle.as_deref().unwrap_or("on") {
+            "on" => true,
+            "off" => false,
+            other => bail!("--shuffle {other:?}: expected on or off"),
+        };
+        let on_nonfinite = match self.on_nonfinite.as_deref().unwrap_or("skip") {
+            "skip" => OnNonFinite::Skip,
+            "abort" => OnNonFinite::Abort,
+            other => bail!("--on-nonfinite {other:?}: expected skip or abort"),
+        };
+        let update = self.update.clone().unwrap_or_else(|| "sharded".into());
+        ensure!(
+            update == "sharded" || update == "replicated",
+            "--update {update:?}: expected sharded or replicated"
+        );
+        if let Some(d) = self.on_divergence.as_deref() {
+            ensure!(
+                d == "abort" || d == "resync",
+                "--on-divergence {d:?}: expected abort or resync"
+            );
+        }
+        if let Some(mb) = self.bucket_mb {
+            ensure!(mb.is_finite() && mb > 0.0, "--bucket-mb {mb} must be positive");
+        }
+        Ok(TrainOptions {
+            batch_size,
+            seq_len,
+            grad_accum,
+            steps,
+            schedule,
+            adamw,
+            grad_clip: non_negative("--grad-clip", self.grad_clip.unwrap_or(1.0))?,
+            seed: self.seed.unwrap_or(1337),
+            shuffle,
+            on_nonfinite,
+            eval_every: self.eval_every.unwrap_or(100),
+            eval_batches: self.eval_batches.unwrap_or(16),
+            save: self.save.clone(),
+            save_every: self.save_every.unwrap_or(0),
+            update,
+            args_json: serde_json::to_string(self)?,
+        })
+    }
+}
+
+fn positive(name: &str, v: usize) -> Result<usize> {
+    ensure!(v >= 1, "{name} must be at least 1");
+    Ok(v)
+}
+
+fn finite_positive(name: &str, v: f64) -> Result<f64> {
+    ensure!(v.is_finite() && v > 0.0, "{name} {v} must be a positive number");
+    Ok(v)
+}
+
+fn non_negative(name: &str, v: f64) -> Result<f64> {
+    ensure!(v.is_finite() && v >= 0.0, "{name} {v} must be a non-negative number");
+    Ok(v)
+}
+
+fn unit_interval(name: &str, v: f64) -> Result<f64> {
+    ensure!((0.0..1.0).contains(&v), "{name} {v} must be in [0, 1)");
+    Ok(v)
+}
+
+/// The checkpoint argument of `sample`/`eval`, resolved through an interrupted save.
+pub fn checkpoint_dir(dir: &Path) -> Result<PathBuf> {
+    crate::model::checkpoint::resolve_checkpoint_dir(dir)
+}
