@@ -674,7 +674,12 @@ impl QuicCollective {
     }
 
     async fn goodbye(&mut self) {
-        let wait = self.cfg.timeout.min(Duration::from_secs(10));
+        // After a failure nothing more needs delivering: leave at once.
+        let wait = if self.failed.is_some() {
+            Duration::ZERO
+        } else {
+            self.cfg.timeout.min(Duration::from_secs(10))
+        };
         // 1. Make sure the right neighbour has everything we sent.
         if let Some((_, send)) = self.right.as_mut() {
             let _ = send.finish();
@@ -978,7 +983,14 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
                 }
             }
         };
-        let (r, l) = tokio::join!(open_right, accept_left);
+        // A rank that dies while the ring forms is reported by rank 0: stop waiting then.
+        let mut prx = shared.poison.subscribe();
+        let (r, l) = tokio::select! {
+            rl = async { tokio::join!(open_right, accept_left) } => rl,
+            p = prx.wait_for(|p| p.is_some()) => {
+                return Err(p.ok().and_then(|p| p.clone()).unwrap_or_else(|| local("control plane failed")));
+            }
+        };
         right = Some(r?);
         let (conn, send, mut recv) = l?;
         keep.push(send);

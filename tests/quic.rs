@@ -1,0 +1,265 @@
+//! QUIC transport on 127.0.0.1: correctness, authentication, rendezvous refusals, dead peers.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::time::{Duration, Instant};
+
+use ringtrain::collective::quic::{QuicCollective, QuicConfig};
+use ringtrain::collective::{chunk_range, Collective, CollectiveError};
+
+fn input(r: usize, len: usize) -> Vec<f32> {
+    (0..len).map(|i| (((i * 31 + r * 17) % 23) as f32) - 11.0).collect()
+}
+
+fn cfg(rank: usize, world: usize, master: SocketAddr) -> QuicConfig {
+    let mut c = QuicConfig::new(rank, world, master);
+    c.job_id = 0xfeed;
+    c.config_hash = 77;
+    c.sub_chunk = 50;
+    c.timeout = Duration::from_secs(10);
+    c.rendezvous_timeout = Duration::from_secs(10);
+    c.idle_timeout = Duration::from_secs(3);
+    c.secret = Some(b"test secret".to_vec());
+    c
+}
+
+/// Binds rank 0's socket first so the others know the port.
+fn master_socket() -> (UdpSocket, SocketAddr) {
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let a = s.local_addr().unwrap();
+    (s, a)
+}
+
+/// Runs `f` on every rank (configs from `cfgs`), each in its own thread.
+fn run_ranks<T: Send>(
+    cfgs: Vec<QuicConfig>,
+    sock0: UdpSocket,
+    f: impl Fn(&mut QuicCollective) -> T + Sync,
+) -> Vec<Result<T, CollectiveError>> {
+    let mut sock0 = Some(sock0);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = cfgs
+            .into_iter()
+            .map(|c| {
+                let sock = if c.rank == 0 { sock0.take() } else { None };
+                let f = &f;
+                s.spawn(move || {
+                    let mut q = match sock {
+                        Some(sock) => QuicCollective::connect_with_socket(c, sock)?,
+                        None => QuicCollective::connect(c)?,
+                    };
+                    Ok(f(&mut q))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn quic_collectives_exact_and_identical() {
+    for world in [3usize, 4] {
+        let (sock, master) = master_socket();
+        let cfgs = (0..world).map(|r| cfg(r, world, master)).collect();
+        let lens = [0usize, 1, 7, 97, 4099];
+        let res = run_ranks(cfgs, sock, |c| {
+            let mut out = Vec::new();
+            for &len in &lens {
+                c.set_step(len as u64);
+                let mut b = input(c.rank(), len);
+                c.all_reduce_sum(&mut b).unwrap();
+                let mut rs = input(c.rank(), len);
+                let mine = c.reduce_scatter_mean(&mut rs).unwrap();
+                assert_eq!(mine, chunk_range(len, c.world(), c.rank()));
+                c.all_gather(&mut rs).unwrap();
+                let mut m = input(c.rank(), len);
+                c.all_reduce_mean(&mut m).unwrap();
+                assert_eq!(rs, m);
+                out.push((b, m));
+            }
+            let mut p = input(c.rank(), 33);
+            c.broadcast(&mut p, 1).unwrap();
+            let mut s = [c.rank() as f64, 1.0];
+            c.all_reduce_scalars(&mut s).unwrap();
+            let h = c.gather_hashes([c.rank() as u8; 32]).unwrap();
+            (out, p, s, h)
+        });
+        let res: Vec<_> = res.into_iter().map(|r| r.unwrap()).collect();
+        let n = world as f64;
+        for (li, &len) in lens.iter().enumerate() {
+            let want: Vec<f32> = (0..len)
+                .map(|i| (0..world).map(|r| input(r, len)[i] as f64).sum::<f64>() as f32)
+                .collect();
+            for (r, (out, _, _, _)) in res.iter().enumerate() {
+                assert_eq!(out[li].0, want, "world {world} len {len} rank {r}");
+                let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out[li].1), bits(&res[0].0[li].1));
+                if world == 4 {
+                    assert_eq!(out[li].1, want.iter().map(|x| x / 4.0).collect::<Vec<_>>());
+                }
+            }
+        }
+        for (_, p, s, h) in &res {
+            assert_eq!(p, &input(1, 33));
+            assert_eq!(s, &[n * (n - 1.0) / 2.0, n]);
+            assert_eq!(h, &(0..world).map(|r| [r as u8; 32]).collect::<Vec<_>>());
+        }
+    }
+}
+
+/// Rank 0 starts, then an impostor (with `bad` applied to its config) tries to join and must be refused with
+/// an error containing `expect`; then the real ranks join and must still work.
+fn impostor_refused(world: usize, bad: impl Fn(&mut QuicConfig), expect: &str) {
+    let (sock, master) = master_socket();
+    let mut imp = cfg(1, world, master);
+    bad(&mut imp);
+    imp.rendezvous_timeout = Duration::from_secs(5);
+    let work = |c: &mut QuicCollective| {
+        let mut b = input(c.rank(), 97);
+        c.all_reduce_sum(&mut b).unwrap();
+        b
+    };
+    std::thread::scope(|s| {
+        let c0 = cfg(0, world, master);
+        let h0 = s.spawn(move || work(&mut QuicCollective::connect_with_socket(c0, sock).unwrap()));
+        let e = QuicCollective::connect(imp).err().expect("impostor must be refused");
+        assert!(e.to_string().contains(expect), "expected {expect:?} in: {e}");
+        let hs: Vec<_> = (1..world)
+            .map(|r| {
+                let c = cfg(r, world, master);
+                s.spawn(move || work(&mut QuicCollective::connect(c).unwrap()))
+            })
+            .collect();
+        let want = h0.join().unwrap();
+        for h in hs {
+            assert_eq!(h.join().unwrap(), want);
+        }
+    });
+}
+
+#[test]
+fn wrong_secret_refused() {
+    impostor_refused(3, |c| c.secret = Some(b"guess".to_vec()), "authentication");
+}
+
+#[test]
+fn missing_secret_refused() {
+    impostor_refused(3, |c| c.secret = None, "authentication");
+}
+
+#[test]
+fn wrong_job_id_refused() {
+    impostor_refused(3, |c| c.job_id = 1, "job id mismatch");
+}
+
+#[test]
+fn wrong_world_size_refused() {
+    impostor_refused(3, |c| c.world = 4, "world size mismatch");
+}
+
+#[test]
+fn wrong_config_hash_refused() {
+    impostor_refused(3, |c| c.config_hash = 1, "config hash mismatch");
+}
+
+#[test]
+fn non_loopback_without_secret_refused() {
+    let mut c = QuicConfig::new(0, 2, "0.0.0.0:0".parse().unwrap());
+    c.secret = None;
+    let e = QuicCollective::connect(c).err().expect("must refuse");
+    assert!(e.to_string().contains("without a cluster secret"), "{e}");
+    let mut c = QuicConfig::new(1, 2, "127.0.0.1:9".parse().unwrap());
+    c.bind_ip = Some("0.0.0.0".parse().unwrap());
+    let e = QuicCollective::connect(c).err().expect("must refuse");
+    assert!(e.to_string().contains("without a cluster secret"), "{e}");
+}
+
+#[test]
+fn loopback_without_secret_works() {
+    let (sock, master) = master_socket();
+    let cfgs = (0..3)
+        .map(|r| {
+            let mut c = cfg(r, 3, master);
+            c.secret = None;
+            c
+        })
+        .collect();
+    let res = run_ranks(cfgs, sock, |c| {
+        let mut b = vec![c.rank() as f32; 10];
+        c.all_reduce_sum(&mut b).unwrap();
+        b
+    });
+    for r in res {
+        assert_eq!(r.unwrap(), vec![3.0; 10]);
+    }
+}
+
+#[test]
+fn dead_rank_is_named_within_deadline() {
+    for (world, dead) in [(4usize, 2usize), (3, 0)] {
+        let (sock, master) = master_socket();
+        let deadline = Duration::from_secs(6);
+        let cfgs = (0..world)
+            .map(|r| {
+                let mut c = cfg(r, world, master);
+                c.timeout = deadline;
+                c.idle_timeout = Duration::from_secs(2);
+                if r == dead {
+                    c.crash_after_msgs = Some(30);
+                }
+                c
+            })
+            .collect();
+        let t0 = Instant::now();
+        let res = run_ranks(cfgs, sock, |c| {
+            let t1 = Instant::now();
+            let mut b = input(c.rank(), 4099);
+            let r = (|| {
+                for _ in 0..3 {
+                    c.all_reduce_mean(&mut b)?;
+                }
+                Ok::<_, CollectiveError>(())
+            })();
+            eprintln!("rank {} after {:?}: {r:?}", c.rank(), t1.elapsed());
+            (r, t1.elapsed())
+        });
+        eprintln!("all ranks gone after {:?}", t0.elapsed());
+        for (r, out) in res.into_iter().enumerate() {
+            // A rank may also fail while the ring is still forming, if the crash comes that early.
+            let e = match out {
+                Ok((out, took)) => {
+                    assert!(took < deadline, "rank {r} took {took:?}");
+                    out.expect_err("every rank must fail")
+                }
+                Err(e) => e,
+            };
+            if r != dead {
+                assert_eq!(e.peer(), Some(dead), "world {world} rank {r}: {e}");
+                assert!(e.to_string().contains(&format!("rank {dead}")), "{e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn abort_reaches_everyone() {
+    let (sock, master) = master_socket();
+    let cfgs = (0..3).map(|r| cfg(r, 3, master)).collect();
+    let res = run_ranks(cfgs, sock, |c| {
+        if c.rank() == 2 {
+            c.abort("disk full");
+            return Err(CollectiveError::Local("aborted".into()));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let mut b = vec![1.0f32; 1000];
+        c.all_reduce_mean(&mut b)
+    });
+    for r in [0, 1] {
+        // The abort may arrive while the ring is still forming (connect fails) or during the collective.
+        let e = match &res[r] {
+            Ok(out) => out.as_ref().unwrap_err(),
+            Err(e) => e,
+        };
+        assert_eq!(e.peer(), Some(2), "{e}");
+        assert!(e.to_string().contains("disk full"), "{e}");
+    }
+}
