@@ -263,3 +263,14 @@ fn abort_reaches_everyone() {
         assert!(e.to_string().contains("disk full"), "{e}");
     }
 }
+
+#[test]
+fn allreduce_bench_table() {
+    let t = ringtrain::collective::bench::run_allreduce_bench(3, &[4096, 1 << 20], 3).unwrap();
+    eprintln!("{t}");
+    let lines: Vec<&str> = t.lines().collect();
+    assert_eq!(lines.len(), 4, "{t}");
+    assert!(lines[1].contains("busbw"));
+    assert!(lines[2].trim_start().starts_with("4 KiB"), "{t}");
+    assert!(lines[3].trim_start().starts_with("1 MiB"), "{t}");
+}
