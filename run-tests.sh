@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite, with its set-up: installs the system packages the tests need when they are missing
+# (Debian/Ubuntu, as root), then builds every feature and runs every test of the workspace.
+# With CI=true, GPU-path tests fail instead of skipping when no wgpu adapter is found.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+need_pkgs=()
+[ -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ] || [ -e /usr/share/vulkan/icd.d/lvp_icd.json ] || need_pkgs+=(mesa-vulkan-drivers)
+ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1' || need_pkgs+=(libvulkan1)
+pkg-config --exists fontconfig 2>/dev/null || need_pkgs+=(libfontconfig1-dev pkg-config)
+fc-list 2>/dev/null | grep -qi dejavu || need_pkgs+=(fonts-dejavu-core)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "run-tests: installing ${need_pkgs[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+  else
+    echo "run-tests: missing packages ${need_pkgs[*]} (install them, or run as root on Debian/Ubuntu)" >&2
+  fi
+fi
+
+# The cuda feature must keep building even where no NVIDIA GPU exists.
+cargo build --workspace --all-targets --features cuda
+cargo test --workspace
