@@ -355,8 +355,9 @@ impl Engine for RingEngine<'_> {
             dst.copy_from_slice(&data);
         } else {
             // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution.
+            // IEEE addition is commutative, so `partial + own` and `own + partial` give the same bits.
             for (d, s) in dst.iter_mut().zip(&data) {
-                *d = *s + *d;
+                *d += *s;
             }
             let last_rs = phase == n - 2;
             if last_rs {
@@ -632,7 +633,7 @@ mod tests {
     fn rejects_duplicates_and_bad_tags() {
         let mut a = vec![1.0f32; 10];
         let mut e = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 1, 3, &mut a, 2).unwrap();
-        // Rank 1 receives chunk (1-2-0) mod 3 = 2 in phase 0; chunk 2 is 6..10 → subs of 2 elements.
+        // Rank 1 receives chunk (1-2-0) mod 3 = 2 in phase 0; chunk 2 is 7..10 → subs [7, 9) and [9, 10).
         let m = Msg {
             phase: 0,
             chunk: 2,
@@ -652,7 +653,28 @@ mod tests {
             phase: 0,
             chunk: 2,
             sub: 1,
+            payload: Payload::F32(vec![1.0, 2.0]),
+        };
+        assert!(e.handle(wrong_len).is_err());
+        let wrong_sub = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 2,
             payload: Payload::F32(vec![1.0]),
+        };
+        assert!(e.handle(wrong_sub).is_err());
+        let bytes = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 1,
+            payload: Payload::Bytes(vec![0; 4]),
+        };
+        assert!(e.handle(bytes).is_err());
+        let wrong_len = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 1,
+            payload: Payload::F32(vec![]),
         };
         assert!(e.handle(wrong_len).is_err());
         let wrong_phase = Msg {
