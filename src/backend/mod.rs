@@ -17,6 +17,7 @@
 //! over `logits`).
 
 pub mod cpu;
+pub mod wgpu;
 mod view;
 
 pub use view::{TokenView, View};

@@ -1,0 +1,71 @@
+// Softmax cross-entropy, one workgroup per row with fixed reduction trees (max, then sum of exp).
+
+struct Params {
+    n: u32,
+    v: u32,
+    out_off: u32,     // losses (forward) or dlogits == logits (backward, in place)
+    logits_off: u32,
+    tgt_off: u32,
+    dloss: f32,
+}
+
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;
+@group(0) @binding(2) var<storage, read_write> logits: array<f32>;
+@group(0) @binding(3) var<storage, read_write> targets: array<u32>;
+
+var<workgroup> red: array<f32, 256>;
+
+fn reduce(li: u32, x: f32, is_max: bool) -> f32 {
+    red[li] = x;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s = s >> 1u) {
+        if (li < s) {
+            if (is_max) { red[li] = max(red[li], red[li + s]); } else { red[li] = red[li] + red[li + s]; }
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+// logsumexp of row `x0 .. x0 + v` of `logits`.
+fn row_lse(li: u32, x0: u32) -> f32 {
+    var m = -3.4028235e38;
+    for (var j = li; j < P.v; j += WG) { m = max(m, logits[x0 + j]); }
+    let mx = reduce(li, m, true);
+    var s = 0.0;
+    for (var j = li; j < P.v; j += WG) { s += exp(logits[x0 + j] - mx); }
+    return mx + log(reduce(li, s, false));
+}
+
+@compute @workgroup_size(256)
+fn crossentropy_forward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_index) li: u32) {
+    let row = group_index(wg, nwg);
+    if (row >= P.n) { return; }
+    let x0 = P.logits_off + row * P.v;
+    let lse = row_lse(li, x0);
+    if (li == 0u) {
+        let tgt = min(targets[P.tgt_off + row], P.v - 1u);
+        out[P.out_off + row] = lse - logits[x0 + tgt];
+    }
+}
+
+// In place: logits[row, j] = dloss * (softmax_j - [j == target]). Binding 1 is unused.
+@compute @workgroup_size(256)
+fn crossentropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                         @builtin(local_invocation_index) li: u32) {
+    let row = group_index(wg, nwg);
+    if (row >= P.n) { return; }
+    let x0 = P.logits_off + row * P.v;
+    let lse = row_lse(li, x0);
+    let tgt = targets[P.tgt_off + row];
+    for (var j = li; j < P.v; j += WG) {
+        let p = exp(logits[x0 + j] - lse);
+        var ind = 0.0;
+        if (j == tgt) { ind = 1.0; }
+        logits[x0 + j] = P.dloss * (p - ind);
+    }
+}

@@ -1,0 +1,108 @@
+// Layer norm over the last axis (eps 1e-5): one workgroup per row with a fixed reduction tree.
+
+struct Params {
+    n: u32,
+    c: u32,
+    out_off: u32,   // out (forward) or dinp (backward)
+    mean_off: u32,
+    rstd_off: u32,
+    inp_off: u32,
+    w_off: u32,
+    b_off: u32,     // bias (forward) or dbias (backward)
+    dout_off: u32,
+    dw_off: u32,
+}
+
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;    // out / dinp
+@group(0) @binding(2) var<storage, read_write> mean: array<f32>;
+@group(0) @binding(3) var<storage, read_write> rstd: array<f32>;
+@group(0) @binding(4) var<storage, read_write> inp: array<f32>;
+@group(0) @binding(5) var<storage, read_write> weight: array<f32>;
+@group(0) @binding(6) var<storage, read_write> bias: array<f32>;   // bias / dbias
+@group(0) @binding(7) var<storage, read_write> dout: array<f32>;
+@group(0) @binding(8) var<storage, read_write> dweight: array<f32>;
+
+var<workgroup> red: array<f32, 256>;
+
+fn reduce_sum(li: u32, x: f32) -> f32 {
+    red[li] = x;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s = s >> 1u) {
+        if (li < s) { red[li] = red[li] + red[li + s]; }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+@compute @workgroup_size(256)
+fn layernorm_forward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                     @builtin(local_invocation_index) li: u32) {
+    let row = group_index(wg, nwg);
+    if (row >= P.n) { return; }
+    let x0 = P.inp_off + row * P.c;
+    let cf = f32(P.c);
+    var s = 0.0;
+    for (var i = li; i < P.c; i += WG) { s += inp[x0 + i]; }
+    let mu = reduce_sum(li, s) / cf;
+    var s2 = 0.0;
+    for (var i = li; i < P.c; i += WG) { let d = inp[x0 + i] - mu; s2 += d * d; }
+    let variance = reduce_sum(li, s2) / cf;
+    let r = 1.0 / sqrt(variance + 1e-5);
+    for (var i = li; i < P.c; i += WG) {
+        out[P.out_off + row * P.c + i] = (inp[x0 + i] - mu) * r * weight[P.w_off + i] + bias[P.b_off + i];
+    }
+    if (li == 0u) {
+        mean[P.mean_off + row] = mu;
+        rstd[P.rstd_off + row] = r;
+    }
+}
+
+// dinp += (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd, one workgroup per row.
+@compute @workgroup_size(256)
+fn layernorm_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                      @builtin(local_invocation_index) li: u32) {
+    let row = group_index(wg, nwg);
+    if (row >= P.n) { return; }
+    let x0 = P.inp_off + row * P.c;
+    let d0 = P.dout_off + row * P.c;
+    let mu = mean[P.mean_off + row];
+    let r = rstd[P.rstd_off + row];
+    var sa = 0.0;
+    var sb = 0.0;
+    for (var i = li; i < P.c; i += WG) {
+        let norm = (inp[x0 + i] - mu) * r;
+        let dnorm = weight[P.w_off + i] * dout[d0 + i];
+        sa += dnorm;
+        sb += dnorm * norm;
+    }
+    let cf = f32(P.c);
+    let dnorm_mean = reduce_sum(li, sa) / cf;
+    let dnorm_norm_mean = reduce_sum(li, sb) / cf;
+    for (var i = li; i < P.c; i += WG) {
+        let norm = (inp[x0 + i] - mu) * r;
+        let dnorm = weight[P.w_off + i] * dout[d0 + i];
+        let o = P.out_off + row * P.c + i;
+        out[o] = out[o] + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+    }
+}
+
+// dweight[i] += sum_rows norm * dout, dbias[i] += sum_rows dout; one invocation per column, rows in order.
+@compute @workgroup_size(256)
+fn layernorm_backward_params(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                             @builtin(local_invocation_index) li: u32) {
+    let i = flat_index(wg, nwg, li);
+    if (i >= P.c) { return; }
+    var sw = 0.0;
+    var sb = 0.0;
+    for (var row = 0u; row < P.n; row++) {
+        let norm = (inp[P.inp_off + row * P.c + i] - mean[P.mean_off + row]) * rstd[P.rstd_off + row];
+        let d = dout[P.dout_off + row * P.c + i];
+        sw += norm * d;
+        sb += d;
+    }
+    dweight[P.dw_off + i] = dweight[P.dw_off + i] + sw;
+    bias[P.b_off + i] = bias[P.b_off + i] + sb;
+}

@@ -1,0 +1,102 @@
+// C[m, n] (= or +=) A[m, k] @ B[k, n] (+ bias[n]) with arbitrary element strides for A and B, so one kernel
+// serves both weight layouts and every transpose of the backward pass.
+// Tiling: a 64x64 tile of C per workgroup of 16x16 invocations, each computing a 4x4 register block
+// (rows ty + 16 r, columns tx + 16 q); K is walked in slices of 16 staged in workgroup memory. Every output
+// sums its k terms in increasing order, so results are run-to-run deterministic.
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    c_off: u32,
+    c_rs: u32,
+    a_off: u32,
+    a_rs: u32,
+    a_cs: u32,
+    b_off: u32,
+    b_rs: u32,
+    b_cs: u32,
+    bias_off: u32,
+    flags: u32,     // bit 0: accumulate into C; bit 1: add bias
+}
+
+@group(0) @binding(0) var<uniform> P: Params;
+@group(0) @binding(1) var<storage, read_write> C: array<f32>;
+@group(0) @binding(2) var<storage, read_write> A: array<f32>;
+@group(0) @binding(3) var<storage, read_write> B: array<f32>;
+@group(0) @binding(4) var<storage, read_write> bias: array<f32>;
+
+const TM: u32 = 64u;
+const TN: u32 = 64u;
+const TK: u32 = 16u;
+
+var<workgroup> As: array<f32, 1024>; // [TK][TM]
+var<workgroup> Bs: array<f32, 1024>; // [TK][TN]
+
+@compute @workgroup_size(256)
+fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let tile_m = wg.y * TM;
+    let tile_n = wg.x * TN;
+    let tx = li % 16u;
+    let ty = li / 16u;
+    var acc: array<array<f32, 4>, 4>;
+    for (var r = 0u; r < 4u; r++) {
+        for (var q = 0u; q < 4u; q++) { acc[r][q] = 0.0; }
+    }
+    for (var k0 = 0u; k0 < P.k; k0 += TK) {
+        for (var e = 0u; e < 4u; e++) {
+            let idx = li + e * WG;
+            // A tile: 64 rows x 16 k, k fastest.
+            let am = idx / TK;
+            let ak = idx % TK;
+            let gm = tile_m + am;
+            let gk = k0 + ak;
+            var av = 0.0;
+            if (gm < P.m && gk < P.k) { av = A[P.a_off + gm * P.a_rs + gk * P.a_cs]; }
+            As[ak * TM + am] = av;
+            // B tile: 16 k x 64 columns, columns fastest.
+            let bk = idx / TN;
+            let bn = idx % TN;
+            let gk2 = k0 + bk;
+            let gn = tile_n + bn;
+            var bv = 0.0;
+            if (gk2 < P.k && gn < P.n) { bv = B[P.b_off + gk2 * P.b_rs + gn * P.b_cs]; }
+            Bs[bk * TN + bn] = bv;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < TK; kk++) {
+            var a: array<f32, 4>;
+            var b: array<f32, 4>;
+            for (var r = 0u; r < 4u; r++) { a[r] = As[kk * TM + ty + 16u * r]; }
+            for (var q = 0u; q < 4u; q++) { b[q] = Bs[kk * TN + tx + 16u * q]; }
+            for (var r = 0u; r < 4u; r++) {
+                for (var q = 0u; q < 4u; q++) { acc[r][q] = acc[r][q] + a[r] * b[q]; }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var r = 0u; r < 4u; r++) {
+        let gm = tile_m + ty + 16u * r;
+        if (gm >= P.m) { continue; }
+        for (var q = 0u; q < 4u; q++) {
+            let gn = tile_n + tx + 16u * q;
+            if (gn >= P.n) { continue; }
+            var v = acc[r][q];
+            if ((P.flags & 2u) != 0u) { v = v + bias[P.bias_off + gn]; }
+            let o = P.c_off + gm * P.c_rs + gn;
+            if ((P.flags & 1u) != 0u) { v = C[o] + v; }
+            C[o] = v;
+        }
+    }
+}
+
+// dbias[j] += sum over rows (in order) of dout[row, j]; C is dbias, A is dout [m, n] with row stride a_rs.
+@compute @workgroup_size(256)
+fn matmul_backward_bias(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                        @builtin(local_invocation_index) li: u32) {
+    let j = flat_index(wg, nwg, li);
+    if (j >= P.n) { return; }
+    var s = 0.0;
+    for (var row = 0u; row < P.m; row++) { s += A[P.a_off + row * P.a_rs + j]; }
+    C[P.c_off + j] = C[P.c_off + j] + s;
+}

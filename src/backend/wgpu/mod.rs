@@ -1,0 +1,1265 @@
+//! The wgpu backend: every op of [`Backend`] as a WGSL compute shader (Vulkan, Metal, DX12).
+//!
+//! - **Context.** Instance, adapter, device and queue are built once ([`context`]); the device gets every
+//!   limit the adapter offers.
+//! - **Pipelines.** One compute pipeline per kernel, compiled once at construction from `shaders/*.wgsl`
+//!   (one file per op family, `common.wgsl` prepended). The kernel stem is the WGSL entry point and the
+//!   Rust method name; ops needing several passes add suffixed kernels (`attention_backward_dq`, ...).
+//! - **Memory.** Each allocation is one storage buffer. A [`View`] is bound as a *window* of its buffer:
+//!   the binding starts at the view's offset rounded down to `min_storage_buffer_offset_alignment`, and the
+//!   remaining element offset travels in the kernel's uniform parameters. Ops whose windows would exceed
+//!   `max_storage_buffer_binding_size` are split: element-wise ops and `sum_squares` by ranges, matmuls by
+//!   halving M, N or K, the encoder by vocabulary rows, cross-entropy by rows, attention by sequence. So
+//!   GPT-2's 154 MB `wte` and the 500 MB flat parameter buffer work on adapters with a 128 MiB binding limit,
+//!   as long as one allocation fits `max_buffer_size`.
+//! - **Submission.** Ops are recorded into one command encoder and submitted in batches: on `download`,
+//!   `sum_squares`, `synchronize`, before an upload (so the upload lands after the ops recorded before it),
+//!   and every [`MAX_PENDING`] dispatches. Only `download` and `sum_squares` read back.
+//! - **Determinism.** No atomics; every output is written by one invocation summing in a fixed order, and
+//!   reductions use fixed trees. The token embedding's backward groups positions by token on the host (the
+//!   backend keeps a host copy of every token buffer, which only `upload_tokens` writes) and sums each
+//!   token's positions in `(b, t)` order on the device, as the CPU specification does.
+
+mod context;
+
+pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
+
+use super::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
+use anyhow::{anyhow, bail, ensure, Result};
+use context::Context;
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::time::Instant;
+use wgpu::util::DeviceExt;
+
+/// Dispatches recorded before the encoder is submitted anyway (bounds the memory held by bind groups).
+pub const MAX_PENDING: usize = 256;
+
+const WG: u32 = 256;
+/// sum_squares block: the CPU specification's `SUM_BLOCK`.
+const SUM_BLOCK: usize = 4096;
+
+const COMMON: &str = include_str!("../../../shaders/common.wgsl");
+
+/// (family source, [(entry point, storage bindings)]).
+const FAMILIES: &[(&str, &str, &[(&str, u32)])] = &[
+    (
+        "encoder",
+        include_str!("../../../shaders/encoder.wgsl"),
+        &[
+            ("encoder_forward", 4),
+            ("encoder_backward_wpe", 2),
+            ("encoder_backward_wte", 4),
+        ],
+    ),
+    (
+        "layernorm",
+        include_str!("../../../shaders/layernorm.wgsl"),
+        &[
+            ("layernorm_forward", 6),
+            ("layernorm_backward", 7),
+            ("layernorm_backward_params", 8),
+        ],
+    ),
+    (
+        "matmul",
+        include_str!("../../../shaders/matmul.wgsl"),
+        &[("matmul", 4), ("matmul_backward_bias", 2)],
+    ),
+    (
+        "attention",
+        include_str!("../../../shaders/attention.wgsl"),
+        &[
+            ("attention_forward", 3),
+            ("attention_forward_out", 3),
+            ("attention_backward", 5),
+            ("attention_backward_dq", 4),
+            ("attention_backward_dkv", 5),
+        ],
+    ),
+    (
+        "gelu",
+        include_str!("../../../shaders/gelu.wgsl"),
+        &[("gelu_forward", 2), ("gelu_backward", 3)],
+    ),
+    (
+        "residual",
+        include_str!("../../../shaders/residual.wgsl"),
+        &[
+            ("residual_forward", 3),
+            ("add_inplace", 2),
+            ("scale", 1),
+            ("fill", 1),
+            ("copy", 2),
+        ],
+    ),
+    (
+        "crossentropy",
+        include_str!("../../../shaders/crossentropy.wgsl"),
+        &[("crossentropy_forward", 3), ("crossentropy_backward", 3)],
+    ),
+    ("adamw", include_str!("../../../shaders/adamw.wgsl"), &[("adamw", 4)]),
+    (
+        "reduce",
+        include_str!("../../../shaders/reduce.wgsl"),
+        &[("sum_squares", 2)],
+    ),
+];
+
+struct Kernel {
+    pipeline: wgpu::ComputePipeline,
+    layout: wgpu::BindGroupLayout,
+    bindings: u32,
+}
+
+/// A bound range of a buffer: `size` bytes from byte `start`; the view begins `off` elements into it.
+#[derive(Clone)]
+struct Win {
+    buffer: wgpu::Buffer,
+    start: u64,
+    size: u64,
+    off: u32,
+}
+
+/// Uniform parameters: up to 16 scalar words, in the order of the kernel's `Params` struct.
+#[derive(Default)]
+struct Params(Vec<u32>);
+
+impl Params {
+    fn u(mut self, x: impl TryInto<u32>) -> Self {
+        self.0.push(
+            x.try_into()
+                .unwrap_or_else(|_| panic!("kernel parameter does not fit in u32")),
+        );
+        self
+    }
+    fn f(mut self, x: f32) -> Self {
+        self.0.push(x.to_bits());
+        self
+    }
+}
+
+/// One strided matrix operand: element `(r, c)` is at `off + r * rs + c * cs` of buffer `buf`.
+#[derive(Clone, Copy, Debug)]
+struct Mat {
+    buf: usize,
+    off: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl Mat {
+    /// `[first, end)` element range touched by a `rows x cols` block.
+    fn extent(&self, rows: usize, cols: usize) -> (usize, usize) {
+        if rows == 0 || cols == 0 {
+            return (self.off, self.off);
+        }
+        (self.off, self.off + (rows - 1) * self.rs + (cols - 1) * self.cs + 1)
+    }
+    fn at(&self, r: usize, c: usize) -> Mat {
+        Mat {
+            off: self.off + r * self.rs + c * self.cs,
+            ..*self
+        }
+    }
+}
+
+/// `C[m, n] (=|+=) A[m, k] @ B[k, n] (+ bias[n])`.
+#[derive(Clone, Copy, Debug)]
+struct Gemm {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Mat,
+    b: Mat,
+    c: Mat,
+    bias: Option<View>,
+    accumulate: bool,
+}
+
+/// A backend running every op as WGSL compute shaders on one wgpu adapter.
+pub struct WgpuBackend {
+    ctx: Context,
+    kernels: HashMap<&'static str, Kernel>,
+    bufs: Vec<(wgpu::Buffer, usize)>,
+    tok_bufs: Vec<(wgpu::Buffer, usize)>,
+    /// Host copies of the token buffers (written only by `upload_tokens`), for the embedding backward.
+    tok_host: Vec<Vec<u32>>,
+    dummy: wgpu::Buffer,
+    encoder: Option<wgpu::CommandEncoder>,
+    pending: usize,
+    align: u64,
+    max_binding: u64,
+    max_groups: u32,
+}
+
+fn ceil_div(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+impl WgpuBackend {
+    /// Opens the adapter chosen by `selection` and compiles every kernel. Fails with a clear message when
+    /// no adapter matches or the adapter lacks what the kernels need.
+    pub fn new(selection: AdapterSelection) -> Result<Self> {
+        let ctx = Context::new(selection)?;
+        let device = &ctx.device;
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut layouts: HashMap<u32, (wgpu::BindGroupLayout, wgpu::PipelineLayout)> = HashMap::new();
+        let mut kernels = HashMap::new();
+        for (family, src, entries) in FAMILIES {
+            let source = format!("{COMMON}\n{src}");
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(family),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+            for &(entry, bindings) in entries.iter() {
+                let (bgl, pl) = layouts
+                    .entry(bindings)
+                    .or_insert_with(|| {
+                        let mut e = vec![wgpu::BindGroupLayoutEntry {
+                            binding: 0,
+                            visibility: wgpu::ShaderStages::COMPUTE,
+                            ty: wgpu::BindingType::Buffer {
+                                ty: wgpu::BufferBindingType::Uniform,
+                                has_dynamic_offset: false,
+                                min_binding_size: None,
+                            },
+                            count: None,
+                        }];
+                        for b in 1..=bindings {
+                            e.push(wgpu::BindGroupLayoutEntry {
+                                binding: b,
+                                visibility: wgpu::ShaderStages::COMPUTE,
+                                ty: wgpu::BindingType::Buffer {
+                                    ty: wgpu::BufferBindingType::Storage { read_only: false },
+                                    has_dynamic_offset: false,
+                                    min_binding_size: None,
+                                },
+                                count: None,
+                            });
+                        }
+                        let bgl = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                            label: None,
+                            entries: &e,
+                        });
+                        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                            label: None,
+                            bind_group_layouts: &[Some(&bgl)],
+                            immediate_size: 0,
+                        });
+                        (bgl, pl)
+                    })
+                    .clone();
+                let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(entry),
+                    layout: Some(&pl),
+                    module: &module,
+                    entry_point: Some(entry),
+                    compilation_options: Default::default(),
+                    cache: None,
+                });
+                kernels.insert(
+                    entry,
+                    Kernel {
+                        pipeline,
+                        layout: bgl,
+                        bindings,
+                    },
+                );
+            }
+        }
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
+        }
+        let dummy = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("dummy"),
+            size: 256,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let align = ctx.limits.min_storage_buffer_offset_alignment as u64;
+        let max_binding = (ctx.limits.max_storage_buffer_binding_size as u64) / 4 * 4;
+        let max_groups = ctx.limits.max_compute_workgroups_per_dimension;
+        Ok(WgpuBackend {
+            ctx,
+            kernels,
+            bufs: Vec::new(),
+            tok_bufs: Vec::new(),
+            tok_host: Vec::new(),
+            dummy,
+            encoder: None,
+            pending: 0,
+            align,
+            max_binding,
+            max_groups,
+        })
+    }
+
+    /// The adapter this backend runs on.
+    pub fn adapter(&self) -> &AdapterReport {
+        &self.ctx.report
+    }
+
+    /// Caps the storage binding size used for windows (never above the adapter's limit). Tests use it to
+    /// exercise the splitting paths of large tensors with small ones.
+    pub fn set_max_binding_bytes(&mut self, bytes: u64) {
+        let cap = (self.ctx.limits.max_storage_buffer_binding_size as u64) / 4 * 4;
+        self.max_binding = bytes.clamp(4 * SUM_BLOCK as u64 + self.align, cap) / 4 * 4;
+    }
+
+    /// Largest number of elements a window may cover wherever it starts.
+    fn max_window_elems(&self) -> usize {
+        ((self.max_binding - self.align) / 4) as usize
+    }
+
+    fn fits(&self, first: usize, end: usize) -> bool {
+        let start = (first as u64 * 4) / self.align * self.align;
+        (end as u64 * 4).max(start + 4) - start <= self.max_binding
+    }
+
+    fn win_of(&self, buffer: &wgpu::Buffer, buf_len: usize, first: usize, end: usize) -> Win {
+        assert!(end <= buf_len, "range [{first}, {end}) out of a buffer of {buf_len}");
+        if first == end {
+            return Win {
+                buffer: self.dummy.clone(),
+                start: 0,
+                size: 4,
+                off: 0,
+            };
+        }
+        let start = (first as u64 * 4) / self.align * self.align;
+        let size = end as u64 * 4 - start;
+        assert!(
+            size <= self.max_binding,
+            "a {size}-byte window exceeds the adapter's storage binding limit of {} bytes",
+            self.max_binding
+        );
+        Win {
+            buffer: buffer.clone(),
+            start,
+            size,
+            off: ((first as u64 * 4 - start) / 4) as u32,
+        }
+    }
+
+    /// Window over elements `[first, end)` of f32 buffer `buf`.
+    fn win_range(&self, buf: usize, first: usize, end: usize) -> Win {
+        let (b, len) = &self.bufs[buf];
+        self.win_of(b, *len, first, end)
+    }
+
+    fn win(&self, v: View) -> Win {
+        self.win_range(v.buf, v.offset, v.end())
+    }
+
+    fn twin(&self, v: TokenView) -> Win {
+        let (b, len) = &self.tok_bufs[v.buf];
+        self.win_of(b, *len, v.offset, v.offset + v.len)
+    }
+
+    fn dummy_win(&self) -> Win {
+        Win {
+            buffer: self.dummy.clone(),
+            start: 0,
+            size: 4,
+            off: 0,
+        }
+    }
+
+    /// Workgroup grid for `groups` workgroups, folded into 2-D past the per-dimension limit.
+    fn grid(&self, groups: usize) -> (u32, u32) {
+        let max = self.max_groups as usize;
+        let x = groups.clamp(1, max);
+        let y = ceil_div(groups.max(1), x);
+        assert!(y <= max, "dispatch of {groups} workgroups is too large");
+        (x as u32, y as u32)
+    }
+
+    fn grid1d(&self, n: usize) -> (u32, u32) {
+        self.grid(ceil_div(n, WG as usize))
+    }
+
+    fn dispatch(&mut self, kernel: &str, wins: &[Win], params: Params, groups: (u32, u32)) {
+        let k = &self.kernels[kernel];
+        assert_eq!(
+            wins.len() as u32,
+            k.bindings,
+            "kernel {kernel} binds {} buffers",
+            k.bindings
+        );
+        let mut words = params.0;
+        assert!(words.len() <= 16, "kernel {kernel}: too many parameters");
+        words.resize(16, 0);
+        let device = &self.ctx.device;
+        let ubuf = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: None,
+            contents: bytemuck::cast_slice(&words),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: ubuf.as_entire_binding(),
+        }];
+        for (i, w) in wins.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &w.buffer,
+                    offset: w.start,
+                    size: NonZeroU64::new(w.size),
+                }),
+            });
+        }
+        let bg = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &k.layout,
+            entries: &entries,
+        });
+        let encoder = self
+            .encoder
+            .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&k.pipeline);
+            pass.set_bind_group(0, &bg, &[]);
+            pass.dispatch_workgroups(groups.0, groups.1, 1);
+        }
+        self.pending += 1;
+        if self.pending >= MAX_PENDING {
+            self.flush();
+        }
+    }
+
+    /// Submits the recorded work (without waiting).
+    fn flush(&mut self) {
+        if let Some(enc) = self.encoder.take() {
+            self.ctx.queue.submit([enc.finish()]);
+        }
+        self.pending = 0;
+    }
+
+    fn wait(&mut self) -> Result<()> {
+        self.flush();
+        self.ctx
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| anyhow!("waiting for the GPU: {e}"))?;
+        Ok(())
+    }
+
+    /// Copies `bytes` bytes at byte `offset` of `src` back to the host.
+    fn read_back(&mut self, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
+        self.flush();
+        let device = &self.ctx.device;
+        let staging = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes.max(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        enc.copy_buffer_to_buffer(src, offset, &staging, 0, bytes);
+        self.ctx.queue.submit([enc.finish()]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| anyhow!("waiting for the GPU: {e}"))?;
+        rx.recv()
+            .map_err(|_| anyhow!("the GPU never answered a read-back"))?
+            .map_err(|e| anyhow!("mapping a read-back buffer: {e}"))?;
+        let out = staging
+            .get_mapped_range(..)
+            .map_err(|e| anyhow!("mapping a read-back buffer: {e:?}"))?[..bytes as usize]
+            .to_vec();
+        staging.unmap();
+        Ok(out)
+    }
+
+    fn new_buffer(&self, len: usize, what: &str) -> Result<wgpu::Buffer> {
+        let bytes = (len as u64 * 4).max(4);
+        ensure!(
+            bytes <= self.ctx.limits.max_buffer_size,
+            "cannot allocate {what} of {bytes} bytes: {} allows buffers of at most {} bytes",
+            self.ctx.report.name,
+            self.ctx.limits.max_buffer_size
+        );
+        let scope = self.ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(what),
+            size: bytes.div_ceil(4) * 4,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            bail!(
+                "cannot allocate {what} of {bytes} bytes on {}: {e}",
+                self.ctx.report.name
+            );
+        }
+        Ok(buffer)
+    }
+
+    /// Runs an element-wise kernel over equally long views, in ranges that fit a binding window.
+    fn elementwise(&mut self, kernel: &str, views: &[View], scalar: Option<f32>) {
+        let len = views[0].len;
+        for v in views {
+            assert_eq!(v.len, len, "{kernel}: views of different lengths");
+        }
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let mut start = 0;
+        while start < len {
+            let n = chunk.min(len - start);
+            let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
+            let mut p = Params::default().u(n);
+            for i in 0..3 {
+                p = p.u(wins.get(i).map_or(0, |w| w.off));
+            }
+            if let Some(s) = scalar {
+                p = p.f(s);
+            }
+            let groups = self.grid1d(n);
+            self.dispatch(kernel, &wins, p, groups);
+            start += n;
+        }
+    }
+
+    fn gemm(&mut self, g: Gemm) {
+        if g.m == 0 || g.n == 0 {
+            return;
+        }
+        let (a0, a1) = g.a.extent(g.m, g.k);
+        let (b0, b1) = g.b.extent(g.k, g.n);
+        let (c0, c1) = g.c.extent(g.m, g.n);
+        let bias_fits = g.bias.is_none_or(|b| self.fits(b.offset, b.end()));
+        if self.fits(a0, a1) && self.fits(b0, b1) && self.fits(c0, c1) && bias_fits {
+            let (wa, wb, wc) = (
+                self.win_range(g.a.buf, a0, a1.max(a0)),
+                self.win_range(g.b.buf, b0, b1.max(b0)),
+                self.win_range(g.c.buf, c0, c1),
+            );
+            let wbias = match g.bias {
+                Some(b) => self.win(b),
+                None => self.dummy_win(),
+            };
+            let flags = g.accumulate as u32 | (g.bias.is_some() as u32) << 1;
+            let p = Params::default()
+                .u(g.m)
+                .u(g.n)
+                .u(g.k)
+                .u(wc.off)
+                .u(g.c.rs)
+                .u(wa.off)
+                .u(g.a.rs)
+                .u(g.a.cs)
+                .u(wb.off)
+                .u(g.b.rs)
+                .u(g.b.cs)
+                .u(wbias.off)
+                .u(flags);
+            let groups = (ceil_div(g.n, 64) as u32, ceil_div(g.m, 64) as u32);
+            assert!(
+                groups.0 <= self.max_groups && groups.1 <= self.max_groups,
+                "matmul too large"
+            );
+            self.dispatch("matmul", &[wc, wa, wb, wbias], p, groups);
+            return;
+        }
+        // Too large for one window: halve the dimension that shrinks the largest window most.
+        let span = |g: &Gemm| {
+            let e = |(a, b): (usize, usize)| b - a;
+            e(g.a.extent(g.m, g.k))
+                .max(e(g.b.extent(g.k, g.n)))
+                .max(e(g.c.extent(g.m, g.n)))
+        };
+        let split_m = |g: &Gemm| {
+            let h = g.m / 2;
+            let lo = Gemm { m: h, ..*g };
+            let hi = Gemm {
+                m: g.m - h,
+                a: g.a.at(h, 0),
+                c: g.c.at(h, 0),
+                ..*g
+            };
+            (lo, hi)
+        };
+        let split_n = |g: &Gemm| {
+            let h = g.n / 2;
+            let lo = Gemm {
+                n: h,
+                bias: g.bias.map(|b| b.sub(0, h)),
+                ..*g
+            };
+            let hi = Gemm {
+                n: g.n - h,
+                b: g.b.at(0, h),
+                c: g.c.at(0, h),
+                bias: g.bias.map(|b| b.sub(h, g.n - h)),
+                ..*g
+            };
+            (lo, hi)
+        };
+        let split_k = |g: &Gemm| {
+            let h = g.k / 2;
+            let lo = Gemm { k: h, ..*g };
+            let hi = Gemm {
+                k: g.k - h,
+                a: g.a.at(0, h),
+                b: g.b.at(h, 0),
+                bias: None,
+                accumulate: true,
+                ..*g
+            };
+            (lo, hi)
+        };
+        let mut best: Option<(usize, (Gemm, Gemm))> = None;
+        for (ok, halves) in [(g.m > 1, split_m(&g)), (g.n > 1, split_n(&g)), (g.k > 1, split_k(&g))] {
+            if ok {
+                let s = span(&halves.0).max(span(&halves.1));
+                if best.as_ref().is_none_or(|(b, _)| s < *b) {
+                    best = Some((s, halves));
+                }
+            }
+        }
+        let (_, (lo, hi)) = best.expect("a 1x1x1 matmul always fits a window");
+        self.gemm(lo);
+        self.gemm(hi);
+    }
+
+    /// Rows of `[rows, row_len]` that one window can hold.
+    fn rows_per_window(&self, row_len: usize) -> usize {
+        (self.max_window_elems() / row_len.max(1)).max(1)
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn name(&self) -> String {
+        let r = &self.ctx.report;
+        format!("wgpu ({}, {}, {})", r.name, r.backend, r.device_type)
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<View> {
+        let b = self.new_buffer(len, "tensor")?;
+        self.bufs.push((b, len));
+        Ok(View {
+            buf: self.bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
+        let b = self.new_buffer(len, "tokens")?;
+        self.tok_bufs.push((b, len));
+        self.tok_host.push(vec![0; len]);
+        Ok(TokenView {
+            buf: self.tok_bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
+        ensure!(
+            src.len() == dst.len,
+            "upload of {} values into a view of {}",
+            src.len(),
+            dst.len
+        );
+        ensure!(dst.end() <= self.bufs[dst.buf].1, "upload view {dst:?} out of bounds");
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.flush();
+        let buffer = &self.bufs[dst.buf].0;
+        self.ctx
+            .queue
+            .write_buffer(buffer, dst.offset as u64 * 4, bytemuck::cast_slice(src));
+        Ok(())
+    }
+
+    fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()> {
+        ensure!(
+            src.len() == dst.len,
+            "upload of {} tokens into a view of {}",
+            src.len(),
+            dst.len
+        );
+        ensure!(
+            dst.offset + dst.len <= self.tok_bufs[dst.buf].1,
+            "token view {dst:?} out of bounds"
+        );
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.flush();
+        self.tok_host[dst.buf][dst.offset..dst.offset + dst.len].copy_from_slice(src);
+        let buffer = &self.tok_bufs[dst.buf].0;
+        self.ctx
+            .queue
+            .write_buffer(buffer, dst.offset as u64 * 4, bytemuck::cast_slice(src));
+        Ok(())
+    }
+
+    fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
+        ensure!(
+            dst.len() == src.len,
+            "download of a view of {} into {} values",
+            src.len,
+            dst.len()
+        );
+        ensure!(src.end() <= self.bufs[src.buf].1, "download view {src:?} out of bounds");
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let buffer = self.bufs[src.buf].0.clone();
+        let bytes = self.read_back(&buffer, src.offset as u64 * 4, src.len as u64 * 4)?;
+        dst.copy_from_slice(bytemuck::cast_slice(&bytes));
+        Ok(())
+    }
+
+    fn fill(&mut self, dst: View, value: f32) {
+        self.elementwise("fill", &[dst], Some(value));
+    }
+
+    fn copy(&mut self, dst: View, src: View) {
+        assert!(!dst.overlaps(&src), "copy between overlapping views");
+        self.elementwise("copy", &[dst, src], None);
+    }
+
+    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
+        let n = b * t;
+        assert!(out.len == n * c && tokens.len == n && wpe.len >= t * c && c > 0 && wte.len % c == 0);
+        if n == 0 {
+            return;
+        }
+        let v = wte.len / c;
+        let (wout, wtok, wwpe) = (self.win(out), self.twin(tokens), self.win(wpe.sub(0, t * c)));
+        let rows = self.rows_per_window(c);
+        let mut v0 = 0;
+        while v0 < v {
+            let v1 = (v0 + rows).min(v);
+            let wwte = self.win(wte.sub(v0 * c, (v1 - v0) * c));
+            let p = Params::default()
+                .u(n)
+                .u(t)
+                .u(c)
+                .u(wout.off)
+                .u(wwte.off)
+                .u(wwpe.off)
+                .u(wtok.off)
+                .u(v0)
+                .u(v1);
+            let groups = self.grid1d(n * c);
+            self.dispatch(
+                "encoder_forward",
+                &[wout.clone(), wwte, wwpe.clone(), wtok.clone()],
+                p,
+                groups,
+            );
+            v0 = v1;
+        }
+    }
+
+    fn encoder_backward(
+        &mut self,
+        dwte: View,
+        dwpe: View,
+        dout: View,
+        tokens: TokenView,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let n = b * t;
+        assert!(dout.len == n * c && tokens.len == n && dwpe.len >= t * c && c > 0 && dwte.len % c == 0);
+        if n == 0 {
+            return;
+        }
+        let wdout = self.win(dout);
+        // dwpe: one invocation per (t, channel), summing the batch in order.
+        let wdwpe = self.win(dwpe.sub(0, t * c));
+        let p = Params::default()
+            .u(b)
+            .u(t)
+            .u(c)
+            .u(wdwpe.off)
+            .u(wdout.off)
+            .u(0u32)
+            .u(0u32)
+            .u(0u32)
+            .u(0u32);
+        let groups = self.grid1d(t * c);
+        self.dispatch("encoder_backward_wpe", &[wdwpe, wdout.clone()], p, groups);
+        // dwte: group the positions by token on the host, in (b, t) order: [rows | starts | positions].
+        let v = dwte.len / c;
+        let toks = &self.tok_host[tokens.buf][tokens.offset..tokens.offset + n];
+        assert!(
+            toks.iter().all(|&x| (x as usize) < v),
+            "token id out of the vocabulary of {v}"
+        );
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        order.sort_by_key(|&i| (toks[i as usize], i));
+        let mut rows = Vec::new();
+        let mut starts = Vec::new();
+        for (j, &i) in order.iter().enumerate() {
+            let tok = toks[i as usize];
+            if rows.last() != Some(&tok) {
+                rows.push(tok);
+                starts.push(j as u32);
+            }
+        }
+        starts.push(n as u32);
+        let u = rows.len();
+        let mut aux = rows;
+        aux.extend_from_slice(&starts);
+        aux.extend_from_slice(&order);
+        let aux_buf = self.ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("encoder_backward index"),
+            contents: bytemuck::cast_slice(&aux),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+        let waux = self.win_of(&aux_buf, aux.len(), 0, aux.len());
+        let rows_per = self.rows_per_window(c);
+        let mut v0 = 0;
+        while v0 < v {
+            let v1 = (v0 + rows_per).min(v);
+            let wdwte = self.win(dwte.sub(v0 * c, (v1 - v0) * c));
+            let p = Params::default()
+                .u(u)
+                .u(t)
+                .u(c)
+                .u(wdwte.off)
+                .u(wdout.off)
+                .u(0u32)
+                .u(0u32)
+                .u(v0)
+                .u(v1);
+            let groups = self.grid1d(u * c);
+            let dummy = self.dummy_win();
+            self.dispatch(
+                "encoder_backward_wte",
+                &[wdwte, wdout.clone(), dummy, waux.clone()],
+                p,
+                groups,
+            );
+            v0 = v1;
+        }
+    }
+
+    fn layernorm_forward(
+        &mut self,
+        out: View,
+        mean: View,
+        rstd: View,
+        inp: View,
+        weight: View,
+        bias: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
+        assert!(weight.len == c && bias.len == c);
+        if n == 0 {
+            return;
+        }
+        let w = [out, mean, rstd, inp, weight, bias].map(|v| self.win(v));
+        let p = Params::default()
+            .u(n)
+            .u(c)
+            .u(w[0].off)
+            .u(w[1].off)
+            .u(w[2].off)
+            .u(w[3].off)
+            .u(w[4].off)
+            .u(w[5].off)
+            .u(0u32)
+            .u(0u32);
+        let groups = self.grid(n);
+        self.dispatch("layernorm_forward", &w, p, groups);
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: View,
+        dout: View,
+        inp: View,
+        weight: View,
+        mean: View,
+        rstd: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
+        assert!(weight.len == c && dweight.len == c && dbias.len == c);
+        if n == 0 {
+            return;
+        }
+        let w = [dinp, mean, rstd, inp, weight, dbias, dout, dweight].map(|v| self.win(v));
+        let p = Params::default()
+            .u(n)
+            .u(c)
+            .u(w[0].off)
+            .u(w[1].off)
+            .u(w[2].off)
+            .u(w[3].off)
+            .u(w[4].off)
+            .u(w[5].off)
+            .u(w[6].off)
+            .u(w[7].off);
+        let groups = self.grid(n);
+        self.dispatch("layernorm_backward", &w[..7], p, groups);
+        let p = Params::default()
+            .u(n)
+            .u(c)
+            .u(w[0].off)
+            .u(w[1].off)
+            .u(w[2].off)
+            .u(w[3].off)
+            .u(w[4].off)
+            .u(w[5].off)
+            .u(w[6].off)
+            .u(w[7].off);
+        let groups = self.grid1d(c);
+        self.dispatch("layernorm_backward_params", &w, p, groups);
+    }
+
+    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
+        assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
+        assert!(bias.is_none_or(|b| b.len == s.oc));
+        // W as a c x oc matrix.
+        let (w_rs, w_cs) = match s.layout {
+            WeightLayout::InOut => (s.oc, 1),
+            WeightLayout::OutIn => (1, s.c),
+        };
+        self.gemm(Gemm {
+            m: s.n,
+            n: s.oc,
+            k: s.c,
+            a: Mat {
+                buf: inp.buf,
+                off: inp.offset,
+                rs: s.c,
+                cs: 1,
+            },
+            b: Mat {
+                buf: weight.buf,
+                off: weight.offset,
+                rs: w_rs,
+                cs: w_cs,
+            },
+            c: Mat {
+                buf: out.buf,
+                off: out.offset,
+                rs: s.oc,
+                cs: 1,
+            },
+            bias,
+            accumulate: false,
+        });
+    }
+
+    fn matmul_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: Option<View>,
+        dout: View,
+        inp: View,
+        weight: View,
+        s: MatmulShape,
+    ) {
+        assert!(dinp.len == s.n * s.c && inp.len == s.n * s.c && dout.len == s.n * s.oc);
+        assert!(weight.len == s.c * s.oc && dweight.len == s.c * s.oc);
+        assert!(dbias.is_none_or(|b| b.len == s.oc));
+        let mat = |v: View, rs: usize, cs: usize| Mat {
+            buf: v.buf,
+            off: v.offset,
+            rs,
+            cs,
+        };
+        // dinp [n, c] = dout [n, oc] @ W^T, W^T as an oc x c matrix.
+        let wt = match s.layout {
+            WeightLayout::InOut => mat(weight, 1, s.oc),
+            WeightLayout::OutIn => mat(weight, s.c, 1),
+        };
+        self.gemm(Gemm {
+            m: s.n,
+            n: s.c,
+            k: s.oc,
+            a: mat(dout, s.oc, 1),
+            b: wt,
+            c: mat(dinp, s.c, 1),
+            bias: None,
+            accumulate: false,
+        });
+        match s.layout {
+            // dW [c, oc] += inp^T @ dout
+            WeightLayout::InOut => self.gemm(Gemm {
+                m: s.c,
+                n: s.oc,
+                k: s.n,
+                a: mat(inp, 1, s.c),
+                b: mat(dout, s.oc, 1),
+                c: mat(dweight, s.oc, 1),
+                bias: None,
+                accumulate: true,
+            }),
+            // dW [oc, c] += dout^T @ inp
+            WeightLayout::OutIn => self.gemm(Gemm {
+                m: s.oc,
+                n: s.c,
+                k: s.n,
+                a: mat(dout, 1, s.oc),
+                b: mat(inp, s.c, 1),
+                c: mat(dweight, s.c, 1),
+                bias: None,
+                accumulate: true,
+            }),
+        }
+        if let Some(db) = dbias {
+            if s.n == 0 {
+                return;
+            }
+            // One invocation per column; split by rows of dout when dout exceeds a window.
+            let rows = self.rows_per_window(s.oc);
+            let mut r0 = 0;
+            while r0 < s.n {
+                let r1 = (r0 + rows).min(s.n);
+                let (wdb, wd) = (self.win(db), self.win(dout.sub(r0 * s.oc, (r1 - r0) * s.oc)));
+                let p = Params::default()
+                    .u(r1 - r0)
+                    .u(s.oc)
+                    .u(0u32)
+                    .u(wdb.off)
+                    .u(s.oc)
+                    .u(wd.off)
+                    .u(s.oc);
+                let groups = self.grid1d(s.oc);
+                self.dispatch("matmul_backward_bias", &[wdb, wd], p, groups);
+                r0 = r1;
+            }
+        }
+    }
+
+    fn attention_forward(&mut self, out: View, att: View, qkv: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(out.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
+        assert!(nh > 0 && c % nh == 0);
+        if b == 0 || t == 0 {
+            return;
+        }
+        let whole = self.fits(att.offset, att.end()) && self.fits(qkv.offset, qkv.end());
+        let per = if whole { b } else { 1 };
+        for b0 in (0..b).step_by(per) {
+            let nb = per.min(b - b0);
+            let o = out.sub(b0 * t * c, nb * t * c);
+            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
+            let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let w = [o, a, q].map(|v| self.win(v));
+            let p = || {
+                Params::default()
+                    .u(nb)
+                    .u(t)
+                    .u(c)
+                    .u(nh)
+                    .u(w[0].off)
+                    .u(w[1].off)
+                    .u(w[2].off)
+                    .u(0u32)
+                    .u(0u32)
+            };
+            let g1 = self.grid1d(nb * nh * t);
+            self.dispatch("attention_forward", &w, p(), g1);
+            let g2 = self.grid1d(nb * t * c);
+            self.dispatch("attention_forward_out", &w, p(), g2);
+        }
+    }
+
+    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(dout.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
+        assert!(dqkv.len == qkv.len && datt.len == att.len && nh > 0 && c % nh == 0);
+        if b == 0 || t == 0 {
+            return;
+        }
+        let whole = [att, datt, qkv, dqkv].iter().all(|v| self.fits(v.offset, v.end()));
+        let per = if whole { b } else { 1 };
+        for b0 in (0..b).step_by(per) {
+            let nb = per.min(b - b0);
+            let dq = dqkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
+            let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let da = datt.sub(b0 * nh * t * t, nb * nh * t * t);
+            let d = dout.sub(b0 * t * c, nb * t * c);
+            let w = [dq, a, q, da, d].map(|v| self.win(v));
+            let p = || {
+                Params::default()
+                    .u(nb)
+                    .u(t)
+                    .u(c)
+                    .u(nh)
+                    .u(w[0].off)
+                    .u(w[1].off)
+                    .u(w[2].off)
+                    .u(w[3].off)
+                    .u(w[4].off)
+            };
+            let g1 = self.grid1d(nb * nh * t);
+            self.dispatch("attention_backward", &w, p(), g1);
+            let g2 = self.grid1d(nb * t * c);
+            self.dispatch("attention_backward_dq", &w[..4], p(), g2);
+            self.dispatch("attention_backward_dkv", &w, p(), g2);
+        }
+    }
+
+    fn gelu_forward(&mut self, out: View, inp: View) {
+        self.elementwise("gelu_forward", &[out, inp], None);
+    }
+
+    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
+        self.elementwise("gelu_backward", &[dinp, inp, dout], None);
+    }
+
+    fn residual_forward(&mut self, out: View, a: View, b: View) {
+        self.elementwise("residual_forward", &[out, a, b], None);
+    }
+
+    fn add_inplace(&mut self, dst: View, src: View) {
+        self.elementwise("add_inplace", &[dst, src], None);
+    }
+
+    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
+        assert!(losses.len == n && logits.len == n * v && targets.len == n && v > 0);
+        let rows = self.rows_per_window(v);
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + rows).min(n);
+            let (wl, wx, wt) = (
+                self.win(losses.sub(r0, r1 - r0)),
+                self.win(logits.sub(r0 * v, (r1 - r0) * v)),
+                self.twin(targets.sub(r0, r1 - r0)),
+            );
+            let p = Params::default().u(r1 - r0).u(v).u(wl.off).u(wx.off).u(wt.off).f(0.0);
+            let groups = self.grid(r1 - r0);
+            self.dispatch("crossentropy_forward", &[wl, wx, wt], p, groups);
+            r0 = r1;
+        }
+    }
+
+    fn crossentropy_backward(
+        &mut self,
+        dlogits: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    ) {
+        assert!(dlogits.len == n * v && logits.len == n * v && targets.len == n && v > 0);
+        if dlogits != logits {
+            self.copy(dlogits, logits);
+        }
+        let rows = self.rows_per_window(v);
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + rows).min(n);
+            let (wx, wt) = (
+                self.win(dlogits.sub(r0 * v, (r1 - r0) * v)),
+                self.twin(targets.sub(r0, r1 - r0)),
+            );
+            let p = Params::default().u(r1 - r0).u(v).u(0u32).u(wx.off).u(wt.off).f(dloss);
+            let groups = self.grid(r1 - r0);
+            let dummy = self.dummy_win();
+            self.dispatch("crossentropy_backward", &[dummy, wx, wt], p, groups);
+            r0 = r1;
+        }
+    }
+
+    fn sum_squares(&mut self, x: View) -> Result<f64> {
+        if x.len == 0 {
+            return Ok(0.0);
+        }
+        let blocks = ceil_div(x.len, SUM_BLOCK);
+        let partial = self.new_buffer(blocks, "sum_squares partials")?;
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let mut start = 0;
+        while start < x.len {
+            let n = chunk.min(x.len - start);
+            let wx = self.win(x.sub(start, n));
+            let wp = self.win_of(&partial, blocks, 0, blocks);
+            let p = Params::default().u(n).u(wx.off).u(start / SUM_BLOCK);
+            let groups = self.grid(ceil_div(n, SUM_BLOCK));
+            self.dispatch("sum_squares", &[wp, wx], p, groups);
+            start += n;
+        }
+        let bytes = self.read_back(&partial, 0, blocks as u64 * 4)?;
+        let sums: &[f32] = bytemuck::cast_slice(&bytes);
+        Ok(sums.iter().map(|&s| s as f64).sum())
+    }
+
+    fn scale(&mut self, x: View, s: f32) {
+        self.elementwise("scale", &[x], Some(s));
+    }
+
+    fn adamw(&mut self, params: View, grads: View, m: View, v: View, h: &AdamWStep) {
+        let len = params.len;
+        assert!(grads.len == len && m.len == len && v.len == len);
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let mut start = 0;
+        while start < len {
+            let n = chunk.min(len - start);
+            let w = [params, grads, m, v].map(|x| self.win(x.sub(start, n)));
+            let p = Params::default()
+                .u(n)
+                .u(w[0].off)
+                .u(w[1].off)
+                .u(w[2].off)
+                .u(w[3].off)
+                .f(h.lr)
+                .f(h.beta1)
+                .f(h.beta2)
+                .f(h.eps)
+                .f(h.weight_decay)
+                .f(h.step_size)
+                .f(h.bias_correction2_sqrt)
+                .f(h.grad_scale);
+            let groups = self.grid1d(n);
+            self.dispatch("adamw", &w, p, groups);
+            start += n;
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.wait()
+    }
+}
+
+/// Times `iters` forward matmuls `[m, k] @ [k, n]` (after one warm-up) and returns GFLOP/s.
+pub fn bench_matmul(be: &mut WgpuBackend, m: usize, k: usize, n: usize, iters: usize) -> Result<f64> {
+    let (a, w, o) = (be.alloc(m * k)?, be.alloc(k * n)?, be.alloc(m * n)?);
+    be.fill(a, 0.5);
+    be.fill(w, 0.25);
+    let shape = MatmulShape {
+        n: m,
+        c: k,
+        oc: n,
+        layout: WeightLayout::InOut,
+    };
+    be.matmul_forward(o, a, w, None, shape);
+    be.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        be.matmul_forward(o, a, w, None, shape);
+    }
+    be.synchronize()?;
+    let secs = start.elapsed().as_secs_f64();
+    Ok(2.0 * (m * k * n * iters) as f64 / secs / 1e9)
+}
