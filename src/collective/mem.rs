@@ -165,9 +165,12 @@ impl MemCollective {
             deliver_at,
             msg,
         })
-        .map_err(|_| CollectiveError::PeerDead {
-            rank: right,
-            reason: "channel closed".into(),
+        .map_err(|_| {
+            // The neighbour may have left after seeing a failure first: name the dead rank if there is one.
+            self.check_peers().err().unwrap_or(CollectiveError::PeerDead {
+                rank: right,
+                reason: "channel closed".into(),
+            })
         })
     }
 

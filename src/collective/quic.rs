@@ -594,14 +594,18 @@ impl QuicCollective {
                 self.sent_msgs += 1;
                 let bytes = frame::encode_msg(self.cfg.job_id, self.step, seq, &m);
                 let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
-                tokio::select! {
-                    r = send.write_all(&bytes) => r.map_err(|e| CollectiveError::PeerDead {
-                        rank: right_rank, reason: format!("link lost: {e}") })?,
+                let written = tokio::select! {
+                    r = send.write_all(&bytes) => r.map_err(|e| e.to_string()),
                     _ = tokio::time::sleep_until(deadline) =>
                         return Err(CollectiveError::Timeout { seq, waiting_on: right_rank, secs }),
-                    _ = poison_rx.changed() => {
-                        if let Some(e) = self.current_poison() { return Err(e); }
-                    }
+                    _ = poison_rx.changed() => Err("control plane reported a failure".to_string()),
+                };
+                if let Err(reason) = written {
+                    let fallback = CollectiveError::PeerDead {
+                        rank: right_rank,
+                        reason: format!("link lost: {reason}"),
+                    };
+                    return Err(self.blame(fallback, deadline).await);
                 }
             }
             if engine.is_done() {
@@ -639,22 +643,28 @@ impl QuicCollective {
                     })
                 }
                 LinkEvent::Closed(reason) => {
-                    // Give rank 0's verdict a moment to arrive, so the error names the rank that really died.
-                    let grace = (Instant::now() + Duration::from_millis(1500)).min(deadline);
-                    loop {
-                        if let Some(e) = self.current_poison() {
-                            return Err(e);
-                        }
-                        tokio::select! {
-                            r = poison_rx.changed() => if r.is_err() { break },
-                            _ = tokio::time::sleep_until(grace) => break,
-                        }
-                    }
-                    return Err(CollectiveError::PeerDead {
+                    let fallback = CollectiveError::PeerDead {
                         rank: left_rank,
                         reason: format!("link lost: {reason}"),
-                    });
+                    };
+                    return Err(self.blame(fallback, deadline).await);
                 }
+            }
+        }
+    }
+
+    /// A link broke: give rank 0's verdict a moment to arrive, so the error names the rank that really died
+    /// (the neighbour may just have left after seeing the failure first). Otherwise blame the neighbour.
+    async fn blame(&self, fallback: CollectiveError, deadline: Instant) -> CollectiveError {
+        let grace = (Instant::now() + Duration::from_millis(1500)).min(deadline);
+        let mut poison_rx = self.poison_rx.clone();
+        loop {
+            if let Some(e) = self.current_poison() {
+                return e;
+            }
+            tokio::select! {
+                r = poison_rx.changed() => if r.is_err() { return fallback },
+                _ = tokio::time::sleep_until(grace) => return fallback,
             }
         }
     }
