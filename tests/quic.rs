@@ -274,3 +274,52 @@ fn allreduce_bench_table() {
     assert!(lines[2].trim_start().starts_with("4 KiB"), "{t}");
     assert!(lines[3].trim_start().starts_with("1 MiB"), "{t}");
 }
+
+#[test]
+fn join_from_launch_env() {
+    use ringtrain::dist::{join, JoinOptions, LaunchEnv, LaunchSource};
+    let opts = JoinOptions {
+        job_id: None,
+        config_hash: 5,
+        secret: None,
+        timeout: Duration::from_secs(10),
+    };
+    // World size 1: no network at all.
+    let solo = LaunchEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 1,
+        source: LaunchSource::Single,
+    };
+    let mut c = join(&solo, &opts).unwrap();
+    let mut b = vec![3.0f32; 5];
+    c.all_reduce_mean(&mut b).unwrap();
+    assert_eq!(b, vec![3.0; 5]);
+    // World size 2 through the environment path, on a port picked here.
+    let port = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let res: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let opts = opts.clone();
+                s.spawn(move || {
+                    let env = LaunchEnv {
+                        rank,
+                        world_size: 2,
+                        local_rank: rank,
+                        master_addr: "localhost".into(),
+                        master_port: port,
+                        source: LaunchSource::Flags,
+                    };
+                    let mut c: Box<dyn Collective> = join(&env, &opts).unwrap();
+                    let mut b = vec![rank as f32; 7];
+                    c.all_reduce_sum(&mut b).unwrap();
+                    b
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(res, vec![vec![1.0; 7], vec![1.0; 7]]);
+}
