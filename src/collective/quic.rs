@@ -500,6 +500,15 @@ impl QuicCollective {
             });
             SocketAddr::new(ip, 0)
         };
+        let no_secret_refusal = |addr: SocketAddr| {
+            local(format!(
+                "refusing to bind non-loopback address {addr} without a cluster secret: set RINGTRAIN_SECRET or \
+                 --secret-file"
+            ))
+        };
+        if cfg.secret.is_none() && socket.is_none() && !bind.ip().is_loopback() {
+            return Err(no_secret_refusal(bind));
+        }
         let socket = match socket {
             Some(s) => s,
             None => std::net::UdpSocket::bind(bind).map_err(|e| local(format!("cannot bind {bind}: {e}")))?,
@@ -509,10 +518,7 @@ impl QuicCollective {
             cfg.master = bind;
         }
         if cfg.secret.is_none() && !bind.ip().is_loopback() {
-            return Err(local(format!(
-                "refusing to bind non-loopback address {bind} without a cluster secret: set RINGTRAIN_SECRET or \
-                 --secret-file"
-            )));
+            return Err(no_secret_refusal(bind));
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -843,12 +849,27 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
                 loop {
                     match read_frame(&mut recv, MAX_CONTROL).await {
                         Ok((h, p)) if h.kind == Kind::Abort => {
+                            // Rank `rank` aborts, or reports another rank dead (`chunk` names it).
                             let reason = String::from_utf8_lossy(&p).into_owned();
-                            shared.poison(CollectiveError::Aborted {
-                                rank,
-                                reason: reason.clone(),
-                            });
-                            broadcast_control(&clients, &abort_frame(job, rank, false, &reason), Some(rank)).await;
+                            let (blamed, dead) = if (h.chunk as usize) < n {
+                                (h.chunk as usize, h.sub == 1)
+                            } else {
+                                (rank, false)
+                            };
+                            let e = if dead {
+                                CollectiveError::PeerDead {
+                                    rank: blamed,
+                                    reason: reason.clone(),
+                                }
+                            } else {
+                                CollectiveError::Aborted {
+                                    rank: blamed,
+                                    reason: reason.clone(),
+                                }
+                            };
+                            shared.poison(e);
+                            let frame = abort_frame(job, blamed, dead, &reason);
+                            broadcast_control(&clients, &frame, Some(rank)).await;
                         }
                         Ok((h, p)) if h.kind == Kind::Control => {
                             if let Ok(Control::Bye) = serde_json::from_slice::<Control>(&p) {
@@ -1077,12 +1098,18 @@ impl Collective for QuicCollective {
         self.rt = Some(rt);
         self.seq += 1;
         if let Err(e) = &res {
-            if !self.crashed && matches!(e, CollectiveError::Timeout { .. } | CollectiveError::Protocol { .. }) {
-                // Tell everyone, so they fail now rather than at their own deadline.
-                let reason = e.to_string();
-                let rank = self.cfg.rank;
+            // Tell everyone what this rank found (unless it came from the control plane already), so they fail
+            // now rather than at their own deadline.
+            if !self.crashed && self.current_poison().as_ref() != Some(e) {
+                let me = self.cfg.rank;
+                let (rank, dead, reason) = match e {
+                    CollectiveError::PeerDead { rank, reason } => {
+                        (*rank, true, format!("rank {me} lost its link to it: {reason}"))
+                    }
+                    other => (me, false, other.to_string()),
+                };
                 let rt = self.rt.take().expect("runtime");
-                rt.block_on(self.send_abort(rank, false, &reason));
+                rt.block_on(self.send_abort(rank, dead, &reason));
                 self.rt = Some(rt);
             }
             self.failed = Some(e.clone());
