@@ -89,20 +89,38 @@ fn layernorm_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgro
     }
 }
 
-// dweight[i] += sum_rows norm * dout, dbias[i] += sum_rows dout; one invocation per column, rows in order.
+// dweight[i] += sum over rows of norm * dout, dbias[i] += sum over rows of dout. A workgroup owns 16 columns
+// and splits the rows among 16 lanes (lane j sums rows j, j + 16, ... in order); the lanes are then added
+// by a fixed tree.
+var<workgroup> red2: array<f32, 256>;
+
 @compute @workgroup_size(256)
 fn layernorm_backward_params(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                              @builtin(local_invocation_index) li: u32) {
-    let i = flat_index(wg, nwg, li);
-    if (i >= P.c) { return; }
+    let i = group_index(wg, nwg) * 16u + li % 16u;
+    let lane = li / 16u;
     var sw = 0.0;
     var sb = 0.0;
-    for (var row = 0u; row < P.n; row++) {
-        let norm = (inp[P.inp_off + row * P.c + i] - mean[P.mean_off + row]) * rstd[P.rstd_off + row];
-        let d = dout[P.dout_off + row * P.c + i];
-        sw += norm * d;
-        sb += d;
+    if (i < P.c) {
+        for (var row = lane; row < P.n; row += 16u) {
+            let norm = (inp[P.inp_off + row * P.c + i] - mean[P.mean_off + row]) * rstd[P.rstd_off + row];
+            let d = dout[P.dout_off + row * P.c + i];
+            sw += norm * d;
+            sb += d;
+        }
     }
-    dweight[P.dw_off + i] = dweight[P.dw_off + i] + sw;
-    bias[P.b_off + i] = bias[P.b_off + i] + sb;
+    red[li] = sw;
+    red2[li] = sb;
+    workgroupBarrier();
+    for (var s = 8u; s > 0u; s = s >> 1u) {
+        if (lane < s) {
+            red[li] = red[li] + red[li + s * 16u];
+            red2[li] = red2[li] + red2[li + s * 16u];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && i < P.c) {
+        dweight[P.dw_off + i] = dweight[P.dw_off + i] + red[li];
+        bias[P.b_off + i] = bias[P.b_off + i] + red2[li];
+    }
 }

@@ -90,13 +90,25 @@ fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     }
 }
 
-// dbias[j] += sum over rows (in order) of dout[row, j]; C is dbias, A is dout [m, n] with row stride a_rs.
+// dbias[j] += sum over rows of dout[row, j]; C is dbias, A is dout [m, n] with row stride a_rs. A workgroup
+// owns 16 columns and splits the rows among 16 lanes (lane l sums rows l, l + 16, ... in order), then adds
+// the lanes by a fixed tree.
+var<workgroup> red: array<f32, 256>;
+
 @compute @workgroup_size(256)
 fn matmul_backward_bias(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                         @builtin(local_invocation_index) li: u32) {
-    let j = flat_index(wg, nwg, li);
-    if (j >= P.n) { return; }
+    let j = group_index(wg, nwg) * 16u + li % 16u;
+    let lane = li / 16u;
     var s = 0.0;
-    for (var row = 0u; row < P.m; row++) { s += A[P.a_off + row * P.a_rs + j]; }
-    C[P.c_off + j] = C[P.c_off + j] + s;
+    if (j < P.n) {
+        for (var row = lane; row < P.m; row += 16u) { s += A[P.a_off + row * P.a_rs + j]; }
+    }
+    red[li] = s;
+    workgroupBarrier();
+    for (var st = 8u; st > 0u; st = st >> 1u) {
+        if (lane < st) { red[li] = red[li] + red[li + st * 16u]; }
+        workgroupBarrier();
+    }
+    if (lane == 0u && j < P.n) { C[P.c_off + j] = C[P.c_off + j] + red[li]; }
 }

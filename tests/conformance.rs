@@ -23,7 +23,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::cpu::CpuBackend;
-use ringtrain::backend::wgpu::{AdapterSelection, WgpuBackend};
+use ringtrain::backend::wgpu::{bench_matmul, list_adapters, AdapterSelection, WgpuBackend};
 use ringtrain::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -603,4 +603,45 @@ fn wgpu_windows_split_large_tensors() {
     be.upload(wv, &x).unwrap();
     let got = be.sum_squares(wv).unwrap();
     assert!((got - want).abs() <= 1e-6 * want, "split sum_squares: {got} vs {want}");
+}
+
+/// Adapter discovery and selection: every adapter is listed with its limits; an index past the end wraps
+/// around; asking for hardware only on a machine with only software adapters is a clear error.
+#[test]
+fn wgpu_adapters_listed_and_selected() {
+    let adapters = list_adapters();
+    for a in &adapters {
+        eprintln!("{a:?}");
+    }
+    if adapters.is_empty() {
+        if ci() {
+            panic!("CI=true but list_adapters() found no wgpu adapter");
+        }
+        eprintln!("SKIP: no wgpu adapter");
+        return;
+    }
+    for (i, a) in adapters.iter().enumerate() {
+        assert_eq!(a.index, i);
+        assert!(a.max_storage_buffer_binding_size > 0 && a.max_buffer_size > 0);
+    }
+    let usable = adapters.iter().filter(|a| a.unsupported.is_none()).count();
+    let be = WgpuBackend::new(AdapterSelection::any().with_index(usable)).unwrap();
+    assert_eq!(
+        be.adapter().name,
+        WgpuBackend::new(AdapterSelection::any()).unwrap().adapter().name
+    );
+    if adapters.iter().all(|a| a.is_software) {
+        let err = WgpuBackend::new(AdapterSelection::hardware())
+            .err()
+            .expect("no hardware adapter exists");
+        assert!(format!("{err:#}").contains("hardware"), "{err:#}");
+    }
+}
+
+#[test]
+fn wgpu_bench_matmul_runs() {
+    let Some(mut be) = shared_wgpu() else { return };
+    let gflops = bench_matmul(&mut be, 130, 70, 129, 3).unwrap();
+    eprintln!("matmul 130x70x129: {gflops:.2} GFLOP/s");
+    assert!(gflops.is_finite() && gflops > 0.0);
 }

@@ -3,8 +3,8 @@
 //! - `tiny_trains_like_cpu`: `ModelConfig::tiny()` trained for 50 AdamW steps (B=4, T=32, lr 1e-3, clipping
 //!   at 1.0) on both backends from the same init and batches. Tolerance: every step's loss within
 //!   [`LOSS_TOL`] absolute of the CPU's (the kernels differ from the CPU in summation order and in
-//!   exp/tanh rounding, and those differences compound over steps; measured on lavapipe: see the test's
-//!   output), and the loss must fall.
+//!   exp/tanh rounding, and those differences compound over steps; measured on lavapipe: 2e-7, so the
+//!   bound leaves room for GPUs with other exp/fma behaviour), and the loss must fall.
 //! - `wgpu_is_deterministic`: 10 steps twice on wgpu (two backends, two models) give bit-identical losses
 //!   and parameters.
 //! - `gpt2_124m_step` (`#[ignore]`, a few GiB of memory): one forward/backward/AdamW step of the 124M
@@ -119,7 +119,9 @@ fn wgpu_is_deterministic() {
 }
 
 /// One step of GPT-2 124M (V = 50257, a 154 MB wte inside a 500 MB flat parameter buffer) on wgpu, against
-/// the CPU backend: loss within 1e-4, updated parameters within 2e-5 (a fifth of the first step, lr 1e-4).
+/// the CPU backend: loss within 1e-5, gradient relative L2 error below 1e-4, and updated parameters within
+/// lr = 1e-4 (AdamW's first step moves each parameter by about lr * sign(g), so a gradient near 0 whose
+/// rounding differs may move by up to lr; measured on lavapipe: loss 1e-6, parameters 5.5e-5).
 #[test]
 #[ignore = "GPT-2 124M: about 5 GiB of memory and a minute or more on a software adapter"]
 fn gpt2_124m_step() {
@@ -127,14 +129,20 @@ fn gpt2_124m_step() {
     let cfg = ModelConfig::gpt2();
     let (b, t) = (1, 16);
     let init = init_params(&cfg, &ParamLayout::new(&cfg), 7);
-    let (gl, gp) = gpt2_step(&mut gpu, &cfg, &init, b, t);
-    let (cl, cp) = gpt2_step(&mut CpuBackend::<f32>::new(), &cfg, &init, b, t);
-    assert!((gl - cl).abs() < 1e-4, "loss {gl} vs {cl}");
+    let (gl, gg, gp) = gpt2_step(&mut gpu, &cfg, &init, b, t);
+    let (cl, cg, cp) = gpt2_step(&mut CpuBackend::<f32>::new(), &cfg, &init, b, t);
+    assert!((gl - cl).abs() < 1e-5, "loss {gl} vs {cl}");
+    let diff2: f64 = gg.iter().zip(&cg).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let norm2: f64 = cg.iter().map(|&a| (a as f64).powi(2)).sum();
+    let rel = (diff2 / norm2).sqrt();
+    assert!(rel < 1e-4, "gradients differ: relative L2 error {rel:e}");
     let worst = gp.iter().zip(&cp).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(worst < 2e-5, "parameters differ by up to {worst}");
+    eprintln!("gradient relative L2 error {rel:e}, parameters differ by up to {worst:e}");
+    assert!(worst <= 1e-4, "parameters differ by up to {worst}");
 }
 
-fn gpt2_step<B: Backend>(be: &mut B, cfg: &ModelConfig, init: &[f32], b: usize, t: usize) -> (f64, Vec<f32>) {
+/// Returns the loss, the gradients and the updated parameters.
+fn gpt2_step<B: Backend>(be: &mut B, cfg: &ModelConfig, init: &[f32], b: usize, t: usize) -> (f64, Vec<f32>, Vec<f32>) {
     let start = Instant::now();
     let layout = ParamLayout::new(cfg);
     let mut model = Gpt2::new(be, cfg.clone(), init).unwrap();
@@ -144,9 +152,11 @@ fn gpt2_step<B: Backend>(be: &mut B, cfg: &ModelConfig, init: &[f32], b: usize, 
     model.zero_grads(be);
     model.backward(be, 1.0 / (b * t) as f32).unwrap();
     let norm = be.sum_squares(model.grads).unwrap().sqrt();
+    let mut grads = vec![0f32; layout.total];
+    be.download(model.grads, &mut grads).unwrap();
     let coef = clip_coefficient(norm, 1.0);
     opt.update_range(be, &layout, model.params, model.grads, 0, layout.total, 1e-4, coef);
     let params = model.download_params(be).unwrap();
     eprintln!("{}: loss {loss}, grad norm {norm}, {:.2?}", be.name(), start.elapsed());
-    (loss, params)
+    (loss, grads, params)
 }

@@ -927,7 +927,7 @@ impl Backend for WgpuBackend {
             .u(w[5].off)
             .u(w[6].off)
             .u(w[7].off);
-        let groups = self.grid1d(c);
+        let groups = self.grid(ceil_div(c, 16));
         self.dispatch("layernorm_backward_params", &w, p, groups);
     }
 
@@ -1042,7 +1042,7 @@ impl Backend for WgpuBackend {
                     .u(s.oc)
                     .u(wd.off)
                     .u(s.oc);
-                let groups = self.grid1d(s.oc);
+                let groups = self.grid(ceil_div(s.oc, 16));
                 self.dispatch("matmul_backward_bias", &[wdb, wd], p, groups);
                 r0 = r1;
             }
