@@ -74,7 +74,7 @@ pub(crate) const NEEDED_WORKGROUP_STORAGE: u32 = 8192;
 fn instance() -> wgpu::Instance {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
     // Only the native compute-capable backends are compiled in (no GL).
-    desc.backends = desc.backends & (wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12);
+    desc.backends &= wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
     wgpu::Instance::new(desc)
 }
 
@@ -141,7 +141,7 @@ fn report(index: usize, adapter: &wgpu::Adapter) -> AdapterReport {
         driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
         is_software: is_software(&info),
         max_buffer_size: limits.max_buffer_size,
-        max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size as u64,
+        max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
         max_storage_buffers_per_shader_stage: limits.max_storage_buffers_per_shader_stage,
         max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
         max_compute_invocations_per_workgroup: limits.max_compute_invocations_per_workgroup,

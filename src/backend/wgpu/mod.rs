@@ -41,8 +41,10 @@ const SUM_BLOCK: usize = 4096;
 
 const COMMON: &str = include_str!("../../../shaders/common.wgsl");
 
-/// (family source, [(entry point, storage bindings)]).
-const FAMILIES: &[(&str, &str, &[(&str, u32)])] = &[
+/// One op family: (name, WGSL source, [(entry point, number of storage bindings)]).
+type Family = (&'static str, &'static str, &'static [(&'static str, u32)]);
+
+const FAMILIES: &[Family] = &[
     (
         "encoder",
         include_str!("../../../shaders/encoder.wgsl"),
@@ -278,7 +280,7 @@ impl WgpuBackend {
             mapped_at_creation: false,
         });
         let align = ctx.limits.min_storage_buffer_offset_alignment as u64;
-        let max_binding = (ctx.limits.max_storage_buffer_binding_size as u64) / 4 * 4;
+        let max_binding = ctx.limits.max_storage_buffer_binding_size / 4 * 4;
         let max_groups = ctx.limits.max_compute_workgroups_per_dimension;
         Ok(WgpuBackend {
             ctx,
@@ -303,7 +305,7 @@ impl WgpuBackend {
     /// Caps the storage binding size used for windows (never above the adapter's limit). Tests use it to
     /// exercise the splitting paths of large tensors with small ones.
     pub fn set_max_binding_bytes(&mut self, bytes: u64) {
-        let cap = (self.ctx.limits.max_storage_buffer_binding_size as u64) / 4 * 4;
+        let cap = self.ctx.limits.max_storage_buffer_binding_size / 4 * 4;
         self.max_binding = bytes.clamp(4 * SUM_BLOCK as u64 + self.align, cap) / 4 * 4;
     }
 
