@@ -690,17 +690,17 @@ impl QuicCollective {
     }
 
     async fn goodbye(&mut self) {
-        // After a failure nothing more needs delivering: leave at once.
-        let wait = if self.failed.is_some() {
-            Duration::ZERO
-        } else {
-            self.cfg.timeout.min(Duration::from_secs(10))
-        };
-        // 1. Make sure the right neighbour has everything we sent.
+        let wait = self.cfg.timeout.min(Duration::from_secs(10));
+        let failed = self.failed.is_some();
+        // 1. Make sure the right neighbour has everything we sent (pointless after a failure).
         if let Some((_, send)) = self.right.as_mut() {
             let _ = send.finish();
-            let _ = tokio::time::timeout(wait, send.stopped()).await;
+            if !failed {
+                let _ = tokio::time::timeout(wait, send.stopped()).await;
+            }
         }
+        // Even after a failure, flush the control stream (it carries our abort report) before closing.
+        let control_wait = if failed { wait.min(Duration::from_secs(2)) } else { wait };
         self.shared.closing.store(true, Ordering::SeqCst);
         match &self.control {
             ControlPlane::Client { send } => {
@@ -708,11 +708,12 @@ impl QuicCollective {
                 let mut s = send.lock().await;
                 if s.write_all(&bytes).await.is_ok() {
                     let _ = s.finish();
-                    let _ = tokio::time::timeout(wait, s.stopped()).await;
+                    let _ = tokio::time::timeout(control_wait, s.stopped()).await;
                 }
             }
             ControlPlane::Host { live, .. } => {
-                // 2. Rank 0 keeps the control plane up until everyone else has left.
+                // 2. Rank 0 keeps the control plane up until everyone else has left (after a failure too:
+                //    the others may not have heard of it yet).
                 let until = Instant::now() + wait;
                 while live.load(Ordering::SeqCst) > 0 && Instant::now() < until {
                     tokio::time::sleep(Duration::from_millis(10)).await;
