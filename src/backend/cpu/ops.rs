@@ -10,6 +10,9 @@ use rayon::prelude::*;
 
 pub const LAYERNORM_EPS: f64 = 1e-5;
 
+/// Elements per rayon task in elementwise ops: enough work to amortise scheduling, small enough to split.
+const ELEMENTWISE_GRAIN: usize = 4096;
+
 fn c<F: Real>(x: f64) -> F {
     F::from_f64(x)
 }
@@ -374,10 +377,13 @@ fn gelu_scale<F: Real>() -> F {
 /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 pub fn gelu_forward<F: Real>(out: &mut [F], inp: &[F]) {
     let k = gelu_scale::<F>();
-    out.par_iter_mut().zip(inp.par_iter()).for_each(|(o, &x)| {
-        let cube = c::<F>(0.044715) * x * x * x;
-        *o = c::<F>(0.5) * x * (F::one() + (k * (x + cube)).tanh());
-    });
+    out.par_iter_mut()
+        .zip(inp.par_iter())
+        .with_min_len(ELEMENTWISE_GRAIN)
+        .for_each(|(o, &x)| {
+            let cube = c::<F>(0.044715) * x * x * x;
+            *o = c::<F>(0.5) * x * (F::one() + (k * (x + cube)).tanh());
+        });
 }
 
 /// Overwrites `dinp` with `dout * gelu'(inp)`.
@@ -385,12 +391,13 @@ pub fn gelu_backward<F: Real>(dinp: &mut [F], inp: &[F], dout: &[F]) {
     let k = gelu_scale::<F>();
     dinp.par_iter_mut()
         .zip(inp.par_iter().zip(dout.par_iter()))
+        .with_min_len(ELEMENTWISE_GRAIN)
         .for_each(|(d, (&x, &g))| {
             let cube = c::<F>(0.044715) * x * x * x;
             let tanh_arg = k * (x + cube);
             let tanh_out = tanh_arg.tanh();
-            let cosh = tanh_arg.cosh();
-            let sech2 = F::one() / (cosh * cosh);
+            // sech^2 = 1 - tanh^2: the same derivative without a second transcendental call.
+            let sech2 = F::one() - tanh_out * tanh_out;
             let local = c::<F>(0.5) * (F::one() + tanh_out)
                 + x * c::<F>(0.5) * sech2 * k * (F::one() + c::<F>(3.0 * 0.044715) * x * x);
             *d = local * g;
@@ -401,12 +408,16 @@ pub fn gelu_backward<F: Real>(dinp: &mut [F], inp: &[F], dout: &[F]) {
 pub fn residual_forward<F: Real>(out: &mut [F], a: &[F], b: &[F]) {
     out.par_iter_mut()
         .zip(a.par_iter().zip(b.par_iter()))
+        .with_min_len(ELEMENTWISE_GRAIN)
         .for_each(|(o, (&x, &y))| *o = x + y);
 }
 
 /// `dst += src`.
 pub fn add_inplace<F: Real>(dst: &mut [F], src: &[F]) {
-    dst.par_iter_mut().zip(src.par_iter()).for_each(|(d, &s)| *d = *d + s);
+    dst.par_iter_mut()
+        .zip(src.par_iter())
+        .with_min_len(ELEMENTWISE_GRAIN)
+        .for_each(|(d, &s)| *d = *d + s);
 }
 
 /// Row-wise log-sum-exp, max-shifted for stability.
@@ -453,7 +464,9 @@ pub fn sum_squares<F: Real>(x: &[F]) -> f64 {
 
 /// `x *= s`.
 pub fn scale<F: Real>(x: &mut [F], s: F) {
-    x.par_iter_mut().for_each(|v| *v = *v * s);
+    x.par_iter_mut()
+        .with_min_len(ELEMENTWISE_GRAIN)
+        .for_each(|v| *v = *v * s);
 }
 
 /// torch.optim.AdamW (single-tensor path), element by element:
@@ -467,6 +480,7 @@ pub fn adamw<F: Real>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], h
         .par_iter_mut()
         .zip(grads.par_iter())
         .zip(m.par_iter_mut().zip(v.par_iter_mut()))
+        .with_min_len(ELEMENTWISE_GRAIN)
         .for_each(|((p, &g), (m, v))| {
             let g = g * gs;
             *p = *p * decay;

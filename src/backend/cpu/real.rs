@@ -2,6 +2,7 @@
 //! f32 (training) and in f64 (finite-difference gradient checks).
 
 use num_traits::Float;
+use rayon::prelude::*;
 use std::fmt::Debug;
 
 pub trait Real: Float + Send + Sync + Debug + Default + std::iter::Sum + 'static {
@@ -9,11 +10,58 @@ pub trait Real: Float + Send + Sync + Debug + Default + std::iter::Sum + 'static
     fn to_f32(self) -> f32;
     fn from_f64(x: f64) -> Self;
     fn to_f64(self) -> f64;
-    /// `c = a @ b + beta * c` with explicit row/column strides (so transposes are free).
+    /// `c = a @ b + beta * c` with explicit row/column strides (so transposes are free), single-threaded.
     /// `m x k` times `k x n`.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(m: usize, k: usize, n: usize, a: Strided<Self>, b: Strided<Self>, beta: Self, c: StridedMut<Self>);
+    fn gemm_serial(m: usize, k: usize, n: usize, a: Strided<Self>, b: Strided<Self>, beta: Self, c: StridedMut<Self>);
+
+    /// [`Real::gemm_serial`] split into row blocks of `c` across the rayon pool. Each output element is
+    /// still computed by one serial call with a fixed k order, so the bits do not depend on the split.
+    fn gemm(m: usize, k: usize, n: usize, a: Strided<Self>, b: Strided<Self>, beta: Self, c: StridedMut<Self>) {
+        check_gemm(m, k, n, &a, &b, &c);
+        // One block per thread: matrixmultiply packs B once per call, so fewer, larger blocks pack less.
+        let per_thread = m.div_ceil(rayon::current_num_threads().max(1));
+        let rows_per_task = per_thread.max(ROWS_PER_TASK).max(GEMM_MIN_WORK / (k * n).max(1));
+        if m <= rows_per_task || c.cs != 1 || c.rs < n {
+            return Self::gemm_serial(m, k, n, a, b, beta, c);
+        }
+        let (a_data, b_data, rsa, csa, rsc) = (a.data, b.data, a.rs, a.cs, c.rs);
+        let b_view = || Strided {
+            data: b_data,
+            rs: b.rs,
+            cs: b.cs,
+        };
+        c.data
+            .par_chunks_mut(rows_per_task * rsc)
+            .enumerate()
+            .for_each(|(block, c_rows)| {
+                let i0 = block * rows_per_task;
+                let rows = rows_per_task.min(m - i0);
+                let a_rows = Strided {
+                    data: &a_data[i0 * rsa..],
+                    rs: rsa,
+                    cs: csa,
+                };
+                Self::gemm_serial(
+                    rows,
+                    k,
+                    n,
+                    a_rows,
+                    b_view(),
+                    beta,
+                    StridedMut {
+                        data: c_rows,
+                        rs: rsc,
+                        cs: 1,
+                    },
+                );
+            });
+    }
 }
+
+/// Smallest row block of a parallel gemm.
+const ROWS_PER_TASK: usize = 16;
+/// Multiply-adds per task below which splitting costs more than it saves.
+const GEMM_MIN_WORK: usize = 1 << 16;
 
 /// A read-only matrix view: `data[i * rs + j * cs]`.
 pub struct Strided<'a, F> {
@@ -62,7 +110,7 @@ impl Real for f32 {
     fn to_f64(self) -> f64 {
         self as f64
     }
-    fn gemm(m: usize, k: usize, n: usize, a: Strided<f32>, b: Strided<f32>, beta: f32, c: StridedMut<f32>) {
+    fn gemm_serial(m: usize, k: usize, n: usize, a: Strided<f32>, b: Strided<f32>, beta: f32, c: StridedMut<f32>) {
         check_gemm(m, k, n, &a, &b, &c);
         if m == 0 || n == 0 {
             return;
@@ -103,7 +151,7 @@ impl Real for f64 {
     fn to_f64(self) -> f64 {
         self
     }
-    fn gemm(m: usize, k: usize, n: usize, a: Strided<f64>, b: Strided<f64>, beta: f64, c: StridedMut<f64>) {
+    fn gemm_serial(m: usize, k: usize, n: usize, a: Strided<f64>, b: Strided<f64>, beta: f64, c: StridedMut<f64>) {
         check_gemm(m, k, n, &a, &b, &c);
         if m == 0 || n == 0 {
             return;
