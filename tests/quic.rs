@@ -323,3 +323,13 @@ fn join_from_launch_env() {
     });
     assert_eq!(res, vec![vec![1.0; 7], vec![1.0; 7]]);
 }
+
+/// Manual throughput check: `cargo test --release --test quic -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn allreduce_bench_large() {
+    for n in [2, 4] {
+        let t = ringtrain::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5).unwrap();
+        eprintln!("{t}");
+    }
+}

@@ -189,12 +189,9 @@ pub fn decode_frame(b: &[u8], max_payload: usize) -> Result<(Header, &[u8]), Fra
 
 /// Encodes a ring message as a data frame.
 pub fn encode_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Vec<u8> {
-    let (kind, bytes): (Kind, std::borrow::Cow<[u8]>) = match &msg.payload {
-        Payload::F32(v) => (
-            Kind::F32,
-            v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>().into(),
-        ),
-        Payload::Bytes(v) => (Kind::Bytes, v.as_slice().into()),
+    let (kind, len) = match &msg.payload {
+        Payload::F32(v) => (Kind::F32, v.len() * 4),
+        Payload::Bytes(v) => (Kind::Bytes, v.len()),
     };
     let h = Header {
         kind,
@@ -204,9 +201,19 @@ pub fn encode_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Vec<u8> {
         phase: msg.phase,
         chunk: msg.chunk,
         sub: msg.sub,
-        len: 0,
+        len: u32::try_from(len).expect("payload fits in u32"),
     };
-    encode_frame(h, &bytes)
+    let mut out = Vec::with_capacity(HEADER_LEN + len);
+    h.encode(&mut out);
+    match &msg.payload {
+        Payload::F32(v) => {
+            for x in v {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        Payload::Bytes(v) => out.extend_from_slice(v),
+    }
+    out
 }
 
 /// Turns a data frame back into a ring message.
