@@ -77,17 +77,39 @@ impl Case {
 
 type Op<'a> = &'a dyn Fn(&mut dyn Backend, &[View], &[TokenView]);
 
+thread_local! {
+    /// When non-zero, `run` places every operand across a multiple of this many elements (the segment size
+    /// of the `wgpu_segmented` backend), so that each view straddles two wgpu buffers.
+    static STRADDLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Where each operand starts: after a gap of `GAP`, or straddling the next multiple of `STRADDLE`.
+fn placement(lens: &[usize]) -> (Vec<usize>, usize) {
+    let seg = STRADDLE.with(|s| s.get());
+    let mut starts = Vec::new();
+    let mut at = 0;
+    for &len in lens {
+        let mut start = at + GAP;
+        if seg > 0 {
+            let boundary = (start / seg + 1) * seg;
+            start = start.max(boundary.saturating_sub(len / 2));
+        }
+        starts.push(start);
+        at = start + len;
+    }
+    (starts, at + GAP)
+}
+
 /// Lays the case out in one buffer (and one token buffer), runs `op`, returns the whole f32 buffer.
 fn run(be: &mut dyn Backend, case: &Case, op: Op) -> Vec<f32> {
-    let total: usize = case.f.iter().map(|x| x.len() + GAP).sum::<usize>() + GAP;
+    let lens: Vec<usize> = case.f.iter().map(|x| x.len()).collect();
+    let (starts, total) = placement(&lens);
     let whole = be.alloc(total).unwrap();
     let mut views = Vec::new();
-    let mut at = GAP;
-    for x in &case.f {
+    for (x, &at) in case.f.iter().zip(&starts) {
         let v = whole.sub(at, x.len());
         be.upload(v, x).unwrap();
         views.push(v);
-        at += x.len() + GAP;
     }
     let ttotal: usize = case.t.iter().map(|x| x.len() + 3).sum::<usize>() + 3;
     let twhole = be.alloc_tokens(ttotal).unwrap();
@@ -358,7 +380,7 @@ fn crossentropy(be: &mut dyn Backend) {
 
 fn sum_squares_and_adamw(be: &mut dyn Backend) {
     let mut rng = ChaCha8Rng::seed_from_u64(8);
-    for n in [1, 4095, 4097, 30011] {
+    for n in [1, 4095, 4097, 30011, 150001] {
         let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0f32)).collect();
         let mut cpu = CpuBackend::<f32>::new();
         let want = {
@@ -366,8 +388,8 @@ fn sum_squares_and_adamw(be: &mut dyn Backend) {
             cpu.upload(v, &x).unwrap();
             cpu.sum_squares(v).unwrap()
         };
-        let whole = be.alloc(n + GAP).unwrap();
-        let v = whole.sub(GAP, n);
+        let (starts, total) = placement(&[n]);
+        let v = be.alloc(total).unwrap().sub(starts[0], n);
         be.upload(v, &x).unwrap();
         let got = be.sum_squares(v).unwrap();
         assert!((got - want).abs() <= 1e-6 * want, "sum_squares n{n}: {got} vs {want}");
@@ -407,9 +429,29 @@ fn ci() -> bool {
 /// One wgpu backend shared by the tests of this binary (compiling the kernels once).
 fn shared_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
     static BE: OnceLock<Option<Mutex<WgpuBackend>>> = OnceLock::new();
-    let be = BE.get_or_init(|| match WgpuBackend::new(AdapterSelection::any()) {
-        Ok(be) => {
+    open_wgpu(&BE, None)
+}
+
+/// Segment size of the `wgpu_segmented` backend, in elements (256 KiB buffers).
+const SEGMENT: usize = 65536;
+
+/// A wgpu backend whose allocations are split into 256 KiB buffers (bindings capped alike), as a
+/// tensor larger than `max_buffer_size` would be.
+fn segmented_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
+    static BE: OnceLock<Option<Mutex<WgpuBackend>>> = OnceLock::new();
+    open_wgpu(&BE, Some(SEGMENT as u64 * 4))
+}
+
+fn open_wgpu(
+    cell: &'static OnceLock<Option<Mutex<WgpuBackend>>>,
+    max_buffer: Option<u64>,
+) -> Option<MutexGuard<'static, WgpuBackend>> {
+    let be = cell.get_or_init(|| match WgpuBackend::new(AdapterSelection::any()) {
+        Ok(mut be) => {
             eprintln!("wgpu adapter: {}", be.name());
+            if let Some(bytes) = max_buffer {
+                be.set_max_buffer_bytes(bytes);
+            }
             Some(Mutex::new(be))
         }
         Err(e) => {
@@ -439,6 +481,17 @@ macro_rules! backend_tests {
                 #[test]
                 fn $name() {
                     let Some(mut be) = super::shared_wgpu() else { return };
+                    super::$name(&mut *be);
+                }
+            )*
+        }
+        /// Every view straddles two 256 KiB segments of its allocation.
+        mod wgpu_segmented {
+            $(
+                #[test]
+                fn $name() {
+                    let Some(mut be) = super::segmented_wgpu() else { return };
+                    super::STRADDLE.with(|s| s.set(super::SEGMENT));
                     super::$name(&mut *be);
                 }
             )*

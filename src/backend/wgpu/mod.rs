@@ -5,13 +5,17 @@
 //! - **Pipelines.** One compute pipeline per kernel, compiled once at construction from `shaders/*.wgsl`
 //!   (one file per op family, `common.wgsl` prepended). The kernel stem is the WGSL entry point and the
 //!   Rust method name; ops needing several passes add suffixed kernels (`attention_backward_dq`, ...).
-//! - **Memory.** Each allocation is one storage buffer. A [`View`] is bound as a *window* of its buffer:
-//!   the binding starts at the view's offset rounded down to `min_storage_buffer_offset_alignment`, and the
-//!   remaining element offset travels in the kernel's uniform parameters. Ops whose windows would exceed
-//!   `max_storage_buffer_binding_size` are split: element-wise ops and `sum_squares` by ranges, matmuls by
-//!   halving M, N or K, the encoder by vocabulary rows, cross-entropy by rows, attention by sequence. So
-//!   GPT-2's 154 MB `wte` and the 500 MB flat parameter buffer work on adapters with a 128 MiB binding limit,
-//!   as long as one allocation fits `max_buffer_size`.
+//! - **Memory.** An allocation is one storage buffer, or, past the adapter's `max_buffer_size`, several
+//!   *segments* of at most that size. A [`View`] is bound as a *window* of its segment: the binding starts
+//!   at the view's offset rounded down to `min_storage_buffer_offset_alignment`, and the remaining element
+//!   offset travels in the kernel's uniform parameters. A window that straddles two segments (rare: the
+//!   views that cross a segment boundary) is gathered into a temporary buffer before the dispatch and
+//!   written back after it. Ops whose windows would exceed `max_storage_buffer_binding_size` are split:
+//!   element-wise ops, AdamW and `sum_squares` by ranges, matmuls by halving M, N or K, the encoder by
+//!   vocabulary rows, cross-entropy by rows, attention by sequence. So GPT-2's 154 MB `wte` inside the
+//!   500 MB flat parameter buffer works on adapters with a 128 MiB binding limit (lavapipe's), and
+//!   activation buffers may exceed `max_buffer_size`. Limits that remain: one cross-entropy row (`V` floats),
+//!   one layer-norm `[n, c]` tensor and one sequence's attention `[nh, t, t]` must each fit a binding.
 //! - **Submission.** Ops are recorded into one command encoder and submitted in batches: on `download`,
 //!   `sum_squares`, `synchronize`, before an upload (so the upload lands after the ops recorded before it),
 //!   and every [`MAX_PENDING`] dispatches. Only `download` and `sum_squares` read back.
@@ -115,12 +119,41 @@ struct Kernel {
 }
 
 /// A bound range of a buffer: `size` bytes from byte `start`; the view begins `off` elements into it.
+/// `scatter` is set when the range straddles segments of an allocation and `buffer` is a temporary copy of
+/// elements `[first, end)` of allocation `buf`: the copy is written back after each dispatch that binds it.
 #[derive(Clone)]
 struct Win {
     buffer: wgpu::Buffer,
     start: u64,
     size: u64,
     off: u32,
+    scatter: Option<(usize, usize, usize)>,
+}
+
+/// One allocation: segment `i` holds elements `[i * seg, min((i + 1) * seg, len))`.
+struct Alloc {
+    segs: Vec<wgpu::Buffer>,
+    seg: usize,
+    len: usize,
+}
+
+impl Alloc {
+    /// The pieces of `[first, end)`: (segment, element offset in the segment, offset in the range, length).
+    fn parts(&self, first: usize, end: usize) -> Vec<(usize, usize, usize, usize)> {
+        let mut out = Vec::new();
+        let mut at = first;
+        while at < end {
+            let s = at / self.seg;
+            let stop = end.min((s + 1) * self.seg);
+            out.push((s, at - s * self.seg, at - first, stop - at));
+            at = stop;
+        }
+        out
+    }
+
+    fn seg_len(&self, s: usize) -> usize {
+        self.seg.min(self.len - s * self.seg)
+    }
 }
 
 /// Uniform parameters: up to 16 scalar words, in the order of the kernel's `Params` struct.
@@ -183,7 +216,9 @@ struct Gemm {
 pub struct WgpuBackend {
     ctx: Context,
     kernels: HashMap<&'static str, Kernel>,
-    bufs: Vec<(wgpu::Buffer, usize)>,
+    bufs: Vec<Alloc>,
+    /// Elements per segment of new allocations (what `max_buffer_size` allows, 256-byte aligned).
+    seg_elems: usize,
     tok_bufs: Vec<(wgpu::Buffer, usize)>,
     /// Host copies of the token buffers (written only by `upload_tokens`), for the embedding backward.
     tok_host: Vec<Vec<u32>>,
@@ -280,12 +315,14 @@ impl WgpuBackend {
             mapped_at_creation: false,
         });
         let align = ctx.limits.min_storage_buffer_offset_alignment as u64;
-        let max_binding = ctx.limits.max_storage_buffer_binding_size / 4 * 4;
+        let seg_elems = (ctx.limits.max_buffer_size / 4).min(usize::MAX as u64) as usize / 64 * 64;
+        let max_binding = ctx.limits.max_storage_buffer_binding_size.min(seg_elems as u64 * 4) / 4 * 4;
         let max_groups = ctx.limits.max_compute_workgroups_per_dimension;
         Ok(WgpuBackend {
             ctx,
             kernels,
             bufs: Vec::new(),
+            seg_elems,
             tok_bufs: Vec::new(),
             tok_host: Vec::new(),
             dummy,
@@ -305,8 +342,22 @@ impl WgpuBackend {
     /// Caps the storage binding size used for windows (never above the adapter's limit). Tests use it to
     /// exercise the splitting paths of large tensors with small ones.
     pub fn set_max_binding_bytes(&mut self, bytes: u64) {
-        let cap = self.ctx.limits.max_storage_buffer_binding_size / 4 * 4;
+        let cap = self
+            .ctx
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.seg_elems as u64 * 4);
         self.max_binding = bytes.clamp(4 * SUM_BLOCK as u64 + self.align, cap) / 4 * 4;
+    }
+
+    /// Caps the size of one wgpu buffer for allocations made from now on (never above the adapter's
+    /// `max_buffer_size`); larger allocations are split into segments. Tests use it to exercise views that
+    /// straddle segments. Also caps the binding size to one segment.
+    pub fn set_max_buffer_bytes(&mut self, bytes: u64) {
+        let min = 4 * SUM_BLOCK as u64 + 2 * self.align;
+        let bytes = bytes.clamp(min, self.ctx.limits.max_buffer_size);
+        self.seg_elems = (bytes / 4) as usize / 64 * 64;
+        self.max_binding = self.max_binding.min(self.seg_elems as u64 * 4);
     }
 
     /// Largest number of elements a window may cover wherever it starts.
@@ -322,12 +373,7 @@ impl WgpuBackend {
     fn win_of(&self, buffer: &wgpu::Buffer, buf_len: usize, first: usize, end: usize) -> Win {
         assert!(end <= buf_len, "range [{first}, {end}) out of a buffer of {buf_len}");
         if first == end {
-            return Win {
-                buffer: self.dummy.clone(),
-                start: 0,
-                size: 4,
-                off: 0,
-            };
+            return self.dummy_win();
         }
         let start = (first as u64 * 4) / self.align * self.align;
         let size = end as u64 * 4 - start;
@@ -341,16 +387,59 @@ impl WgpuBackend {
             start,
             size,
             off: ((first as u64 * 4 - start) / 4) as u32,
+            scatter: None,
         }
     }
 
-    /// Window over elements `[first, end)` of f32 buffer `buf`.
-    fn win_range(&self, buf: usize, first: usize, end: usize) -> Win {
-        let (b, len) = &self.bufs[buf];
-        self.win_of(b, *len, first, end)
+    fn encoder(&mut self) -> &mut wgpu::CommandEncoder {
+        let device = &self.ctx.device;
+        self.encoder
+            .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }))
     }
 
-    fn win(&self, v: View) -> Win {
+    /// Window over elements `[first, end)` of allocation `buf`. A range straddling two segments is gathered
+    /// into a temporary buffer (and written back after each dispatch that binds it).
+    fn win_range(&mut self, buf: usize, first: usize, end: usize) -> Win {
+        let a = &self.bufs[buf];
+        assert!(end <= a.len, "range [{first}, {end}) out of an allocation of {}", a.len);
+        if first == end {
+            return self.dummy_win();
+        }
+        let (s0, s1) = (first / a.seg, (end - 1) / a.seg);
+        if s0 == s1 {
+            let base = s0 * a.seg;
+            let (b, seg_len) = (a.segs[s0].clone(), a.seg_len(s0));
+            return self.win_of(&b, seg_len, first - base, end - base);
+        }
+        let parts = a.parts(first, end);
+        let segs: Vec<wgpu::Buffer> = parts.iter().map(|p| a.segs[p.0].clone()).collect();
+        let len = end - first;
+        assert!(
+            len as u64 * 4 <= self.max_binding,
+            "a {}-byte window exceeds the adapter's storage binding limit of {} bytes",
+            len * 4,
+            self.max_binding
+        );
+        let temp = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("straddling view"),
+            size: len as u64 * 4,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let enc = self.encoder();
+        for ((_, local, at, n), seg) in parts.iter().zip(&segs) {
+            enc.copy_buffer_to_buffer(seg, *local as u64 * 4, &temp, *at as u64 * 4, *n as u64 * 4);
+        }
+        Win {
+            buffer: temp,
+            start: 0,
+            size: len as u64 * 4,
+            off: 0,
+            scatter: Some((buf, first, end)),
+        }
+    }
+
+    fn win(&mut self, v: View) -> Win {
         self.win_range(v.buf, v.offset, v.end())
     }
 
@@ -365,6 +454,7 @@ impl WgpuBackend {
             start: 0,
             size: 4,
             off: 0,
+            scatter: None,
         }
     }
 
@@ -429,6 +519,15 @@ impl WgpuBackend {
             pass.set_bind_group(0, &bg, &[]);
             pass.dispatch_workgroups(groups.0, groups.1, 1);
         }
+        // Write straddling windows back to their segments.
+        for w in wins {
+            if let Some((buf, first, end)) = w.scatter {
+                let a = &self.bufs[buf];
+                for (s, local, at, n) in a.parts(first, end) {
+                    encoder.copy_buffer_to_buffer(&w.buffer, at as u64 * 4, &a.segs[s], local as u64 * 4, n as u64 * 4);
+                }
+            }
+        }
         self.pending += 1;
         if self.pending >= MAX_PENDING {
             self.flush();
@@ -452,9 +551,10 @@ impl WgpuBackend {
         Ok(())
     }
 
-    /// Copies `bytes` bytes at byte `offset` of `src` back to the host.
-    fn read_back(&mut self, src: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>> {
+    /// Copies the byte ranges `(buffer, offset, size)`, concatenated, back to the host.
+    fn read_back(&mut self, pieces: &[(wgpu::Buffer, u64, u64)]) -> Result<Vec<u8>> {
         self.flush();
+        let bytes: u64 = pieces.iter().map(|p| p.2).sum();
         let device = &self.ctx.device;
         let staging = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
@@ -463,7 +563,11 @@ impl WgpuBackend {
             mapped_at_creation: false,
         });
         let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        enc.copy_buffer_to_buffer(src, offset, &staging, 0, bytes);
+        let mut at = 0;
+        for (src, offset, size) in pieces {
+            enc.copy_buffer_to_buffer(src, *offset, &staging, at, *size);
+            at += size;
+        }
         self.ctx.queue.submit([enc.finish()]);
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
@@ -646,8 +750,12 @@ impl Backend for WgpuBackend {
     }
 
     fn alloc(&mut self, len: usize) -> Result<View> {
-        let b = self.new_buffer(len, "tensor")?;
-        self.bufs.push((b, len));
+        let seg = self.seg_elems;
+        let mut segs = Vec::new();
+        for s in 0..len.div_ceil(seg).max(1) {
+            segs.push(self.new_buffer(seg.min(len - (s * seg).min(len)), "tensor")?);
+        }
+        self.bufs.push(Alloc { segs, seg, len });
         Ok(View {
             buf: self.bufs.len() - 1,
             offset: 0,
@@ -673,15 +781,16 @@ impl Backend for WgpuBackend {
             src.len(),
             dst.len
         );
-        ensure!(dst.end() <= self.bufs[dst.buf].1, "upload view {dst:?} out of bounds");
+        ensure!(dst.end() <= self.bufs[dst.buf].len, "upload view {dst:?} out of bounds");
         if src.is_empty() {
             return Ok(());
         }
         self.flush();
-        let buffer = &self.bufs[dst.buf].0;
-        self.ctx
-            .queue
-            .write_buffer(buffer, dst.offset as u64 * 4, bytemuck::cast_slice(src));
+        let a = &self.bufs[dst.buf];
+        for (s, local, at, n) in a.parts(dst.offset, dst.end()) {
+            let bytes: &[u8] = bytemuck::cast_slice(&src[at..at + n]);
+            self.ctx.queue.write_buffer(&a.segs[s], local as u64 * 4, bytes);
+        }
         Ok(())
     }
 
@@ -715,12 +824,20 @@ impl Backend for WgpuBackend {
             src.len,
             dst.len()
         );
-        ensure!(src.end() <= self.bufs[src.buf].1, "download view {src:?} out of bounds");
+        ensure!(
+            src.end() <= self.bufs[src.buf].len,
+            "download view {src:?} out of bounds"
+        );
         if dst.is_empty() {
             return Ok(());
         }
-        let buffer = self.bufs[src.buf].0.clone();
-        let bytes = self.read_back(&buffer, src.offset as u64 * 4, src.len as u64 * 4)?;
+        let a = &self.bufs[src.buf];
+        let pieces: Vec<(wgpu::Buffer, u64, u64)> = a
+            .parts(src.offset, src.end())
+            .into_iter()
+            .map(|(s, local, _, n)| (a.segs[s].clone(), local as u64 * 4, n as u64 * 4))
+            .collect();
+        let bytes = self.read_back(&pieces)?;
         dst.copy_from_slice(bytemuck::cast_slice(&bytes));
         Ok(())
     }
@@ -1202,7 +1319,7 @@ impl Backend for WgpuBackend {
             self.dispatch("sum_squares", &[wp, wx], p, groups);
             start += n;
         }
-        let bytes = self.read_back(&partial, 0, blocks as u64 * 4)?;
+        let bytes = self.read_back(&[(partial, 0, blocks as u64 * 4)])?;
         let sums: &[f32] = bytemuck::cast_slice(&bytes);
         Ok(sums.iter().map(|&s| s as f64).sum())
     }
