@@ -1,7 +1,7 @@
 //! The `ringtrain` command line (the contract is in DESIGN.md; flags are stable).
 
 use clap::{Parser, Subcommand};
-use ringtrain::cli::{args::TrainArgs, eval, info, plot, sample, train};
+use ringtrain::cli::{args::TrainArgs, eval, info, launch, plot, sample, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -14,8 +14,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model (single process in this build)
+    /// Train a model (one rank; several when launched with RANK/WORLD_SIZE or the flags)
     Train(TrainArgs),
+    /// Start N local training processes that train data-parallel over QUIC on loopback
+    Launch {
+        #[arg(long)]
+        nproc: usize,
+        #[arg(long)]
+        master_port: Option<u16>,
+        /// `train` and its flags, after `--`
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// Generate text from a checkpoint
     Sample {
         #[arg(long)]
@@ -82,6 +92,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train::run_train(args),
+        Command::Launch {
+            nproc,
+            master_port,
+            command,
+        } => launch::run_launch(nproc, master_port, &command),
         Command::Sample {
             checkpoint,
             prompt,

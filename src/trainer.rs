@@ -1,10 +1,19 @@
 //! The training loop: replicate, shard, local compute, synchronise, update (DESIGN.md's five stages).
 //!
-//! This build runs one process (world size 1); the synchronise stage is the identity there, and the
-//! collective layer plugs in at [`Trainer::synchronise`] when peers exist.
+//! Every rank runs the same `Trainer` over a [`Collective`]; with one rank the collective is never used.
+//! - Replicate: at start the ranks compare parameter hashes; on a mismatch rank 0's parameters win.
+//! - Shard: the global batch's windows are split by [`split_for_rank`].
+//! - Local compute: forward/backward over this rank's micro-batches, gradients accumulated on the device.
+//! - Synchronise: `replicated` all-reduces the gradient (in `--bucket-mb` buckets); `sharded` (ZeRO-1)
+//!   reduce-scatters it so each rank holds the mean of the chunk it owns.
+//! - Update: the gradient norm, the loss and the non-finite decision come from reduced values, so every rank
+//!   decides alike; `replicated` runs AdamW on everything, `sharded` on the owned chunk and then
+//!   all-gathers the parameters, so replicas are bit-identical by construction.
 
+use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::Backend;
 use crate::cli::metrics::StepMetrics;
+use crate::collective::{chunk_range, diverged_ranks, Collective};
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
 use crate::model::checkpoint::{self, TrainerState};
 use crate::model::{init::init_params, Gpt2, ModelConfig, ParamLayout};
@@ -24,6 +33,32 @@ pub enum OnNonFinite {
     Abort,
 }
 
+/// How the optimizer update is distributed over ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpdateMode {
+    /// ZeRO-1: reduce-scatter, AdamW on the owned chunk, all-gather the parameters.
+    Sharded,
+    /// Classic DDP: all-reduce, every rank runs the full AdamW.
+    Replicated,
+}
+
+impl UpdateMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpdateMode::Sharded => "sharded",
+            UpdateMode::Replicated => "replicated",
+        }
+    }
+}
+
+/// What to do when the replicas' hashes disagree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnDivergence {
+    Abort,
+    /// Broadcast rank 0's parameters (and moments) and go on.
+    Resync,
+}
+
 /// Everything the loop needs, already validated and resolved (the CLI builds it from flags and TOML).
 #[derive(Clone, Debug)]
 pub struct TrainOptions {
@@ -41,7 +76,11 @@ pub struct TrainOptions {
     pub eval_batches: usize,
     pub save: Option<PathBuf>,
     pub save_every: u64,
-    pub update: String,
+    pub update: UpdateMode,
+    pub verify_every: u64,
+    pub on_divergence: OnDivergence,
+    /// Gradient bucket size of the replicated all-reduce, in f32 elements.
+    pub bucket_elems: usize,
     /// The resolved options as JSON, stored in checkpoints for inspection.
     pub args_json: String,
 }
@@ -70,13 +109,26 @@ pub struct Trainer<B: Backend> {
     pub tokens_seen: u64,
     world: usize,
     rank: usize,
+    /// The ring; only used when `world > 1`.
+    comm: Box<dyn Collective>,
+    /// Host staging of the flat gradient and parameter buffers for the collectives: `[layout.total]` each
+    /// (empty when `world == 1`).
+    host_grads: Vec<f32>,
+    host_params: Vec<f32>,
     /// Host staging for one micro-batch: `[batch_size * seq_len]` each.
     inputs: Vec<u32>,
     targets: Vec<u32>,
 }
 
 impl<B: Backend> Trainer<B> {
-    pub fn new(mut be: B, source: ModelSource, data: DataSplits, opts: TrainOptions) -> Result<Self> {
+    /// A trainer over `comm` (use a one-rank collective for a single process).
+    pub fn new(
+        mut be: B,
+        source: ModelSource,
+        data: DataSplits,
+        opts: TrainOptions,
+        comm: Box<dyn Collective>,
+    ) -> Result<Self> {
         let (config, params, resume) = match source {
             ModelSource::Fresh(cfg) => {
                 cfg.validate()?;
@@ -112,7 +164,7 @@ impl<B: Backend> Trainer<B> {
         if let Some(val) = &data.val {
             val.validate_vocab(config.vocab_size)?;
         }
-        let (world, rank) = (1, 0);
+        let (world, rank) = (comm.world(), comm.rank());
         let global = world * opts.batch_size * opts.grad_accum;
         let sampler = WindowSampler::for_tokens(data.train.len(), opts.seq_len, global, opts.shuffle, opts.seed)?;
         let model = Gpt2::new(&mut be, config, &params)?;
@@ -146,7 +198,8 @@ impl<B: Backend> Trainer<B> {
             };
         }
         let n = opts.batch_size * opts.seq_len;
-        Ok(Trainer {
+        let staging = if world > 1 { model.layout.total } else { 0 };
+        let mut trainer = Trainer {
             be,
             model,
             opt,
@@ -158,9 +211,64 @@ impl<B: Backend> Trainer<B> {
             tokens_seen,
             world,
             rank,
+            comm,
+            host_grads: vec![0.0; staging],
+            host_params: vec![0.0; staging],
             inputs: vec![0; n],
             targets: vec![0; n],
-        })
+        };
+        trainer.replicate()?;
+        Ok(trainer)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Stage 1: every rank must start from the same parameters (and moments). Hashes are compared; on a
+    /// mismatch rank 0's state is broadcast. Returns whether a broadcast happened.
+    pub fn replicate(&mut self) -> Result<bool> {
+        if self.world == 1 {
+            return Ok(false);
+        }
+        let hash = self.state_hash(true)?;
+        let hashes = self.comm.gather_hashes(hash)?;
+        if diverged_ranks(&hashes).is_empty() {
+            return Ok(false);
+        }
+        self.broadcast_state()?;
+        Ok(true)
+    }
+
+    /// blake3 over the parameters (and, when asked, both moments): the replica fingerprint.
+    fn state_hash(&mut self, with_moments: bool) -> Result<[u8; 32]> {
+        let mut hasher = blake3::Hasher::new();
+        let views = if with_moments {
+            vec![self.model.params, self.opt.m, self.opt.v]
+        } else {
+            vec![self.model.params]
+        };
+        let mut host = vec![0f32; self.model.layout.total];
+        for view in views {
+            self.be.download(view, &mut host)?;
+            hash_into(&mut hasher, &host);
+        }
+        Ok(*hasher.finalize().as_bytes())
+    }
+
+    /// Copies rank 0's parameters and moments to every rank.
+    fn broadcast_state(&mut self) -> Result<()> {
+        let mut host = vec![0f32; self.model.layout.total];
+        for view in [self.model.params, self.opt.m, self.opt.v] {
+            self.be.download(view, &mut host)?;
+            self.comm.broadcast(&mut host, 0)?;
+            self.be.upload(view, &host)?;
+        }
+        Ok(())
     }
 
     /// Tokens in one global batch.
@@ -186,11 +294,18 @@ impl<B: Backend> Trainer<B> {
             self.model.backward(&mut self.be, dloss)?;
         }
         // Synchronise: average gradients (and the loss) over ranks.
+        self.comm.set_step(self.step);
         let comm_started = Instant::now();
-        let loss = self.synchronise(loss_sum / k as f64)?;
-        let comm_ms = comm_started.elapsed().as_secs_f64() * 1e3;
+        let owned = self.synchronise()?;
+        let local_loss = loss_sum / k as f64;
+        let local_sq = match &owned {
+            Some(range) => host_sum_squares(&self.host_grads[range.clone()]),
+            None => self.be.sum_squares(self.model.grads)?,
+        };
+        let (loss, grad_sq) = self.reduce_scalars(local_loss, local_sq)?;
+        let mut comm_ms = comm_started.elapsed().as_secs_f64() * 1e3;
         // Update: decisions come from reduced values, so every rank decides alike.
-        let grad_norm = self.be.sum_squares(self.model.grads)?.sqrt();
+        let grad_norm = grad_sq.sqrt();
         let lr = self.opts.schedule.lr_at(self.step);
         let skipped = !grad_norm.is_finite() || !loss.is_finite();
         if skipped {
@@ -202,18 +317,21 @@ impl<B: Backend> Trainer<B> {
             }
         } else {
             let coef = clip_coefficient(grad_norm, self.opts.grad_clip);
-            let total = self.model.layout.total;
+            let range = owned.clone().unwrap_or(0..self.model.layout.total);
             let layout = &self.model.layout;
-            self.opt.update_range(
-                &mut self.be,
-                layout,
-                self.model.params,
-                self.model.grads,
-                0,
-                total,
-                lr,
-                coef,
-            );
+            let (params, grads) = (self.model.params, self.model.grads);
+            self.opt
+                .update_range(&mut self.be, layout, params, grads, range.start, range.end, lr, coef);
+            if let Some(range) = owned {
+                let gather_started = Instant::now();
+                self.gather_params(range)?;
+                comm_ms += gather_started.elapsed().as_secs_f64() * 1e3;
+            }
+        }
+        let mut param_hash = None;
+        let verify = self.opts.verify_every;
+        if verify > 0 && (self.step + 1) % verify == 0 {
+            param_hash = Some(self.verify_replicas()?);
         }
         self.be.synchronize()?;
         self.step += 1;
@@ -229,20 +347,98 @@ impl<B: Backend> Trainer<B> {
             step_ms,
             comm_ms,
             world_size: self.world,
-            update: self.opts.update.clone(),
-            param_hash: None,
+            update: self.opts.update.as_str().to_string(),
+            param_hash,
             val_loss: None,
             skipped,
         })
     }
 
-    /// Averages gradients over ranks. With one rank there is nothing to exchange.
-    fn synchronise(&mut self, local_loss: f64) -> Result<f64> {
-        debug_assert_eq!(
-            self.world, 1,
-            "multi-rank synchronisation is wired by the data-parallel trainer"
-        );
-        Ok(local_loss)
+    /// Averages the gradient over ranks. Replicated: every rank ends with the whole mean gradient on the
+    /// device. Sharded: the host staging holds the mean of the owned chunk, which is also uploaded; that
+    /// range is returned. With one rank nothing moves.
+    fn synchronise(&mut self) -> Result<Option<std::ops::Range<usize>>> {
+        if self.world == 1 {
+            return Ok(None);
+        }
+        self.be.download(self.model.grads, &mut self.host_grads)?;
+        match self.opts.update {
+            UpdateMode::Replicated => {
+                for bucket in self.host_grads.chunks_mut(self.opts.bucket_elems.max(1)) {
+                    self.comm.all_reduce_mean(bucket)?;
+                }
+                self.be.upload(self.model.grads, &self.host_grads)?;
+                Ok(None)
+            }
+            UpdateMode::Sharded => {
+                let range = self.comm.reduce_scatter_mean(&mut self.host_grads)?;
+                let view = self.model.grads.sub(range.start, range.len());
+                self.be.upload(view, &self.host_grads[range.clone()])?;
+                Ok(Some(range))
+            }
+        }
+    }
+
+    /// The global mean loss and squared gradient norm. Sharded ranks contribute the squares of their
+    /// chunk; replicated ranks all hold the same full gradient, so rank 0's square alone is summed.
+    fn reduce_scalars(&mut self, local_loss: f64, local_sq: f64) -> Result<(f64, f64)> {
+        if self.world == 1 {
+            return Ok((local_loss, local_sq));
+        }
+        let sq = match self.opts.update {
+            UpdateMode::Sharded => local_sq,
+            UpdateMode::Replicated if self.rank == 0 => local_sq,
+            UpdateMode::Replicated => 0.0,
+        };
+        let mut vals = [local_loss, sq];
+        self.comm.all_reduce_scalars(&mut vals)?;
+        Ok((vals[0] / self.world as f64, vals[1]))
+    }
+
+    /// After a sharded update: every rank contributes its updated chunk and receives the others'.
+    fn gather_params(&mut self, owned: std::ops::Range<usize>) -> Result<()> {
+        let view = self.model.params.sub(owned.start, owned.len());
+        self.be.download(view, &mut self.host_params[owned])?;
+        self.comm.all_gather(&mut self.host_params)?;
+        self.be.upload(self.model.params, &self.host_params)?;
+        Ok(())
+    }
+
+    /// Compares replica fingerprints (parameters; plus moments in replicated mode, where each rank keeps
+    /// the whole optimizer state). On a mismatch: abort naming the ranks, or resync from rank 0.
+    fn verify_replicas(&mut self) -> Result<String> {
+        let with_moments = self.opts.update == UpdateMode::Replicated;
+        let hash = self.state_hash(with_moments)?;
+        if self.world > 1 {
+            let hashes = self.comm.gather_hashes(hash)?;
+            let diverged = diverged_ranks(&hashes);
+            if !diverged.is_empty() {
+                match self.opts.on_divergence {
+                    OnDivergence::Abort => bail!(
+                        "step {}: replicas diverged: rank(s) {diverged:?} differ from the others \
+                         (--on-divergence resync would copy rank 0's state)",
+                        self.step + 1
+                    ),
+                    OnDivergence::Resync => {
+                        tracing::warn!(
+                            "step {}: rank(s) {diverged:?} diverged; resyncing from rank 0",
+                            self.step + 1
+                        );
+                        if self.opts.update == UpdateMode::Sharded {
+                            // Moments are per-shard in sharded mode; only the parameters are replicated.
+                            let mut host = vec![0f32; self.model.layout.total];
+                            self.be.download(self.model.params, &mut host)?;
+                            self.comm.broadcast(&mut host, 0)?;
+                            self.be.upload(self.model.params, &host)?;
+                        } else {
+                            self.broadcast_state()?;
+                        }
+                        return Ok(blake3::Hash::from(self.state_hash(with_moments)?).to_hex().to_string());
+                    }
+                }
+            }
+        }
+        Ok(blake3::Hash::from(hash).to_hex().to_string())
     }
 
     /// Mean loss over the validation batches (the first windows of the validation stream, in order).
@@ -267,16 +463,31 @@ impl<B: Backend> Trainer<B> {
         Ok(hash_f32(&params))
     }
 
-    /// Writes a checkpoint (model + trainer state) atomically to `dir`.
+    /// Writes a checkpoint (model + trainer state) atomically to `dir`. Collective: every rank must call
+    /// it (sharded moments are gathered first); rank 0 writes.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         let params = self.model.download_params(&mut self.be)?;
         let total = self.model.layout.total;
         let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
         self.be.download(self.opt.m, &mut m)?;
         self.be.download(self.opt.v, &mut v)?;
+        if self.world > 1 && self.opts.update == UpdateMode::Sharded {
+            // Each rank's moments are only meaningful on its own chunk: gather the full tensors.
+            let owned = chunk_range(total, self.world, self.rank);
+            for moment in [&mut m, &mut v] {
+                let mut staged = vec![0f32; total];
+                staged[owned.clone()].copy_from_slice(&moment[owned.clone()]);
+                self.comm.all_gather(&mut staged)?;
+                *moment = staged;
+            }
+        }
+        if self.rank != 0 {
+            return Ok(());
+        }
         let mut extra = BTreeMap::new();
         extra.insert("optimizer_step".to_string(), self.opt.step.to_string());
         extra.insert("train_args".to_string(), self.opts.args_json.clone());
+        extra.insert("update".to_string(), self.opts.update.as_str().to_string());
         extra.insert(
             "sampler".to_string(),
             "order is a pure function of (seed, epoch); no RNG state to save".into(),
@@ -294,14 +505,25 @@ impl<B: Backend> Trainer<B> {
         };
         checkpoint::save_checkpoint(dir, &self.model.config, &self.model.layout, &params, Some(&state))
     }
+
+    /// Tells the other ranks that this one failed, so they stop instead of waiting for it.
+    pub fn abort(&mut self, reason: &str) {
+        if self.world > 1 {
+            self.comm.abort(reason);
+        }
+    }
+}
+
+fn hash_into(hasher: &mut blake3::Hasher, values: &[f32]) {
+    for chunk in values.chunks(1 << 16) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+        hasher.update(&bytes);
+    }
 }
 
 /// blake3 of f32s as little-endian bytes, hex: the replica fingerprint.
 pub fn hash_f32(values: &[f32]) -> String {
     let mut hasher = blake3::Hasher::new();
-    for chunk in values.chunks(1 << 16) {
-        let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
-        hasher.update(&bytes);
-    }
+    hash_into(&mut hasher, values);
     hasher.finalize().to_hex().to_string()
 }

@@ -5,7 +5,7 @@ use crate::data::TokenizerKind;
 use crate::model::ModelConfig;
 use crate::optim::schedule::{LrScaling, ScheduleKind};
 use crate::optim::{AdamWConfig, LrSchedule};
-use crate::trainer::{OnNonFinite, TrainOptions};
+use crate::trainer::{OnDivergence, OnNonFinite, TrainOptions, UpdateMode};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -239,20 +239,21 @@ impl TrainArgs {
             "abort" => OnNonFinite::Abort,
             other => bail!("--on-nonfinite {other:?}: expected skip or abort"),
         };
-        let update = self.update.clone().unwrap_or_else(|| "sharded".into());
+        let update = match self.update.as_deref().unwrap_or("sharded") {
+            "sharded" => UpdateMode::Sharded,
+            "replicated" => UpdateMode::Replicated,
+            other => bail!("--update {other:?}: expected sharded or replicated"),
+        };
+        let on_divergence = match self.on_divergence.as_deref().unwrap_or("abort") {
+            "abort" => OnDivergence::Abort,
+            "resync" => OnDivergence::Resync,
+            other => bail!("--on-divergence {other:?}: expected abort or resync"),
+        };
+        let bucket_mb = self.bucket_mb.unwrap_or(25.0);
         ensure!(
-            update == "sharded" || update == "replicated",
-            "--update {update:?}: expected sharded or replicated"
+            bucket_mb.is_finite() && bucket_mb > 0.0 && bucket_mb <= 4096.0,
+            "--bucket-mb {bucket_mb} must be in (0, 4096]"
         );
-        if let Some(d) = self.on_divergence.as_deref() {
-            ensure!(
-                d == "abort" || d == "resync",
-                "--on-divergence {d:?}: expected abort or resync"
-            );
-        }
-        if let Some(mb) = self.bucket_mb {
-            ensure!(mb.is_finite() && mb > 0.0, "--bucket-mb {mb} must be positive");
-        }
         Ok(TrainOptions {
             batch_size,
             seq_len,
@@ -269,6 +270,9 @@ impl TrainArgs {
             save: self.save.clone(),
             save_every: self.save_every.unwrap_or(0),
             update,
+            verify_every: self.verify_every.unwrap_or(0),
+            on_divergence,
+            bucket_elems: ((bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
             args_json: serde_json::to_string(self)?,
         })
     }

@@ -3,6 +3,7 @@
 pub mod args;
 pub mod eval;
 pub mod info;
+pub mod launch;
 pub mod metrics;
 pub mod plot;
 pub mod progress;

@@ -7,10 +7,14 @@ use super::progress::Progress;
 use super::select::{select_backend, BackendKind};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
+use crate::collective::mem::{mem_cluster, MemOptions};
+use crate::collective::quic::{QuicCollective, QuicConfig};
+use crate::collective::Collective;
 use crate::data::{load_splits, DataSplits};
-use crate::dist::env::{detect_launch, LaunchFlags};
+use crate::dist::env::{detect_launch, load_secret, resolve_master, LaunchEnv, LaunchFlags};
 use crate::trainer::{ModelSource, TrainOptions, Trainer};
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
+use std::time::Duration;
 
 /// Everything a run needs, resolved from flags, the TOML file and the launch environment.
 struct RunSetup {
@@ -20,7 +24,16 @@ struct RunSetup {
     backend: BackendKind,
     backend_reason: String,
     metrics_path: Option<std::path::PathBuf>,
+    launch: LaunchEnv,
+    secret_file: Option<std::path::PathBuf>,
+    timeout: Duration,
+    /// Digest of everything the ranks must agree on (model shape and batch layout), sent in the hello.
+    job_hash: u64,
 }
+
+/// Default deadline of one collective: generous, since it also covers waiting for the slowest rank's
+/// forward and backward.
+const DEFAULT_TIMEOUT_SECS: f64 = 300.0;
 
 fn setup(args: TrainArgs) -> Result<RunSetup> {
     let args = args.merged_with_file()?;
@@ -32,14 +45,11 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         master_port: args.master_port,
     };
     let launch = detect_launch(&flags, |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
-    if launch.world_size > 1 {
-        bail!(
-            "world size {} requested (from {:?}), but this build trains in a single process: the data-parallel \
-             trainer over the collective layer is not wired into `ringtrain train` yet",
-            launch.world_size,
-            launch.source
-        );
-    }
+    let timeout_secs = args.timeout.unwrap_or(DEFAULT_TIMEOUT_SECS);
+    ensure!(
+        timeout_secs.is_finite() && timeout_secs > 0.0,
+        "--timeout {timeout_secs} must be a positive number of seconds"
+    );
     ensure!(
         args.init.is_none() || args.resume.is_none(),
         "--init and --resume both given: --resume already restores the parameters"
@@ -62,6 +72,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let data_spec = args.data.clone().unwrap_or_else(|| "synthetic".into());
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
     let (backend, backend_reason) = select_backend(args.backend.as_deref().unwrap_or("auto"))?;
+    let job_hash = job_hash(&source, &opts, launch.world_size)?;
     Ok(RunSetup {
         source,
         data,
@@ -69,7 +80,56 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         backend,
         backend_reason,
         metrics_path: args.metrics.clone(),
+        launch,
+        secret_file: args.secret_file.clone(),
+        timeout: Duration::from_secs_f64(timeout_secs),
+        job_hash,
     })
+}
+
+/// What every rank must agree on, hashed: the model source, the batch layout, the seed and the update mode.
+fn job_hash(source: &ModelSource, o: &TrainOptions, world: usize) -> Result<u64> {
+    let model = match source {
+        ModelSource::Fresh(cfg) => cfg.hash_hex(),
+        ModelSource::Init(dir) | ModelSource::Resume(dir) => crate::model::checkpoint::load_model(dir)?.0.hash_hex(),
+    };
+    let text = format!(
+        "{model}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}",
+        o.batch_size,
+        o.seq_len,
+        o.grad_accum,
+        o.steps,
+        o.seed,
+        o.update.as_str(),
+        o.shuffle
+    );
+    let digest = blake3::hash(text.as_bytes());
+    Ok(u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes")))
+}
+
+/// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise.
+fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
+    let l = &s.launch;
+    if l.world_size == 1 {
+        let solo = mem_cluster(1, MemOptions::default()).pop().expect("one rank");
+        return Ok(Box::new(solo));
+    }
+    let master = resolve_master(&l.master_addr, l.master_port).map_err(anyhow::Error::msg)?;
+    let secret = load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    let mut cfg = QuicConfig::new(l.rank, l.world_size, master);
+    cfg.secret = secret;
+    cfg.timeout = s.timeout;
+    cfg.config_hash = s.job_hash;
+    cfg.job_id = match std::env::var("RINGTRAIN_JOB_ID") {
+        Ok(id) => id
+            .trim()
+            .parse()
+            .with_context(|| format!("RINGTRAIN_JOB_ID={id:?} is not a number"))?,
+        Err(_) => s.job_hash,
+    };
+    let comm = QuicCollective::connect(cfg)
+        .with_context(|| format!("rank {} of {}: joining the ring at {master}", l.rank, l.world_size))?;
+    Ok(Box::new(comm))
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
@@ -81,21 +141,49 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
 
 fn train_loop<B: Backend>(be: B, s: RunSetup) -> Result<()> {
     let resuming = matches!(s.source, ModelSource::Resume(_));
-    let mut trainer = Trainer::new(be, s.source, s.data, s.opts)?;
+    let comm = connect(&s)?;
+    let is_rank0 = s.launch.rank == 0;
+    let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm)?;
+    let result = run_steps(
+        &mut trainer,
+        s.metrics_path.as_deref(),
+        resuming,
+        is_rank0,
+        &s.backend_reason,
+    );
+    if let Err(e) = &result {
+        trainer.abort(&format!("{e:#}"));
+    }
+    result
+}
+
+fn run_steps<B: Backend>(
+    trainer: &mut Trainer<B>,
+    metrics_path: Option<&std::path::Path>,
+    resuming: bool,
+    is_rank0: bool,
+    backend_reason: &str,
+) -> Result<()> {
     let opts = trainer.opts.clone();
-    let mut metrics = match &s.metrics_path {
-        Some(p) => Some(MetricsWriter::open(p, resuming)?),
-        None => None,
+    let mut metrics = match metrics_path {
+        Some(p) if is_rank0 => Some(MetricsWriter::open(p, resuming)?),
+        _ => None,
     };
-    let mut progress = Progress::new(opts.steps, trainer.step);
+    let mut progress = if is_rank0 {
+        Progress::new(opts.steps, trainer.step)
+    } else {
+        Progress::hidden()
+    };
     progress.message(&format!(
-        "ringtrain: {} params ({} layers, {} wide), backend {} [{}], global batch {} x {} tokens, {} steps from step {}",
+        "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {} x {} tokens, {} steps from step {}",
         trainer.model.layout.total,
         trainer.model.config.n_layer,
         trainer.model.config.n_embd,
         trainer.be.name(),
-        s.backend_reason,
-        opts.batch_size * opts.grad_accum,
+        backend_reason,
+        trainer.world(),
+        opts.update.as_str(),
+        trainer.world() * opts.batch_size * opts.grad_accum,
         opts.seq_len,
         opts.steps,
         trainer.step
@@ -126,7 +214,9 @@ fn train_loop<B: Backend>(be: B, s: RunSetup) -> Result<()> {
         if let Some(dir) = &opts.save {
             if opts.save_every > 0 && trainer.step % opts.save_every == 0 && !at_end {
                 trainer.save(dir)?;
-                progress.message(&format!("step {}: saved {}", m.step, dir.display()));
+                if is_rank0 {
+                    progress.message(&format!("step {}: saved {}", m.step, dir.display()));
+                }
             }
         }
         last = Some(m);
@@ -134,9 +224,11 @@ fn train_loop<B: Backend>(be: B, s: RunSetup) -> Result<()> {
     progress.finish();
     if let Some(dir) = &opts.save {
         trainer.save(dir)?;
-        eprintln!("saved checkpoint {}", dir.display());
+        if is_rank0 {
+            eprintln!("saved checkpoint {}", dir.display());
+        }
     }
-    if let Some(m) = last {
+    if let (Some(m), true) = (last, is_rank0) {
         let val = m.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
         eprintln!(
             "done: step {}, loss {:.4}{val}, {:.0} tokens/s",
@@ -159,7 +251,8 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
 }
 
 fn bench_loop<B: Backend>(be: B, s: RunSetup, warmup: u64, timed: u64) -> Result<()> {
-    let mut trainer = Trainer::new(be, s.source, s.data, s.opts)?;
+    let comm = connect(&s)?;
+    let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm)?;
     for _ in 0..warmup {
         trainer.train_step()?;
     }

@@ -1,0 +1,96 @@
+//! `ringtrain launch --nproc N [--master-port P] -- train [flags]`: N local worker processes that find
+//! each other over QUIC on loopback, like `torchrun --standalone`. Each child gets the torchrun variables
+//! (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), a fresh random cluster secret (unless
+//! RINGTRAIN_SECRET is already set) and a job id. If one child fails, the others are told by the ring and
+//! exit on their own; any still running after the grace period are killed.
+
+use crate::dist::generate_secret;
+use anyhow::{bail, ensure, Context, Result};
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+/// Most local workers one launcher starts.
+const MAX_NPROC: usize = 64;
+/// How long the others may take to notice a failed rank before they are killed.
+const GRACE: Duration = Duration::from_secs(30);
+
+pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) -> Result<()> {
+    ensure!(
+        (1..=MAX_NPROC).contains(&nproc),
+        "--nproc {nproc} must be between 1 and {MAX_NPROC}"
+    );
+    ensure!(
+        matches!(command.first().map(String::as_str), Some("train")),
+        "launch runs `train`: usage `ringtrain launch --nproc N -- train [flags]`"
+    );
+    for reserved in ["--rank", "--world-size", "--master-addr", "--master-port"] {
+        ensure!(
+            !command
+                .iter()
+                .any(|a| a == reserved || a.starts_with(&format!("{reserved}="))),
+            "{reserved} is set by the launcher; remove it from the train flags"
+        );
+    }
+    let port = match master_port {
+        Some(p) => p,
+        None => free_udp_port()?,
+    };
+    let secret = std::env::var("RINGTRAIN_SECRET").unwrap_or_else(|_| generate_secret());
+    let job_id = rand::random::<u64>() >> 1;
+    let exe = std::env::current_exe().context("locating the ringtrain executable")?;
+    let mut children = Vec::with_capacity(nproc);
+    for rank in 0..nproc {
+        let child = Command::new(&exe)
+            .args(command)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("RINGTRAIN_SECRET", &secret)
+            .env("RINGTRAIN_JOB_ID", job_id.to_string())
+            .spawn()
+            .with_context(|| format!("starting rank {rank}"))?;
+        children.push(Some(child));
+    }
+    supervise(children)
+}
+
+/// Waits for every child; after the first failure, gives the rest `GRACE` to stop, then kills them.
+fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
+    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut first_failure: Option<Instant> = None;
+    while children.iter().any(Option::is_some) {
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            if let Some(status) = child.try_wait().with_context(|| format!("waiting for rank {rank}"))? {
+                if !status.success() {
+                    failures.push((rank, status));
+                    first_failure.get_or_insert_with(Instant::now);
+                }
+                *slot = None;
+            }
+        }
+        if first_failure.is_some_and(|t| t.elapsed() > GRACE) {
+            for (rank, slot) in children.iter_mut().enumerate() {
+                if let Some(mut child) = slot.take() {
+                    eprintln!("launch: rank {rank} still running {GRACE:?} after a failure; killing it");
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if failures.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = failures.iter().map(|(r, s)| format!("rank {r} ({s})")).collect();
+    bail!("{} of the workers failed: {}", failures.len(), list.join(", "))
+}
+
+/// A UDP port that was free a moment ago on loopback (the rendezvous binds it right after).
+fn free_udp_port() -> Result<u16> {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("finding a free port for the rendezvous")?;
+    Ok(socket.local_addr()?.port())
+}
