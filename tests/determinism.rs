@@ -5,7 +5,14 @@ use ringtrain::backend::cpu::CpuBackend;
 use ringtrain::cli::args::TrainArgs;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
+use ringtrain::collective::mem::{mem_cluster, MemOptions};
+use ringtrain::collective::Collective;
 use ringtrain::trainer::{ModelSource, Trainer};
+
+/// A one-rank collective: a single process.
+fn solo() -> Box<dyn Collective> {
+    Box::new(mem_cluster(1, MemOptions::default()).pop().unwrap())
+}
 
 fn train_on(threads: usize) -> (Vec<f64>, String) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -14,7 +21,7 @@ fn train_on(threads: usize) -> (Vec<f64>, String) {
         let args = TrainArgs { batch_size: Some(3), seq_len: Some(37), steps: Some(5), ..Default::default() };
         let opts = args.resolve(cfg.n_positions, 1).unwrap();
         let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
-        let mut t = Trainer::new(CpuBackend::<f32>::new(), ModelSource::Fresh(cfg), data, opts).unwrap();
+        let mut t = Trainer::new(CpuBackend::<f32>::new(), ModelSource::Fresh(cfg), data, opts, solo()).unwrap();
         let losses = (0..5).map(|_| t.train_step().unwrap().loss).collect();
         (losses, t.param_hash().unwrap())
     })

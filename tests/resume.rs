@@ -6,7 +6,14 @@ use ringtrain::backend::Backend;
 use ringtrain::cli::args::TrainArgs;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
+use ringtrain::collective::mem::{mem_cluster, MemOptions};
+use ringtrain::collective::Collective;
 use ringtrain::trainer::{ModelSource, Trainer};
+
+/// A one-rank collective: a single process.
+fn solo() -> Box<dyn Collective> {
+    Box::new(mem_cluster(1, MemOptions::default()).pop().unwrap())
+}
 
 fn args() -> TrainArgs {
     TrainArgs {
@@ -32,7 +39,7 @@ fn trainer(source: ModelSource) -> Trainer<CpuBackend<f32>> {
         ModelSource::Fresh(_) => ModelSource::Fresh(cfg),
         other => other,
     };
-    Trainer::new(CpuBackend::new(), source, data, opts).unwrap()
+    Trainer::new(CpuBackend::new(), source, data, opts, solo()).unwrap()
 }
 
 fn state(t: &mut Trainer<CpuBackend<f32>>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
