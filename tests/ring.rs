@@ -32,7 +32,9 @@ fn opts(seed: u64, sub_chunk: usize) -> MemOptions {
 #[test]
 fn all_reduce_exact_and_identical_all_sizes() {
     for world in 1..=8 {
-        let results = run_cluster(world, opts(world as u64, 5), |c| {
+        let mut o = opts(world as u64, 5);
+        o.faults.delay = Some(Duration::from_micros(20));
+        let results = run_cluster(world, o, |c| {
             let mut out = Vec::new();
             for &len in &LENS {
                 let mut sum = input(c.rank(), len);
