@@ -90,8 +90,8 @@ fn placement(lens: &[usize]) -> (Vec<usize>, usize) {
     let mut at = 0;
     for &len in lens {
         let mut start = at + GAP;
-        if seg > 0 {
-            let boundary = (start / seg + 1) * seg;
+        if let Some(k) = start.checked_div(seg) {
+            let boundary = (k + 1) * seg;
             start = start.max(boundary.saturating_sub(len / 2));
         }
         starts.push(start);
