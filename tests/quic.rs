@@ -333,3 +333,33 @@ fn allreduce_bench_large() {
         eprintln!("{t}");
     }
 }
+
+#[test]
+fn duplicated_frame_is_a_protocol_error() {
+    let (sock, master) = master_socket();
+    let cfgs = (0..3)
+        .map(|r| {
+            let mut c = cfg(r, 3, master);
+            if r == 1 {
+                c.duplicate_msg = Some(3);
+            }
+            c
+        })
+        .collect();
+    let t0 = Instant::now();
+    let res = run_ranks(cfgs, sock, |c| {
+        let mut b = input(c.rank(), 1000);
+        c.all_reduce_mean(&mut b)
+    });
+    assert!(t0.elapsed() < Duration::from_secs(8), "took {:?}", t0.elapsed());
+    let errs: Vec<CollectiveError> = res.into_iter().map(|r| r.unwrap().unwrap_err()).collect();
+    // Rank 2 receives from rank 1 and names it; the others hear of it through rank 0.
+    assert!(
+        matches!(&errs[2], CollectiveError::Protocol { rank: 1, msg } if msg.contains("duplicate")),
+        "{}",
+        errs[2]
+    );
+    for e in &errs[..2] {
+        assert!(e.to_string().contains("duplicate"), "{e}");
+    }
+}

@@ -77,6 +77,8 @@ pub struct QuicConfig {
     /// Fault injection for tests: crash (close everything without goodbye) after sending this many data
     /// messages.
     pub crash_after_msgs: Option<usize>,
+    /// Fault injection for tests: send data message number `k` (0-based, over this rank's lifetime) twice.
+    pub duplicate_msg: Option<usize>,
 }
 
 impl QuicConfig {
@@ -94,6 +96,7 @@ impl QuicConfig {
             idle_timeout: Duration::from_secs(10),
             sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
             crash_after_msgs: None,
+            duplicate_msg: None,
         }
     }
 }
@@ -390,7 +393,15 @@ async fn serve_incoming(incoming: quinn::Incoming, key: [u8; 32], tx: mpsc::Unbo
         send.write_all(&frame::encode_frame(h, tok.as_bytes()))
             .await
             .map_err(|e| e.to_string())?;
-        let msg = read_control(&mut recv, None).await?;
+        let msg = match read_control(&mut recv, None).await {
+            Ok(m) => m,
+            Err(e) => {
+                // E.g. another protocol version: say why in the close reason, the one thing any version reads.
+                let reason = format!("refused: {e}");
+                conn.close(4u32.into(), &reason.as_bytes()[..reason.len().min(512)]);
+                return Err(e);
+            }
+        };
         Ok::<_, String>(Joined { conn, send, recv, msg })
     };
     if let Ok(Ok(j)) = tokio::time::timeout(Duration::from_secs(30), work).await {
@@ -597,8 +608,11 @@ impl QuicCollective {
                         return Err(local(format!("rank {rank}: injected crash after {k} messages")));
                     }
                 }
+                let mut bytes = frame::encode_msg(self.cfg.job_id, self.step, seq, &m);
+                if self.cfg.duplicate_msg == Some(self.sent_msgs) {
+                    bytes.extend_from_within(..);
+                }
                 self.sent_msgs += 1;
-                let bytes = frame::encode_msg(self.cfg.job_id, self.step, seq, &m);
                 let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
                 let written = tokio::select! {
                     r = send.write_all(&bytes) => r.map_err(|e| e.to_string()),
