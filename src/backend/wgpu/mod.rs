@@ -643,7 +643,9 @@ impl WgpuBackend {
         let (b0, b1) = g.b.extent(g.k, g.n);
         let (c0, c1) = g.c.extent(g.m, g.n);
         let bias_fits = g.bias.is_none_or(|b| self.fits(b.offset, b.end()));
-        if self.fits(a0, a1) && self.fits(b0, b1) && self.fits(c0, c1) && bias_fits {
+        let max_groups = self.max_groups as usize;
+        let (rows_ok, cols_ok) = (ceil_div(g.m, 64) <= max_groups, ceil_div(g.n, 64) <= max_groups);
+        if self.fits(a0, a1) && self.fits(b0, b1) && self.fits(c0, c1) && bias_fits && rows_ok && cols_ok {
             let (wa, wb, wc) = (
                 self.win_range(g.a.buf, a0, a1.max(a0)),
                 self.win_range(g.b.buf, b0, b1.max(b0)),
@@ -669,14 +671,11 @@ impl WgpuBackend {
                 .u(wbias.off)
                 .u(flags);
             let groups = (ceil_div(g.n, 64) as u32, ceil_div(g.m, 64) as u32);
-            assert!(
-                groups.0 <= self.max_groups && groups.1 <= self.max_groups,
-                "matmul too large"
-            );
             self.dispatch("matmul", &[wc, wa, wb, wbias], p, groups);
             return;
         }
-        // Too large for one window: halve the dimension that shrinks the largest window most.
+        // Too large for one window (or one dispatch): past the dispatch limit halve M or N, else halve the
+        // dimension that shrinks the largest window most.
         let span = |g: &Gemm| {
             let e = |(a, b): (usize, usize)| b - a;
             e(g.a.extent(g.m, g.k))
@@ -723,6 +722,12 @@ impl WgpuBackend {
             };
             (lo, hi)
         };
+        if !rows_ok || !cols_ok {
+            let (lo, hi) = if !rows_ok { split_m(&g) } else { split_n(&g) };
+            self.gemm(lo);
+            self.gemm(hi);
+            return;
+        }
         let mut best: Option<(usize, (Gemm, Gemm))> = None;
         for (ok, halves) in [(g.m > 1, split_m(&g)), (g.n > 1, split_n(&g)), (g.k > 1, split_k(&g))] {
             if ok {
