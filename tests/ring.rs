@@ -128,6 +128,15 @@ fn broadcast_scalars_and_hashes() {
             let mut s = [c.rank() as f64, 1.0, 0.5];
             c.all_reduce_scalars(&mut s).unwrap();
             let h = c.gather_hashes([c.rank() as u8; 32]).unwrap();
+            let mut m = [
+                c.rank() as f64,
+                -(c.rank() as f64),
+                if c.rank() == 0 { f64::NAN } else { 1.0 },
+            ];
+            c.all_reduce_scalars_max(&mut m).unwrap();
+            assert_eq!(m[0], (c.world() - 1) as f64);
+            assert_eq!(m[1], 0.0);
+            assert!(m[2].is_nan());
             (p, s, h)
         });
         let n = world as f64;

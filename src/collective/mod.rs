@@ -111,6 +111,24 @@ pub trait Collective: Send {
         Ok(())
     }
 
+    /// Element-wise maximum of a few f64 scalars (NaN wins, so a non-finite value anywhere is seen everywhere).
+    fn all_reduce_scalars_max(&mut self, vals: &mut [f64]) -> Result<()> {
+        let blobs = self.gather_bytes(ring::scalars_to_bytes(vals))?;
+        for (i, v) in vals.iter_mut().enumerate() {
+            let mut acc = f64::NEG_INFINITY;
+            for b in &blobs {
+                let x = f64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("length checked by the engine"));
+                acc = if x.is_nan() || acc.is_nan() {
+                    f64::NAN
+                } else {
+                    acc.max(x)
+                };
+            }
+            *v = acc;
+        }
+        Ok(())
+    }
+
     /// Every rank gets every rank's 32-byte hash, in rank order.
     fn gather_hashes(&mut self, hash: [u8; 32]) -> Result<Vec<[u8; 32]>> {
         let blobs = self.gather_bytes(hash.to_vec())?;
