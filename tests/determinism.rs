@@ -3,10 +3,10 @@
 
 use ringtrain::backend::cpu::CpuBackend;
 use ringtrain::cli::args::TrainArgs;
-use ringtrain::data::{load_splits, TokenizerKind};
-use ringtrain::model::ModelConfig;
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::collective::Collective;
+use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{ModelSource, Trainer};
 
 /// A one-rank collective: a single process.
@@ -17,9 +17,20 @@ fn solo() -> Box<dyn Collective> {
 fn train_on(threads: usize) -> (Vec<f64>, String) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
-        let cfg = ModelConfig { n_layer: 2, n_embd: 48, n_head: 3, vocab_size: 256, n_positions: 40 };
-        let args = TrainArgs { batch_size: Some(3), seq_len: Some(37), steps: Some(5), ..Default::default() };
-        let opts = args.resolve(cfg.n_positions, 1).unwrap();
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_embd: 48,
+            n_head: 3,
+            vocab_size: 256,
+            n_positions: 40,
+        };
+        let args = TrainArgs {
+            batch_size: Some(3),
+            seq_len: Some(37),
+            steps: Some(5),
+            ..Default::default()
+        };
+        let opts = args.resolve(&cfg, 1).unwrap();
         let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
         let mut t = Trainer::new(CpuBackend::<f32>::new(), ModelSource::Fresh(cfg), data, opts, solo()).unwrap();
         let losses = (0..5).map(|_| t.train_step().unwrap().loss).collect();

@@ -4,10 +4,10 @@
 use ringtrain::backend::cpu::CpuBackend;
 use ringtrain::backend::Backend;
 use ringtrain::cli::args::TrainArgs;
-use ringtrain::data::{load_splits, TokenizerKind};
-use ringtrain::model::ModelConfig;
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::collective::Collective;
+use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{ModelSource, Trainer};
 
 /// A one-rank collective: a single process.
@@ -33,7 +33,7 @@ fn trainer(source: ModelSource) -> Trainer<CpuBackend<f32>> {
         n_layer: 1,
         ..ModelConfig::tiny()
     };
-    let opts = args().resolve(cfg.n_positions, 1).unwrap();
+    let opts = args().resolve(&cfg, 1).unwrap();
     let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
     let source = match source {
         ModelSource::Fresh(_) => ModelSource::Fresh(cfg),

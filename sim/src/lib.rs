@@ -77,7 +77,7 @@ fn build_trainer(
     world: usize,
     comm: Box<dyn Collective>,
 ) -> Result<Trainer<CpuBackend<f32>>> {
-    let opts = args.resolve(cfg.model.n_positions, world)?;
+    let opts = args.resolve(&cfg.model, world)?;
     let data = load_splits(args.data.as_deref().unwrap_or("synthetic"), None, TokenizerKind::Byte)?;
     Trainer::new(
         CpuBackend::new(),

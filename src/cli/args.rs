@@ -53,7 +53,7 @@ pub struct TrainArgs {
     /// auto, cpu, wgpu or cuda
     #[arg(long)]
     pub backend: Option<String>,
-    /// Sequences per micro-batch per rank
+    /// Sequences per micro-batch per rank [default: 8]
     #[arg(long)]
     pub batch_size: Option<usize>,
     /// Tokens per sequence
@@ -65,7 +65,7 @@ pub struct TrainArgs {
     /// Optimizer steps (total, counting resumed ones)
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Peak learning rate
+    /// Peak learning rate [default: 3e-3 for models up to 256 wide, else 6e-4]
     #[arg(long)]
     pub lr: Option<f64>,
     /// constant or cosine
@@ -200,16 +200,18 @@ impl TrainArgs {
         Ok(cfg)
     }
 
-    /// Validated options for the loop. `n_positions` bounds the default sequence length.
-    pub fn resolve(&self, n_positions: usize, world: usize) -> Result<TrainOptions> {
-        let batch_size = positive("--batch-size", self.batch_size.unwrap_or(4))?;
+    /// Validated options for the loop of a `model`-shaped run over `world` ranks.
+    pub fn resolve(&self, model: &ModelConfig, world: usize) -> Result<TrainOptions> {
+        let n_positions = model.n_positions;
+        let batch_size = positive("--batch-size", self.batch_size.unwrap_or(DEFAULT_BATCH_SIZE))?;
         let seq_len = positive("--seq-len", self.seq_len.unwrap_or(n_positions.min(1024)))?;
         let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(1))?;
         let steps = self.steps.unwrap_or(200);
         let global = world * batch_size * grad_accum;
         let base_batch = positive("--base-batch", self.base_batch.unwrap_or(batch_size * grad_accum))?;
         let scaling: LrScaling = self.lr_scaling.as_deref().unwrap_or("none").parse()?;
-        let lr = finite_positive("--lr", self.lr.unwrap_or(1e-3))? * scaling.factor(global, base_batch);
+        let lr =
+            finite_positive("--lr", self.lr.unwrap_or_else(|| default_lr(model)))? * scaling.factor(global, base_batch);
         let kind: ScheduleKind = self.lr_schedule.as_deref().unwrap_or("cosine").parse()?;
         let min_lr = self.min_lr.unwrap_or(lr / 10.0);
         ensure!(
@@ -275,6 +277,19 @@ impl TrainArgs {
             bucket_elems: ((bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
             args_json: serde_json::to_string(self)?,
         })
+    }
+}
+
+/// Sequences per micro-batch per rank when `--batch-size` is not given.
+pub const DEFAULT_BATCH_SIZE: usize = 8;
+
+/// `--lr` when not given: 3e-3 for narrow models (C <= 256: tiny, small), which tolerate and need a high
+/// rate to learn in a few hundred steps, and GPT-2's 6e-4 for anything wider.
+pub fn default_lr(model: &ModelConfig) -> f64 {
+    if model.n_embd <= 256 {
+        3e-3
+    } else {
+        6e-4
     }
 }
 

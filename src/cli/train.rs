@@ -54,25 +54,24 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         args.init.is_none() || args.resume.is_none(),
         "--init and --resume both given: --resume already restores the parameters"
     );
-    let (source, n_positions) = if let Some(dir) = &args.resume {
+    let (source, model) = if let Some(dir) = &args.resume {
         let dir = crate::model::checkpoint::resolve_checkpoint_dir(dir)?;
         let cfg = crate::model::checkpoint::load_model(&dir)?.0;
-        (crate::trainer::ModelSource::Resume(dir), cfg.n_positions)
+        (crate::trainer::ModelSource::Resume(dir), cfg)
     } else if let Some(dir) = &args.init {
         let cfg = crate::model::checkpoint::load_model(dir)
             .with_context(|| format!("--init {}", dir.display()))?
             .0;
-        (ModelSource::Init(dir.clone()), cfg.n_positions)
+        (ModelSource::Init(dir.clone()), cfg)
     } else {
         let cfg = args.model_config()?;
-        let n = cfg.n_positions;
-        (ModelSource::Fresh(cfg), n)
+        (ModelSource::Fresh(cfg.clone()), cfg)
     };
-    let opts = args.resolve(n_positions, launch.world_size)?;
+    let opts = args.resolve(&model, launch.world_size)?;
     let data_spec = args.data.clone().unwrap_or_else(|| "synthetic".into());
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
     let (backend, backend_reason) = select_backend(args.backend.as_deref().unwrap_or("auto"))?;
-    let job_hash = job_hash(&source, &opts, launch.world_size)?;
+    let job_hash = job_hash(&model, &opts, launch.world_size);
     Ok(RunSetup {
         source,
         data,
@@ -87,14 +86,11 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     })
 }
 
-/// What every rank must agree on, hashed: the model source, the batch layout, the seed and the update mode.
-fn job_hash(source: &ModelSource, o: &TrainOptions, world: usize) -> Result<u64> {
-    let model = match source {
-        ModelSource::Fresh(cfg) => cfg.hash_hex(),
-        ModelSource::Init(dir) | ModelSource::Resume(dir) => crate::model::checkpoint::load_model(dir)?.0.hash_hex(),
-    };
+/// What every rank must agree on, hashed: the model shape, the batch layout, the seed and the update mode.
+fn job_hash(model: &crate::model::ModelConfig, o: &TrainOptions, world: usize) -> u64 {
     let text = format!(
-        "{model}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}",
+        "{}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}",
+        model.hash_hex(),
         o.batch_size,
         o.seq_len,
         o.grad_accum,
@@ -104,7 +100,7 @@ fn job_hash(source: &ModelSource, o: &TrainOptions, world: usize) -> Result<u64>
         o.shuffle
     );
     let digest = blake3::hash(text.as_bytes());
-    Ok(u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes")))
+    u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
 /// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise.
