@@ -698,3 +698,14 @@ fn wgpu_bench_matmul_runs() {
     eprintln!("matmul 130x70x129: {gflops:.2} GFLOP/s");
     assert!(gflops.is_finite() && gflops > 0.0);
 }
+
+/// Prints matmul GFLOP/s for a GPT-2-like shape (run with `--ignored --nocapture`).
+#[test]
+#[ignore = "benchmark"]
+fn wgpu_bench_matmul_gpt2_shape() {
+    let Some(mut be) = shared_wgpu() else { return };
+    for (m, k, n) in [(512, 768, 768), (512, 768, 3072), (1024, 768, 2304)] {
+        let gflops = bench_matmul(&mut be, m, k, n, 5).unwrap();
+        eprintln!("{}: matmul {m}x{k}x{n}: {gflops:.2} GFLOP/s", be.name());
+    }
+}

@@ -292,7 +292,11 @@ impl WgpuBackend {
                     layout: Some(&pl),
                     module: &module,
                     entry_point: Some(entry),
-                    compilation_options: Default::default(),
+                    // Every kernel writes its workgroup memory before reading it.
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        zero_initialize_workgroup_memory: false,
+                        ..Default::default()
+                    },
                     cache: None,
                 });
                 kernels.insert(
@@ -554,7 +558,34 @@ impl WgpuBackend {
     /// Copies the byte ranges `(buffer, offset, size)`, concatenated, back to the host.
     fn read_back(&mut self, pieces: &[(wgpu::Buffer, u64, u64)]) -> Result<Vec<u8>> {
         self.flush();
-        let bytes: u64 = pieces.iter().map(|p| p.2).sum();
+        let total: u64 = pieces.iter().map(|p| p.2).sum();
+        // Staging buffers of at most 256 MiB (and max_buffer_size): big downloads go in rounds.
+        let cap = self.ctx.limits.max_buffer_size.min(256 << 20) / 4 * 4;
+        let mut out = Vec::with_capacity(total as usize);
+        let mut round: Vec<(wgpu::Buffer, u64, u64)> = Vec::new();
+        let mut round_bytes = 0;
+        for (src, offset, size) in pieces {
+            let mut done = 0;
+            while done < *size {
+                let n = (size - done).min(cap - round_bytes);
+                round.push((src.clone(), offset + done, n));
+                round_bytes += n;
+                done += n;
+                if round_bytes == cap {
+                    self.read_round(&round, round_bytes, &mut out)?;
+                    round.clear();
+                    round_bytes = 0;
+                }
+            }
+        }
+        if round_bytes > 0 {
+            self.read_round(&round, round_bytes, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// One staging round of [`read_back`](Self::read_back): appends `bytes` bytes to `out`.
+    fn read_round(&mut self, pieces: &[(wgpu::Buffer, u64, u64)], bytes: u64, out: &mut Vec<u8>) -> Result<()> {
         let device = &self.ctx.device;
         let staging = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
@@ -579,12 +610,13 @@ impl WgpuBackend {
         rx.recv()
             .map_err(|_| anyhow!("the GPU never answered a read-back"))?
             .map_err(|e| anyhow!("mapping a read-back buffer: {e}"))?;
-        let out = staging
-            .get_mapped_range(..)
-            .map_err(|e| anyhow!("mapping a read-back buffer: {e:?}"))?[..bytes as usize]
-            .to_vec();
+        out.extend_from_slice(
+            &staging
+                .get_mapped_range(..)
+                .map_err(|e| anyhow!("mapping a read-back buffer: {e:?}"))?[..bytes as usize],
+        );
         staging.unmap();
-        Ok(out)
+        Ok(())
     }
 
     fn new_buffer(&self, len: usize, what: &str) -> Result<wgpu::Buffer> {
