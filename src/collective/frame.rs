@@ -207,8 +207,10 @@ pub fn encode_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Vec<u8> {
     h.encode(&mut out);
     match &msg.payload {
         Payload::F32(v) => {
-            for x in v {
-                out.extend_from_slice(&x.to_le_bytes());
+            out.resize(HEADER_LEN + len, 0);
+            // Compiles to a plain copy on little-endian targets.
+            for (d, x) in out[HEADER_LEN..].chunks_exact_mut(4).zip(v) {
+                d.copy_from_slice(&x.to_le_bytes());
             }
         }
         Payload::Bytes(v) => out.extend_from_slice(v),
@@ -229,12 +231,11 @@ pub fn decode_msg(h: &Header, payload: &[u8]) -> Result<Msg, FrameError> {
             if payload.len() % 4 != 0 {
                 return Err(FrameError::Misaligned(payload.len()));
             }
-            Payload::F32(
-                payload
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            )
+            let mut v = vec![0f32; payload.len() / 4];
+            for (d, c) in v.iter_mut().zip(payload.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            Payload::F32(v)
         }
         Kind::Bytes => Payload::Bytes(payload.to_vec()),
         other => {

@@ -615,7 +615,7 @@ impl QuicCollective {
                 self.sent_msgs += 1;
                 let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
                 let written = tokio::select! {
-                    r = send.write_all(&bytes) => r.map_err(|e| e.to_string()),
+                    r = send.write_chunk(bytes::Bytes::from(bytes)) => r.map_err(|e| e.to_string()),
                     _ = tokio::time::sleep_until(deadline) =>
                         return Err(CollectiveError::Timeout { seq, waiting_on: right_rank, secs }),
                     _ = poison_rx.changed() => Err("control plane reported a failure".to_string()),
