@@ -13,6 +13,7 @@
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::Backend;
 use crate::cli::metrics::StepMetrics;
+use crate::collective::mem::{mem_cluster, MemOptions};
 use crate::collective::{chunk_range, diverged_ranks, Collective};
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
 use crate::model::checkpoint::{self, TrainerState};
@@ -31,6 +32,15 @@ pub enum OnNonFinite {
     Skip,
     /// Stop the run with an error.
     Abort,
+}
+
+/// The collective of a single process: one rank, so no collective ever runs on it.
+pub fn single_process() -> Box<dyn Collective> {
+    Box::new(
+        mem_cluster(1, MemOptions::default())
+            .pop()
+            .expect("a one-rank cluster has one rank"),
+    )
 }
 
 /// How the optimizer update is distributed over ranks.

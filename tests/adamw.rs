@@ -95,14 +95,9 @@ fn adamw_matches_independent_reference_over_steps() {
     assert_eq!(opt.step, 6);
     let mut got = vec![0f32; n];
     be.download(params, &mut got).unwrap();
-    for i in 0..n {
-        let err = (got[i] as f64 - reference.p[i]).abs();
-        assert!(
-            err < 1e-6 * reference.p[i].abs().max(1.0),
-            "param {i}: {} vs {}",
-            got[i],
-            reference.p[i]
-        );
+    for (i, (&g, &want)) in got.iter().zip(&reference.p).enumerate() {
+        let err = (g as f64 - want).abs();
+        assert!(err < 1e-6 * want.abs().max(1.0), "param {i}: {g} vs {want}");
     }
     // Decay touched only rank >= 2 tensors: a bias with zero gradient history would stay put; check that
     // the decayed and undecayed sets are both present.

@@ -3,16 +3,9 @@
 
 use ringtrain::backend::cpu::CpuBackend;
 use ringtrain::cli::args::TrainArgs;
-use ringtrain::collective::mem::{mem_cluster, MemOptions};
-use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{ModelSource, Trainer};
-
-/// A one-rank collective: a single process.
-fn solo() -> Box<dyn Collective> {
-    Box::new(mem_cluster(1, MemOptions::default()).pop().unwrap())
-}
+use ringtrain::trainer::{single_process as solo, ModelSource, Trainer};
 
 fn train_on(threads: usize) -> (Vec<f64>, String) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();

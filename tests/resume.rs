@@ -4,16 +4,9 @@
 use ringtrain::backend::cpu::CpuBackend;
 use ringtrain::backend::Backend;
 use ringtrain::cli::args::TrainArgs;
-use ringtrain::collective::mem::{mem_cluster, MemOptions};
-use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{ModelSource, Trainer};
-
-/// A one-rank collective: a single process.
-fn solo() -> Box<dyn Collective> {
-    Box::new(mem_cluster(1, MemOptions::default()).pop().unwrap())
-}
+use ringtrain::trainer::{single_process as solo, ModelSource, Trainer};
 
 fn args() -> TrainArgs {
     TrainArgs {

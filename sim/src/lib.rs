@@ -12,7 +12,7 @@ use ringtrain::collective::quic::{QuicCollective, QuicConfig};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{ModelSource, Trainer};
+use ringtrain::trainer::{single_process, ModelSource, Trainer};
 use std::time::Duration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,8 +162,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     // The reference: one worker, the same global batch.
     let mut single = cfg.args.clone();
     single.batch_size = Some(cfg.args.batch_size.unwrap_or(4) * cfg.workers);
-    let solo = mem_cluster(1, MemOptions::default()).pop().expect("one rank");
-    let mut trainer = build_trainer(cfg, &single, 1, Box::new(solo))?;
+    let mut trainer = build_trainer(cfg, &single, 1, single_process())?;
     let mut single_worker_losses = Vec::new();
     while trainer.step < trainer.opts.steps {
         single_worker_losses.push(trainer.train_step()?.loss);

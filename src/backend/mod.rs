@@ -17,8 +17,8 @@
 //! over `logits`).
 
 pub mod cpu;
-pub mod wgpu;
 mod view;
+pub mod wgpu;
 
 pub use view::{TokenView, View};
 
@@ -90,8 +90,10 @@ pub trait Backend {
     // ---- forward/backward ops ----
     /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`.
     /// Shapes: out `[b*t, c]`, tokens `[b*t]`, wte `[v, c]`, wpe `[>=t, c]`.
+    #[allow(clippy::too_many_arguments)]
     fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize);
     /// `dwte[tokens[b,t],:] += dout[b,t,:]`, `dwpe[t,:] += dout[b,t,:]`.
+    #[allow(clippy::too_many_arguments)]
     fn encoder_backward(&mut self, dwte: View, dwpe: View, dout: View, tokens: TokenView, b: usize, t: usize, c: usize);
     /// Layer norm over the last axis, eps 1e-5. Shapes: out/inp `[n, c]`, mean/rstd `[n]`, weight/bias `[c]`.
     #[allow(clippy::too_many_arguments)]

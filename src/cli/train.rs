@@ -7,12 +7,11 @@ use super::progress::Progress;
 use super::select::{select_backend, BackendKind};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
-use crate::collective::mem::{mem_cluster, MemOptions};
 use crate::collective::quic::{QuicCollective, QuicConfig};
 use crate::collective::Collective;
 use crate::data::{load_splits, DataSplits};
 use crate::dist::env::{detect_launch, load_secret, resolve_master, LaunchEnv, LaunchFlags};
-use crate::trainer::{ModelSource, TrainOptions, Trainer};
+use crate::trainer::{single_process, ModelSource, TrainOptions, Trainer};
 use anyhow::{ensure, Context, Result};
 use std::time::Duration;
 
@@ -107,8 +106,7 @@ fn job_hash(model: &crate::model::ModelConfig, o: &TrainOptions, world: usize) -
 fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
     let l = &s.launch;
     if l.world_size == 1 {
-        let solo = mem_cluster(1, MemOptions::default()).pop().expect("one rank");
-        return Ok(Box::new(solo));
+        return Ok(single_process());
     }
     let master = resolve_master(&l.master_addr, l.master_port).map_err(anyhow::Error::msg)?;
     let secret = load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;

@@ -20,11 +20,11 @@ pub struct CpuBackend<F: Real = f32> {
 /// Borrows `N` writable and `M` read-only views of `bufs` at once. Panics (a programming error, not an input
 /// error) if a view is out of bounds, if two writable views overlap, or if a writable view overlaps a
 /// read-only one.
-fn borrow_views<'a, F, const N: usize, const M: usize>(
-    bufs: &'a mut [Vec<F>],
+fn borrow_views<F, const N: usize, const M: usize>(
+    bufs: &mut [Vec<F>],
     outs: [View; N],
     ins: [View; M],
-) -> ([&'a mut [F]; N], [&'a [F]; M]) {
+) -> ([&mut [F]; N], [&[F]; M]) {
     for v in outs.iter().chain(ins.iter()) {
         assert!(
             v.buf < bufs.len() && v.end() <= bufs[v.buf].len(),
@@ -42,7 +42,7 @@ fn borrow_views<'a, F, const N: usize, const M: usize>(
     let base: Vec<*mut F> = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
     // SAFETY: every view was checked to lie inside its buffer, and no writable view overlaps any other view,
     // so the mutable slices are disjoint from each other and from the shared ones. All of them borrow `bufs`
-    // mutably for 'a, so nothing else can touch the buffers (or reallocate them) while they live.
+    // mutably for the returned lifetime, so nothing else can touch the buffers (or reallocate them) while they live.
     let outs = outs.map(|v| unsafe { std::slice::from_raw_parts_mut(base[v.buf].add(v.offset), v.len) });
     // SAFETY: as above; shared slices may overlap each other, which is fine for reads.
     let ins = ins.map(|v| unsafe { std::slice::from_raw_parts(base[v.buf].add(v.offset) as *const F, v.len) });
