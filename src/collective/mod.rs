@@ -4,7 +4,7 @@
 //! - [`mem`]: N ranks in one process over channels, with fault injection (tests, simulator).
 //! - [`frame`]: the bounded, versioned wire format.
 //! - [`quic`]: the QUIC transport (quinn), with rendezvous in [`crate::dist`].
-//! - [`bench`]: the all-reduce benchmark behind `ringtrain bench allreduce`.
+//! - [`bench`](mod@bench): the all-reduce benchmark behind `ringtrain bench allreduce`.
 //!
 //! The layer knows no backend: it works on f32 and byte slices. Every transport implements [`Collective`]
 //! by providing [`Collective::run_engine`]; the collectives themselves are provided methods, so they behave
