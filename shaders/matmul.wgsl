@@ -1,8 +1,9 @@
 // C[m, n] (= or +=) A[m, k] @ B[k, n] (+ bias[n]) with arbitrary element strides for A and B, so one kernel
 // serves both weight layouts and every transpose of the backward pass.
 // Tiling: a 64x64 tile of C per workgroup of 16x16 invocations, each computing a 4x4 register block
-// (rows ty + 16 r, columns tx + 16 q); K is walked in slices of 16 staged in workgroup memory. Every output
-// sums its k terms in increasing order, so results are run-to-run deterministic.
+// (rows ty + 16 r, columns tx + 16 q, kept as four vec4 accumulators); K is walked in slices of 16 staged
+// in workgroup memory. Every output sums its k terms in increasing order, so results are run-to-run
+// deterministic.
 
 struct Params {
     m: u32,
@@ -39,10 +40,11 @@ fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     let tile_n = wg.x * TN;
     let tx = li % 16u;
     let ty = li / 16u;
-    var acc: array<array<f32, 4>, 4>;
-    for (var r = 0u; r < 4u; r++) {
-        for (var q = 0u; q < 4u; q++) { acc[r][q] = 0.0; }
-    }
+    // acc_r holds row ty + 16 r, columns tx + 16 q in component q.
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
     for (var k0 = 0u; k0 < P.k; k0 += TK) {
         for (var e = 0u; e < 4u; e++) {
             let idx = li + e * WG;
@@ -65,28 +67,33 @@ fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         }
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk++) {
-            var a: array<f32, 4>;
-            var b: array<f32, 4>;
-            for (var r = 0u; r < 4u; r++) { a[r] = As[kk * TM + ty + 16u * r]; }
-            for (var q = 0u; q < 4u; q++) { b[q] = Bs[kk * TN + tx + 16u * q]; }
-            for (var r = 0u; r < 4u; r++) {
-                for (var q = 0u; q < 4u; q++) { acc[r][q] = acc[r][q] + a[r] * b[q]; }
-            }
+            let ab = kk * TM + ty;
+            let bb = kk * TN + tx;
+            let b = vec4<f32>(Bs[bb], Bs[bb + 16u], Bs[bb + 32u], Bs[bb + 48u]);
+            acc0 = acc0 + As[ab] * b;
+            acc1 = acc1 + As[ab + 16u] * b;
+            acc2 = acc2 + As[ab + 32u] * b;
+            acc3 = acc3 + As[ab + 48u] * b;
         }
         workgroupBarrier();
     }
-    for (var r = 0u; r < 4u; r++) {
-        let gm = tile_m + ty + 16u * r;
-        if (gm >= P.m) { continue; }
-        for (var q = 0u; q < 4u; q++) {
-            let gn = tile_n + tx + 16u * q;
-            if (gn >= P.n) { continue; }
-            var v = acc[r][q];
-            if ((P.flags & 2u) != 0u) { v = v + bias[P.bias_off + gn]; }
-            let o = P.c_off + gm * P.c_rs + gn;
-            if ((P.flags & 1u) != 0u) { v = C[o] + v; }
-            C[o] = v;
-        }
+    store_row(tile_m + ty, tile_n + tx, acc0);
+    store_row(tile_m + ty + 16u, tile_n + tx, acc1);
+    store_row(tile_m + ty + 32u, tile_n + tx, acc2);
+    store_row(tile_m + ty + 48u, tile_n + tx, acc3);
+}
+
+// Writes row gm, columns gn + 16 q (q = 0..3) of C from acc[q], adding bias and/or C as the flags say.
+fn store_row(gm: u32, gn0: u32, acc: vec4<f32>) {
+    if (gm >= P.m) { return; }
+    for (var q = 0u; q < 4u; q++) {
+        let gn = gn0 + 16u * q;
+        if (gn >= P.n) { continue; }
+        var v = acc[q];
+        if ((P.flags & 2u) != 0u) { v = v + bias[P.bias_off + gn]; }
+        let o = P.c_off + gm * P.c_rs + gn;
+        if ((P.flags & 1u) != 0u) { v = C[o] + v; }
+        C[o] = v;
     }
 }
 
