@@ -352,7 +352,8 @@ fn duplicated_frame_is_a_protocol_error() {
         c.all_reduce_mean(&mut b)
     });
     assert!(t0.elapsed() < Duration::from_secs(8), "took {:?}", t0.elapsed());
-    let errs: Vec<CollectiveError> = res.into_iter().map(|r| r.unwrap().unwrap_err()).collect();
+    // A rank may hear of the failure while its own ring links are still forming (then `connect` fails).
+    let errs: Vec<CollectiveError> = res.into_iter().map(|r| r.and_then(|o| o).unwrap_err()).collect();
     // Rank 2 receives from rank 1 and names it; the others hear of it through rank 0.
     assert!(
         matches!(&errs[2], CollectiveError::Protocol { rank: 1, msg } if msg.contains("duplicate")),

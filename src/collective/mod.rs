@@ -138,7 +138,8 @@ pub trait Collective: Send {
             .collect())
     }
 
-    /// Every rank gets every rank's blob (all blobs must have the same length).
+    /// Every rank gets every rank's blob (all blobs must have the same length; at most
+    /// [`quic::MAX_GATHER_BLOB`] bytes over QUIC).
     fn gather_bytes(&mut self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let mut e =
             GatherEngine::new(self.rank(), self.world(), mine).map_err(|e| CollectiveError::Local(e.to_string()))?;

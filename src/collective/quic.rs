@@ -497,6 +497,13 @@ impl QuicCollective {
                 cfg.rank, cfg.world
             )));
         }
+        if cfg.sub_chunk == 0 || cfg.sub_chunk * 4 > frame::ABSOLUTE_MAX_PAYLOAD {
+            return Err(local(format!(
+                "sub_chunk {} out of range (1..={} elements)",
+                cfg.sub_chunk,
+                frame::ABSOLUTE_MAX_PAYLOAD / 4
+            )));
+        }
         if cfg.secret.as_ref().is_some_and(|s| s.is_empty()) {
             return Err(local("the cluster secret is empty"));
         }
