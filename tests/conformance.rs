@@ -664,7 +664,7 @@ fn wgpu_windows_split_large_tensors() {
 fn wgpu_adapters_listed_and_selected() {
     let adapters = list_adapters();
     for a in &adapters {
-        eprintln!("{a:?}");
+        eprintln!("{a}");
     }
     if adapters.is_empty() {
         if ci() {

@@ -66,6 +66,32 @@ pub struct AdapterReport {
     pub unsupported: Option<String>,
 }
 
+impl std::fmt::Display for AdapterReport {
+    /// One line: `#0 NAME (Vulkan, DiscreteGpu, driver ...): max buffer 2048 MiB, max binding 128 MiB`, plus
+    /// `, software` and `, unusable: REASON` where they apply.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: u64| b >> 20;
+        write!(
+            f,
+            "#{} {} ({}, {}, {}): max buffer {} MiB, max binding {} MiB",
+            self.index,
+            self.name,
+            self.backend,
+            self.device_type,
+            self.driver,
+            mib(self.max_buffer_size),
+            mib(self.max_storage_buffer_binding_size)
+        )?;
+        if self.is_software {
+            write!(f, ", software")?;
+        }
+        if let Some(why) = &self.unsupported {
+            write!(f, ", unusable: {why}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Storage bindings of the widest kernel (layer-norm backward) plus its uniform.
 pub(crate) const NEEDED_STORAGE_BUFFERS: u32 = 8;
 pub(crate) const NEEDED_INVOCATIONS: u32 = 256;
