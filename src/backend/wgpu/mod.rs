@@ -1,6 +1,6 @@
 //! The wgpu backend: every op of [`Backend`] as a WGSL compute shader (Vulkan, Metal, DX12).
 //!
-//! - **Context.** Instance, adapter, device and queue are built once ([`context`]); the device gets every
+//! - **Context.** Instance, adapter, device and queue are built once (module `context`); the device gets every
 //!   limit the adapter offers.
 //! - **Pipelines.** One compute pipeline per kernel, compiled once at construction from `shaders/*.wgsl`
 //!   (one file per op family, `common.wgsl` prepended). The kernel stem is the WGSL entry point and the
