@@ -1,53 +1,65 @@
 //! Which backend a run uses: `--backend auto|cpu|wgpu|cuda`, and the reasons, for `ringtrain info`.
+//!
+//! `auto` prefers CUDA (when built, with an NVIDIA GPU), then a hardware wgpu adapter, then the CPU
+//! backend. A software Vulkan device such as lavapipe is slower than the CPU backend, so `auto` never
+//! picks it; `--backend wgpu` does. LOCAL_RANK picks among several adapters.
 
+use crate::backend::wgpu::{list_adapters, AdapterReport, AdapterSelection};
 use anyhow::{bail, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
     Cpu,
+    Wgpu(AdapterSelection),
 }
 
-/// One line per backend: is it usable here, and why (not).
-pub fn backend_report() -> Vec<(String, bool, String)> {
-    vec![
-        (
-            "cpu".into(),
-            true,
-            format!("reference backend, {} threads (rayon)", rayon::current_num_threads()),
-        ),
-        (
-            "wgpu".into(),
-            false,
-            "not part of this build yet: the WGSL backend is tracked as issue #3".into(),
-        ),
-        (
-            "cuda".into(),
-            false,
-            if cfg!(feature = "cuda") {
-                "the `cuda` feature is on, but no CUDA backend is implemented in this version".into()
-            } else {
-                "not built (build with --features cuda)".into()
-            },
-        ),
-    ]
+/// Why CUDA is not available in this build.
+pub fn cuda_status() -> &'static str {
+    if cfg!(feature = "cuda") {
+        "the `cuda` feature is on, but this version has no CUDA kernels yet"
+    } else {
+        "not built (and no CUDA kernels exist yet in this version)"
+    }
 }
 
-/// Resolves `--backend`. `auto` prefers CUDA, then a hardware wgpu adapter, then the CPU; only the CPU
-/// exists in this build, so it picks the CPU and says so in `ringtrain info`.
-pub fn select_backend(name: &str) -> Result<(BackendKind, String)> {
+/// Adapters that can run ringtrain's kernels.
+fn usable(adapters: &[AdapterReport]) -> impl Iterator<Item = &AdapterReport> {
+    adapters.iter().filter(|a| a.unsupported.is_none())
+}
+
+/// Resolves `--backend` for the process with `local_rank`.
+pub fn select_backend(name: &str, local_rank: usize) -> Result<(BackendKind, String)> {
     match name {
-        "auto" => Ok((
-            BackendKind::Cpu,
-            "auto: no GPU backend in this build, using the CPU reference backend".into(),
-        )),
         "cpu" => Ok((BackendKind::Cpu, "cpu: requested".into())),
-        "wgpu" | "cuda" => {
-            let reason = backend_report()
-                .into_iter()
-                .find(|(n, _, _)| n == name)
-                .map(|(_, _, r)| r)
-                .unwrap_or_default();
-            bail!("--backend {name} is unavailable: {reason}")
+        "wgpu" => {
+            let adapters = list_adapters();
+            let count = usable(&adapters).count();
+            if count == 0 {
+                bail!("--backend wgpu: no usable wgpu adapter found (on Linux without a GPU, install mesa-vulkan-drivers for lavapipe); `ringtrain info` lists what was found");
+            }
+            let pick = usable(&adapters).nth(local_rank % count).expect("index below count");
+            let selection = AdapterSelection::any().with_index(local_rank % count);
+            Ok((
+                BackendKind::Wgpu(selection),
+                format!("wgpu: requested, adapter {}", pick.name),
+            ))
+        }
+        "cuda" => bail!("--backend cuda is unavailable: {}", cuda_status()),
+        "auto" => {
+            let adapters = list_adapters();
+            let hardware: Vec<&AdapterReport> = usable(&adapters).filter(|a| !a.is_software).collect();
+            if hardware.is_empty() {
+                return Ok((
+                    BackendKind::Cpu,
+                    "auto: no CUDA build and no hardware GPU adapter, so the CPU backend (software adapters such as lavapipe are slower than it)".into(),
+                ));
+            }
+            let index = local_rank % hardware.len();
+            let selection = AdapterSelection::hardware().with_index(index);
+            Ok((
+                BackendKind::Wgpu(selection),
+                format!("auto: hardware adapter {}", hardware[index].name),
+            ))
         }
         other => bail!("unknown --backend {other:?}: expected auto, cpu, wgpu or cuda"),
     }

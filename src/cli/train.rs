@@ -6,6 +6,7 @@ use super::metrics::{MetricsWriter, StepMetrics};
 use super::progress::Progress;
 use super::select::{select_backend, BackendKind};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::wgpu::WgpuBackend;
 use crate::backend::Backend;
 use crate::collective::quic::{QuicCollective, QuicConfig};
 use crate::collective::Collective;
@@ -69,7 +70,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let opts = args.resolve(&model, launch.world_size)?;
     let data_spec = args.data.clone().unwrap_or_else(|| "synthetic".into());
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
-    let (backend, backend_reason) = select_backend(args.backend.as_deref().unwrap_or("auto"))?;
+    let (backend, backend_reason) = select_backend(args.backend.as_deref().unwrap_or("auto"), launch.local_rank)?;
     let job_hash = job_hash(&model, &opts, launch.world_size);
     Ok(RunSetup {
         source,
@@ -130,6 +131,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let s = setup(args)?;
     match s.backend {
         BackendKind::Cpu => train_loop(CpuBackend::<f32>::new(), s),
+        BackendKind::Wgpu(selection) => train_loop(WgpuBackend::new(selection)?, s),
     }
 }
 
@@ -241,6 +243,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     let s = setup(args)?;
     match s.backend {
         BackendKind::Cpu => bench_loop(CpuBackend::<f32>::new(), s, warmup, timed),
+        BackendKind::Wgpu(selection) => bench_loop(WgpuBackend::new(selection)?, s, warmup, timed),
     }
 }
 
