@@ -1,11 +1,15 @@
 //! ringtrain-sim: N virtual workers in one process, each a real [`Trainer`] on its own backend, joined by
 //! the in-memory ring (or QUIC on loopback). After every step each rank fingerprints its parameters and
 //! the harness checks that all replicas hold identical bits; it also runs the same global batch on a
-//! single worker and reports how far the losses are apart (float rounding only: the sum over ranks
-//! reassociates the mean).
+//! single worker (on the CPU backend) and reports how far the losses are apart (float rounding only: the
+//! sum over ranks reassociates the mean). Ranks may run different backends (`cpu`, `wgpu`): with the
+//! sharded update the replicas stay bit-identical even then, because every parameter chunk is computed by
+//! one owner and copied byte for byte.
 
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::cpu::CpuBackend;
+use ringtrain::backend::wgpu::{AdapterSelection, WgpuBackend};
+use ringtrain::backend::Backend;
 use ringtrain::cli::args::TrainArgs;
 use ringtrain::collective::mem::{mem_cluster, Faults, MemOptions};
 use ringtrain::collective::quic::{QuicCollective, QuicConfig};
@@ -24,6 +28,8 @@ pub enum Transport {
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     pub workers: usize,
+    /// Backend of each rank, cycled over the ranks: `cpu` or `wgpu`.
+    pub backends: Vec<String>,
     pub model: ModelConfig,
     /// Per-rank train flags (batch size, seq len, grad accum, steps, update mode, ...).
     pub args: TrainArgs,
@@ -71,26 +77,37 @@ impl SimReport {
     }
 }
 
-fn build_trainer(
+fn build_trainer<B: Backend>(
+    be: B,
     cfg: &SimConfig,
     args: &TrainArgs,
     world: usize,
     comm: Box<dyn Collective>,
-) -> Result<Trainer<CpuBackend<f32>>> {
+) -> Result<Trainer<B>> {
     let opts = args.resolve(&cfg.model, world)?;
     let data = load_splits(args.data.as_deref().unwrap_or("synthetic"), None, TokenizerKind::Byte)?;
-    Trainer::new(
-        CpuBackend::new(),
-        ModelSource::Fresh(cfg.model.clone()),
-        data,
-        opts,
-        comm,
-    )
+    Trainer::new(be, ModelSource::Fresh(cfg.model.clone()), data, opts, comm)
 }
 
 fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
     let rank = comm.rank();
-    let mut trainer = build_trainer(cfg, &cfg.args, cfg.workers, comm).with_context(|| format!("rank {rank}"))?;
+    let backend = cfg
+        .backends
+        .get(rank % cfg.backends.len().max(1))
+        .map_or("cpu", String::as_str);
+    match backend {
+        "cpu" => run_rank_on(CpuBackend::<f32>::new(), cfg, comm),
+        "wgpu" => {
+            let be = WgpuBackend::new(AdapterSelection::any()).with_context(|| format!("rank {rank}: wgpu"))?;
+            run_rank_on(be, cfg, comm)
+        }
+        other => bail!("rank {rank}: unknown backend {other:?} (expected cpu or wgpu)"),
+    }
+}
+
+fn run_rank_on<B: Backend>(be: B, cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
+    let rank = comm.rank();
+    let mut trainer = build_trainer(be, cfg, &cfg.args, cfg.workers, comm).with_context(|| format!("rank {rank}"))?;
     let mut trace = RankTrace {
         losses: Vec::new(),
         hashes: Vec::new(),
@@ -162,7 +179,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     // The reference: one worker, the same global batch.
     let mut single = cfg.args.clone();
     single.batch_size = Some(cfg.args.batch_size.unwrap_or(4) * cfg.workers);
-    let mut trainer = build_trainer(cfg, &single, 1, single_process())?;
+    let mut trainer = build_trainer(CpuBackend::<f32>::new(), cfg, &single, 1, single_process())?;
     let mut single_worker_losses = Vec::new();
     while trainer.step < trainer.opts.steps {
         single_worker_losses.push(trainer.train_step()?.loss);

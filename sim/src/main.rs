@@ -16,7 +16,7 @@ use std::time::Duration;
 struct Cli {
     #[arg(long, default_value_t = 4)]
     workers: usize,
-    /// Backend of each worker, comma-separated (only cpu in this build)
+    /// Backend of each worker, comma-separated and cycled over the ranks: cpu, wgpu
     #[arg(long, default_value = "cpu")]
     backends: String,
     #[arg(long, default_value = "sharded")]
@@ -85,8 +85,9 @@ fn main() -> ExitCode {
 
 fn real_main() -> Result<ExitCode> {
     let cli = Cli::parse();
-    if cli.backends.split(',').any(|b| b.trim() != "cpu") {
-        bail!("--backends {}: only cpu workers exist in this build", cli.backends);
+    let backends: Vec<String> = cli.backends.split(',').map(|b| b.trim().to_string()).collect();
+    if let Some(bad) = backends.iter().find(|b| *b != "cpu" && *b != "wgpu") {
+        bail!("--backends: unknown backend {bad:?} (expected cpu or wgpu)");
     }
     let transport = match cli.transport.as_str() {
         "mem" => Transport::Mem,
@@ -109,6 +110,7 @@ fn real_main() -> Result<ExitCode> {
     };
     let cfg = SimConfig {
         workers: cli.workers,
+        backends,
         model: ModelConfig::preset(&cli.model)?,
         args,
         transport,
