@@ -557,7 +557,8 @@ impl QuicCollective {
                 return Err(e);
             }
         };
-        Ok(QuicCollective {
+        let ring_error = s.ring_error;
+        let q = QuicCollective {
             rt: Some(rt),
             guard: SequenceGuard::new(cfg.job_id),
             cfg,
@@ -571,9 +572,14 @@ impl QuicCollective {
             step: 0,
             sent_msgs: 0,
             crashed: false,
-            failed: None,
+            failed: ring_error.clone(),
             _keep: s.keep,
-        })
+        };
+        match ring_error {
+            // Dropping says goodbye: rank 0 stays up until the others have heard why.
+            Some(e) => Err(e),
+            None => Ok(q),
+        }
     }
 
     /// This rank's endpoint address.
@@ -767,6 +773,7 @@ struct Setup {
     left: Option<(Connection, mpsc::UnboundedReceiver<LinkEvent>)>,
     control: ControlPlane,
     keep: Vec<SendStream>,
+    ring_error: Option<CollectiveError>,
 }
 
 async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared>) -> Result<Setup> {
@@ -790,7 +797,6 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
         config_hash: cfg.config_hash,
     };
     let n = cfg.world;
-    let mut keep = Vec::new();
     // Peer hellos that arrive during the rendezvous (from fast neighbours) are kept for the ring stage.
     let mut early_peers: Vec<Joined> = Vec::new();
 
@@ -977,99 +983,106 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
         )
     };
 
-    // Ring links.
-    let (mut right, mut left) = (None, None);
-    if n > 1 {
-        let rank = cfg.rank;
-        let left_rank = (rank + n - 1) % n;
-        let right_rank = (rank + 1) % n;
-        let right_addr = if right_rank == 0 { cfg.master } else { addrs[right_rank] };
-        let open_right = async {
-            let (conn, mut send, recv) = tokio::time::timeout_at(deadline, dial(&endpoint, right_addr, &key))
-                .await
-                .map_err(|_| local(format!("connecting to right neighbour rank {right_rank} timed out")))?
-                .map_err(|e| local(format!("connecting to right neighbour rank {right_rank}: {e}")))?;
-            send.write_all(&control_frame(
-                cfg.job_id,
-                &Control::PeerHello {
-                    job_id: cfg.job_id,
-                    rank,
-                },
-            ))
-            .await
-            .map_err(|e| CollectiveError::PeerDead {
-                rank: right_rank,
-                reason: e.to_string(),
-            })?;
-            drop(recv);
-            Ok::<_, CollectiveError>((conn, send))
-        };
-        let accept_left = async {
-            loop {
-                let j = match early_peers.pop() {
-                    Some(j) => j,
-                    None => tokio::select! {
-                        j = joined_rx.recv() => j.ok_or_else(|| local("listener stopped"))?,
-                        _ = tokio::time::sleep_until(deadline) =>
-                            return Err(local(format!("left neighbour rank {left_rank} did not connect in time"))),
+    // Ring links. A failure here is returned inside `Setup`, so the control plane can still say goodbye.
+    let ring = async {
+        let (mut right, mut left, mut keep) = (None, None, Vec::new());
+        if n > 1 {
+            let rank = cfg.rank;
+            let left_rank = (rank + n - 1) % n;
+            let right_rank = (rank + 1) % n;
+            let right_addr = if right_rank == 0 { cfg.master } else { addrs[right_rank] };
+            let open_right = async {
+                let (conn, mut send, recv) = tokio::time::timeout_at(deadline, dial(&endpoint, right_addr, &key))
+                    .await
+                    .map_err(|_| local(format!("connecting to right neighbour rank {right_rank} timed out")))?
+                    .map_err(|e| local(format!("connecting to right neighbour rank {right_rank}: {e}")))?;
+                send.write_all(&control_frame(
+                    cfg.job_id,
+                    &Control::PeerHello {
+                        job_id: cfg.job_id,
+                        rank,
                     },
-                };
-                match j.msg {
-                    Control::PeerHello { job_id, rank: r } if job_id == cfg.job_id && r == left_rank => {
-                        return Ok::<_, CollectiveError>((j.conn, j.send, j.recv))
+                ))
+                .await
+                .map_err(|e| CollectiveError::PeerDead {
+                    rank: right_rank,
+                    reason: e.to_string(),
+                })?;
+                drop(recv);
+                Ok::<_, CollectiveError>((conn, send))
+            };
+            let accept_left = async {
+                loop {
+                    let j = match early_peers.pop() {
+                        Some(j) => j,
+                        None => tokio::select! {
+                            j = joined_rx.recv() => j.ok_or_else(|| local("listener stopped"))?,
+                            _ = tokio::time::sleep_until(deadline) =>
+                                return Err(local(format!("left neighbour rank {left_rank} did not connect in time"))),
+                        },
+                    };
+                    match j.msg {
+                        Control::PeerHello { job_id, rank: r } if job_id == cfg.job_id && r == left_rank => {
+                            return Ok::<_, CollectiveError>((j.conn, j.send, j.recv))
+                        }
+                        Control::Hello(_) => {
+                            let mut j = j;
+                            let bytes = control_frame(
+                                cfg.job_id,
+                                &Control::Refused {
+                                    reason: "the rendezvous is closed (all ranks have joined)".into(),
+                                },
+                            );
+                            tokio::spawn(async move {
+                                let _ = j.send.write_all(&bytes).await;
+                                let _ = j.send.finish();
+                                tokio::time::sleep(Duration::from_millis(500)).await;
+                            });
+                        }
+                        _ => j.conn.close(3u32.into(), b"unexpected peer"),
                     }
-                    Control::Hello(_) => {
-                        let mut j = j;
-                        let bytes = control_frame(
-                            cfg.job_id,
-                            &Control::Refused {
-                                reason: "the rendezvous is closed (all ranks have joined)".into(),
-                            },
-                        );
-                        tokio::spawn(async move {
-                            let _ = j.send.write_all(&bytes).await;
-                            let _ = j.send.finish();
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                        });
-                    }
-                    _ => j.conn.close(3u32.into(), b"unexpected peer"),
                 }
-            }
-        };
-        // A rank that dies while the ring forms is reported by rank 0: stop waiting then.
-        let mut prx = shared.poison.subscribe();
-        let (r, l) = tokio::select! {
-            rl = async { tokio::join!(open_right, accept_left) } => rl,
-            p = prx.wait_for(|p| p.is_some()) => {
-                return Err(p.ok().and_then(|p| p.clone()).unwrap_or_else(|| local("control plane failed")));
-            }
-        };
-        right = Some(r?);
-        let (conn, send, mut recv) = l?;
-        keep.push(send);
-        let (tx, rx) = mpsc::unbounded_channel();
-        let max = (cfg.sub_chunk * 4).max(MAX_GATHER_BLOB);
-        tokio::spawn(async move {
-            loop {
-                match read_frame(&mut recv, max).await {
-                    Ok((h, p)) => {
-                        if tx.send(LinkEvent::Frame(h, p)).is_err() {
+            };
+            // A rank that dies while the ring forms is reported by rank 0: stop waiting then.
+            let mut prx = shared.poison.subscribe();
+            let (r, l) = tokio::select! {
+                rl = async { tokio::join!(open_right, accept_left) } => rl,
+                p = prx.wait_for(|p| p.is_some()) => {
+                    return Err(p.ok().and_then(|p| p.clone()).unwrap_or_else(|| local("control plane failed")));
+                }
+            };
+            right = Some(r?);
+            let (conn, send, mut recv) = l?;
+            keep.push(send);
+            let (tx, rx) = mpsc::unbounded_channel();
+            let max = (cfg.sub_chunk * 4).max(MAX_GATHER_BLOB);
+            tokio::spawn(async move {
+                loop {
+                    match read_frame(&mut recv, max).await {
+                        Ok((h, p)) => {
+                            if tx.send(LinkEvent::Frame(h, p)).is_err() {
+                                break;
+                            }
+                        }
+                        Err(ReadFail::Closed(s)) => {
+                            let _ = tx.send(LinkEvent::Closed(s));
+                            break;
+                        }
+                        Err(ReadFail::Bad(e)) => {
+                            let _ = tx.send(LinkEvent::Bad(e));
                             break;
                         }
                     }
-                    Err(ReadFail::Closed(s)) => {
-                        let _ = tx.send(LinkEvent::Closed(s));
-                        break;
-                    }
-                    Err(ReadFail::Bad(e)) => {
-                        let _ = tx.send(LinkEvent::Bad(e));
-                        break;
-                    }
                 }
-            }
-        });
-        left = Some((conn, rx));
-    }
+            });
+            left = Some((conn, rx));
+        }
+        Ok::<_, CollectiveError>((right, left, keep))
+    };
+    let (right, left, keep, ring_error) = match ring.await {
+        Ok((r, l, k)) => (r, l, k, None),
+        Err(e) => (None, None, Vec::new(), Some(e)),
+    };
     // Late connections after setup (a refused impostor, a retry) keep being answered.
     tokio::spawn(async move {
         while let Some(mut j) = joined_rx.recv().await {
@@ -1091,6 +1104,7 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
         left,
         control,
         keep,
+        ring_error,
     })
 }
 
