@@ -709,3 +709,22 @@ fn wgpu_bench_matmul_gpt2_shape() {
         eprintln!("{}: matmul {m}x{k}x{n}: {gflops:.2} GFLOP/s", be.name());
     }
 }
+
+/// Prints the cost of one small dispatch (run with `--ignored --nocapture`).
+#[test]
+#[ignore = "benchmark"]
+fn wgpu_bench_dispatch_overhead() {
+    let Some(mut be) = shared_wgpu() else { return };
+    let v = be.alloc(64).unwrap();
+    be.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..2000 {
+        be.scale(v, 1.0);
+    }
+    be.synchronize().unwrap();
+    eprintln!(
+        "{}: {:.1} us per dispatch",
+        be.name(),
+        start.elapsed().as_secs_f64() / 2000.0 * 1e6
+    );
+}
