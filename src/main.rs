@@ -1,7 +1,7 @@
 //! The `ringtrain` command line (the contract is in DESIGN.md; flags are stable).
 
 use clap::{Parser, Subcommand};
-use ringtrain::cli::{args::TrainArgs, eval, info, launch, plot, sample, train};
+use ringtrain::cli::{args::TrainArgs, bench_allreduce, eval, info, launch, plot, sample, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -74,6 +74,16 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// All-reduce bandwidth over QUIC between N local processes (nccl-tests style table)
+    Allreduce {
+        #[arg(long, default_value_t = 2)]
+        nproc: usize,
+        /// Comma-separated message sizes (B, KiB, MiB, GiB)
+        #[arg(long, default_value = "1MiB,16MiB,64MiB")]
+        size: String,
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+    },
     /// ms/step, tokens/s and GFLOP/s of training steps (takes the train flags; --steps = timed steps)
     Step {
         #[command(flatten)]
@@ -132,6 +142,9 @@ fn main() -> ExitCode {
             },
         ),
         Command::Bench(BenchCommand::Step { args, warmup_steps }) => train::run_bench_step(args, warmup_steps),
+        Command::Bench(BenchCommand::Allreduce { nproc, size, iters }) => {
+            bench_allreduce::run_bench_allreduce(nproc, &size, iters)
+        }
         Command::Plot { metrics, output } => plot::plot_file(&metrics, &output),
         Command::Info => info::run_info(),
     };

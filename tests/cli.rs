@@ -327,3 +327,23 @@ fn launch_trains_data_parallel_over_quic() {
     let state = load_trainer_state(&ck, &ParamLayout::new(&cfg)).unwrap();
     assert_eq!((state.world_size, state.step), (2, 6));
 }
+
+#[test]
+fn bench_allreduce_prints_an_nccl_tests_table() {
+    let out = ringtrain(&[
+        "bench",
+        "allreduce",
+        "--nproc",
+        "3",
+        "--size",
+        "4KiB,64KiB",
+        "--iters",
+        "2",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("busbw"), "{stdout}");
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.contains("KiB")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    fails_with(&["bench", "allreduce", "--nproc", "2", "--size", "3B"], "multiple of 4");
+}

@@ -57,7 +57,7 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) ->
 }
 
 /// Waits for every child; after the first failure, gives the rest `GRACE` to stop, then kills them.
-fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
+pub(crate) fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut first_failure: Option<Instant> = None;
     while children.iter().any(Option::is_some) {
@@ -90,7 +90,7 @@ fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
 }
 
 /// A UDP port that was free a moment ago on loopback (the rendezvous binds it right after).
-fn free_udp_port() -> Result<u16> {
+pub(crate) fn free_udp_port() -> Result<u16> {
     let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("finding a free port for the rendezvous")?;
     Ok(socket.local_addr()?.port())
 }

@@ -1,6 +1,7 @@
 //! The command line: subcommands, progress, metrics and plots.
 
 pub mod args;
+pub mod bench_allreduce;
 pub mod eval;
 pub mod info;
 pub mod launch;
