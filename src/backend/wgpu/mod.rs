@@ -5,17 +5,18 @@
 //! - **Pipelines.** One compute pipeline per kernel, compiled once at construction from `shaders/*.wgsl`
 //!   (one file per op family, `common.wgsl` prepended). The kernel stem is the WGSL entry point and the
 //!   Rust method name; ops needing several passes add suffixed kernels (`attention_backward_dq`, ...).
-//! - **Memory.** An allocation is one storage buffer, or, past the adapter's `max_buffer_size`, several
-//!   *segments* of at most that size. A [`View`] is bound as a *window* of its segment: the binding starts
-//!   at the view's offset rounded down to `min_storage_buffer_offset_alignment`, and the remaining element
-//!   offset travels in the kernel's uniform parameters. A window that straddles two segments (rare: the
-//!   views that cross a segment boundary) is gathered into a temporary buffer before the dispatch and
-//!   written back after it. Ops whose windows would exceed `max_storage_buffer_binding_size` are split:
-//!   element-wise ops, AdamW and `sum_squares` by ranges, matmuls by halving M, N or K, the encoder by
-//!   vocabulary rows, cross-entropy by rows, attention by sequence. So GPT-2's 154 MB `wte` inside the
-//!   500 MB flat parameter buffer works on adapters with a 128 MiB binding limit (lavapipe's), and
-//!   activation buffers may exceed `max_buffer_size`. Limits that remain: one cross-entropy row (`V` floats),
-//!   one layer-norm `[n, c]` tensor and one sequence's attention `[nh, t, t]` must each fit a binding.
+//! - **Memory.** An allocation is one storage buffer, or, past the adapter's `max_buffer_size` (capped at
+//!   [`MAX_SEGMENT_BYTES`]), several *segments* of at most that size. A [`View`] is bound as a *window* of
+//!   its segment: the binding starts at the view's offset rounded down to
+//!   `min_storage_buffer_offset_alignment`, and the remaining element offset travels in the kernel's
+//!   uniform parameters. A window that straddles two segments (rare: the views that cross a segment
+//!   boundary) is gathered into a temporary buffer before the dispatch and written back after it. Ops whose
+//!   windows would exceed `max_storage_buffer_binding_size` are split: element-wise ops, AdamW and
+//!   `sum_squares` by ranges, matmuls by halving M, N or K, the encoder by vocabulary rows, cross-entropy by
+//!   rows, attention by sequence. So GPT-2's 154 MB `wte` inside the 500 MB flat parameter buffer works on
+//!   adapters with a 128 MiB binding limit (lavapipe's), and activation buffers may exceed one buffer.
+//!   Limits that remain: one cross-entropy row (`V` floats), one layer-norm `[n, c]` tensor and one
+//!   sequence's attention `[nh, t, t]` must each fit a binding.
 //! - **Submission.** Ops are recorded into one command encoder and submitted in batches: on `download`,
 //!   `sum_squares`, `synchronize`, before an upload (so the upload lands after the ops recorded before it),
 //!   and every [`MAX_PENDING`] dispatches. Only `download` and `sum_squares` read back.
@@ -35,6 +36,11 @@ use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::time::Instant;
 use wgpu::util::DeviceExt;
+
+/// Largest wgpu buffer the backend creates, whatever `max_buffer_size` says: Vulkan only guarantees
+/// allocations of 1 GiB (`maxMemoryAllocationSize`), and some drivers report a larger `max_buffer_size` than
+/// one allocation can hold. Larger tensors are split into segments of this size.
+pub const MAX_SEGMENT_BYTES: u64 = 1 << 30;
 
 /// Dispatches recorded before the encoder is submitted anyway (bounds the memory held by bind groups).
 pub const MAX_PENDING: usize = 256;
@@ -319,7 +325,7 @@ impl WgpuBackend {
             mapped_at_creation: false,
         });
         let align = ctx.limits.min_storage_buffer_offset_alignment as u64;
-        let seg_elems = (ctx.limits.max_buffer_size / 4).min(usize::MAX as u64) as usize / 64 * 64;
+        let seg_elems = (ctx.limits.max_buffer_size.min(MAX_SEGMENT_BYTES) / 4) as usize / 64 * 64;
         let max_binding = ctx.limits.max_storage_buffer_binding_size.min(seg_elems as u64 * 4) / 4 * 4;
         let max_groups = ctx.limits.max_compute_workgroups_per_dimension;
         Ok(WgpuBackend {
@@ -359,7 +365,7 @@ impl WgpuBackend {
     /// straddle segments. Also caps the binding size to one segment.
     pub fn set_max_buffer_bytes(&mut self, bytes: u64) {
         let min = 4 * SUM_BLOCK as u64 + 2 * self.align;
-        let bytes = bytes.clamp(min, self.ctx.limits.max_buffer_size);
+        let bytes = bytes.clamp(min, self.ctx.limits.max_buffer_size.min(MAX_SEGMENT_BYTES));
         self.seg_elems = (bytes / 4) as usize / 64 * 64;
         self.max_binding = self.max_binding.min(self.seg_elems as u64 * 4);
     }
