@@ -97,83 +97,53 @@ fn isize_of(x: usize) -> isize {
     isize::try_from(x).expect("stride fits in isize")
 }
 
-impl Real for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f64(x: f64) -> Self {
-        x as f32
-    }
-    fn to_f64(self) -> f64 {
-        self as f64
-    }
-    fn gemm_serial(m: usize, k: usize, n: usize, a: Strided<f32>, b: Strided<f32>, beta: f32, c: StridedMut<f32>) {
-        check_gemm(m, k, n, &a, &b, &c);
-        if m == 0 || n == 0 {
-            return;
+/// `Real` for a float type whose matrixmultiply kernel is `$gemm`.
+macro_rules! impl_real {
+    ($t:ty, $gemm:path) => {
+        impl Real for $t {
+            fn from_f32(x: f32) -> Self {
+                x as $t
+            }
+            fn to_f32(self) -> f32 {
+                self as f32
+            }
+            fn from_f64(x: f64) -> Self {
+                x as $t
+            }
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn gemm_serial(m: usize, k: usize, n: usize, a: Strided<$t>, b: Strided<$t>, beta: $t, c: StridedMut<$t>) {
+                check_gemm(m, k, n, &a, &b, &c);
+                if m == 0 || n == 0 {
+                    return;
+                }
+                let (rsa, csa, rsb, csb) = (isize_of(a.rs), isize_of(a.cs), isize_of(b.rs), isize_of(b.cs));
+                let (rsc, csc) = (isize_of(c.rs), isize_of(c.cs));
+                // SAFETY: check_gemm proved every index touched through these pointers and strides lies
+                // inside the borrowed slices; `c` is a unique borrow, so it does not alias `a` or `b`.
+                unsafe {
+                    $gemm(
+                        m,
+                        k,
+                        n,
+                        1.0,
+                        a.data.as_ptr(),
+                        rsa,
+                        csa,
+                        b.data.as_ptr(),
+                        rsb,
+                        csb,
+                        beta,
+                        c.data.as_mut_ptr(),
+                        rsc,
+                        csc,
+                    )
+                }
+            }
         }
-        // SAFETY: check_gemm proved every index touched through these pointers and strides lies inside the
-        // borrowed slices; `c` is a unique borrow, so it does not alias `a` or `b`.
-        unsafe {
-            matrixmultiply::sgemm(
-                m,
-                k,
-                n,
-                1.0,
-                a.data.as_ptr(),
-                isize_of(a.rs),
-                isize_of(a.cs),
-                b.data.as_ptr(),
-                isize_of(b.rs),
-                isize_of(b.cs),
-                beta,
-                c.data.as_mut_ptr(),
-                isize_of(c.rs),
-                isize_of(c.cs),
-            )
-        }
-    }
+    };
 }
 
-impl Real for f64 {
-    fn from_f32(x: f32) -> Self {
-        x as f64
-    }
-    fn to_f32(self) -> f32 {
-        self as f32
-    }
-    fn from_f64(x: f64) -> Self {
-        x
-    }
-    fn to_f64(self) -> f64 {
-        self
-    }
-    fn gemm_serial(m: usize, k: usize, n: usize, a: Strided<f64>, b: Strided<f64>, beta: f64, c: StridedMut<f64>) {
-        check_gemm(m, k, n, &a, &b, &c);
-        if m == 0 || n == 0 {
-            return;
-        }
-        // SAFETY: as for f32: every touched index is in bounds and `c` is a unique borrow.
-        unsafe {
-            matrixmultiply::dgemm(
-                m,
-                k,
-                n,
-                1.0,
-                a.data.as_ptr(),
-                isize_of(a.rs),
-                isize_of(a.cs),
-                b.data.as_ptr(),
-                isize_of(b.rs),
-                isize_of(b.cs),
-                beta,
-                c.data.as_mut_ptr(),
-                isize_of(c.rs),
-                isize_of(c.cs),
-            )
-        }
-    }
-}
+impl_real!(f32, matrixmultiply::sgemm);
+impl_real!(f64, matrixmultiply::dgemm);
