@@ -1,7 +1,7 @@
 //! The `ringtrain` command line (the contract is in DESIGN.md; flags are stable).
 
 use clap::{Parser, Subcommand};
-use ringtrain::cli::{args::TrainArgs, bench_allreduce, eval, info, launch, plot, sample, train};
+use ringtrain::cli::{args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -74,6 +74,16 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Matmul GFLOP/s and elementwise bandwidth of one backend, with a native-loop reference
+    Kernels {
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Square matmul sizes, comma-separated
+        #[arg(long, value_delimiter = ',', default_value = "512,1024")]
+        sizes: Vec<usize>,
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+    },
     /// All-reduce bandwidth over QUIC between N local processes (nccl-tests style table)
     Allreduce {
         #[arg(long, default_value_t = 2)]
@@ -142,6 +152,9 @@ fn main() -> ExitCode {
             },
         ),
         Command::Bench(BenchCommand::Step { args, warmup_steps }) => train::run_bench_step(args, warmup_steps),
+        Command::Bench(BenchCommand::Kernels { backend, sizes, iters }) => {
+            bench_kernels::run_bench_kernels(&backend, &sizes, iters)
+        }
         Command::Bench(BenchCommand::Allreduce { nproc, size, iters }) => {
             bench_allreduce::run_bench_allreduce(nproc, &size, iters)
         }

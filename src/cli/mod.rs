@@ -2,6 +2,7 @@
 
 pub mod args;
 pub mod bench_allreduce;
+pub mod bench_kernels;
 pub mod eval;
 pub mod info;
 pub mod launch;

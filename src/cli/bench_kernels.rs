@@ -1,0 +1,99 @@
+//! `ringtrain bench kernels [--backend cpu|wgpu|auto] [--sizes 512,1024] [--iters K]`: matmul GFLOP/s and
+//! elementwise bandwidth of one backend, timed through the Backend trait (ops queued, then `synchronize`),
+//! with a plain Rust loop on the same cores as the elementwise reference. Run it once per backend in the
+//! same session to compare them side by side.
+
+use super::select::{select_backend, BackendKind};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::wgpu::WgpuBackend;
+use crate::backend::{Backend, MatmulShape, WeightLayout};
+use anyhow::{ensure, Result};
+use std::time::Instant;
+
+/// Elements of the elementwise benchmark: 16M f32 (64 MiB per operand), far past every cache.
+const ELEMENTWISE_LEN: usize = 1 << 24;
+
+pub fn run_bench_kernels(backend: &str, sizes: &[usize], iters: usize) -> Result<()> {
+    ensure!(
+        !sizes.is_empty() && sizes.iter().all(|&s| (1..=8192).contains(&s)),
+        "--sizes must be in 1..=8192"
+    );
+    ensure!((1..=1000).contains(&iters), "--iters must be in 1..=1000");
+    let (kind, reason) = select_backend(backend, 0)?;
+    println!("# {reason}");
+    match kind {
+        BackendKind::Cpu => bench_all(CpuBackend::<f32>::new(), sizes, iters),
+        BackendKind::Wgpu(sel) => bench_all(WgpuBackend::new(sel)?, sizes, iters),
+    }
+}
+
+fn bench_all<B: Backend>(mut be: B, sizes: &[usize], iters: usize) -> Result<()> {
+    println!("# backend: {}", be.name());
+    for &s in sizes {
+        let gflops = bench_matmul(&mut be, s, iters)?;
+        println!(
+            "{}",
+            serde_json::json!({"op": "matmul_forward", "m": s, "k": s, "n": s, "backend": be.name(), "gflops": gflops})
+        );
+    }
+    let (backend_gbs, native_gbs) = bench_add(&mut be, iters)?;
+    println!(
+        "{}",
+        serde_json::json!({"op": "add_inplace", "len": ELEMENTWISE_LEN, "backend": be.name(),
+            "gb_per_s": backend_gbs, "native_loop_gb_per_s": native_gbs, "ratio": backend_gbs / native_gbs})
+    );
+    Ok(())
+}
+
+/// `[s, s] @ [s, s]` forward matmuls, one warm-up, then `iters` timed: GFLOP/s (2·s³ per matmul).
+fn bench_matmul<B: Backend>(be: &mut B, s: usize, iters: usize) -> Result<f64> {
+    let (a, w, out) = (be.alloc(s * s)?, be.alloc(s * s)?, be.alloc(s * s)?);
+    be.fill(a, 0.5);
+    be.fill(w, 0.25);
+    let shape = MatmulShape {
+        n: s,
+        c: s,
+        oc: s,
+        layout: WeightLayout::InOut,
+    };
+    be.matmul_forward(out, a, w, None, shape);
+    be.synchronize()?;
+    let started = Instant::now();
+    for _ in 0..iters {
+        be.matmul_forward(out, a, w, None, shape);
+    }
+    be.synchronize()?;
+    let secs = started.elapsed().as_secs_f64();
+    Ok(2.0 * (s as f64).powi(3) * iters as f64 / secs / 1e9)
+}
+
+/// `dst += src` over 16M elements: bytes moved = 3 × 4 × len per call (read both, write one). Returns the
+/// backend's GB/s and a native single-pass Rust loop's (rayon over the same cores).
+fn bench_add<B: Backend>(be: &mut B, iters: usize) -> Result<(f64, f64)> {
+    use rayon::prelude::*;
+    let n = ELEMENTWISE_LEN;
+    let bytes = 12.0 * n as f64 * iters as f64;
+    let (dst, src) = (be.alloc(n)?, be.alloc(n)?);
+    be.fill(src, 1.0);
+    be.add_inplace(dst, src);
+    be.synchronize()?;
+    let started = Instant::now();
+    for _ in 0..iters {
+        be.add_inplace(dst, src);
+    }
+    be.synchronize()?;
+    let backend = bytes / started.elapsed().as_secs_f64() / 1e9;
+    let (mut d, s) = (vec![0f32; n], vec![1f32; n]);
+    d.par_chunks_mut(1 << 16)
+        .zip(s.par_chunks(1 << 16))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s));
+    let started = Instant::now();
+    for _ in 0..iters {
+        d.par_chunks_mut(1 << 16)
+            .zip(s.par_chunks(1 << 16))
+            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s));
+    }
+    let native = bytes / started.elapsed().as_secs_f64() / 1e9;
+    std::hint::black_box(&d);
+    Ok((backend, native))
+}
