@@ -86,10 +86,12 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     })
 }
 
-/// What every rank must agree on, hashed: the model shape, the batch layout, the seed and the update mode.
+/// What every rank must agree on, hashed: the model shape, the batch layout, the schedule of collectives.
 fn job_hash(model: &crate::model::ModelConfig, o: &TrainOptions, world: usize) -> u64 {
+    // Everything that decides which collectives run (verification, checkpoint gathers) is included, so a
+    // rank started with different flags is refused at rendezvous instead of hanging a collective.
     let text = format!(
-        "{}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}",
+        "{}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}",
         model.hash_hex(),
         o.batch_size,
         o.seq_len,
@@ -97,7 +99,10 @@ fn job_hash(model: &crate::model::ModelConfig, o: &TrainOptions, world: usize) -
         o.steps,
         o.seed,
         o.update.as_str(),
-        o.shuffle
+        o.shuffle,
+        o.verify_every,
+        o.save.is_some(),
+        o.save_every
     );
     let digest = blake3::hash(text.as_bytes());
     u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
