@@ -27,6 +27,23 @@ fn usable(adapters: &[AdapterReport]) -> impl Iterator<Item = &AdapterReport> {
     adapters.iter().filter(|a| a.unsupported.is_none())
 }
 
+/// Whether this machine could have a hardware GPU at all. On Linux every hardware Vulkan driver needs a
+/// device node (`/dev/dri/renderD*` for Mesa and AMD/Intel, `/dev/nvidia*`, `/dev/dxg` under WSL); without
+/// one, `auto` skips loading the Vulkan drivers (which is slow, and noisy where only lavapipe exists).
+fn may_have_gpu() -> bool {
+    if !cfg!(target_os = "linux") {
+        return true;
+    }
+    let dri = std::fs::read_dir("/dev/dri")
+        .map(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("renderD"))
+        })
+        .unwrap_or(false);
+    dri || std::path::Path::new("/dev/nvidia0").exists() || std::path::Path::new("/dev/dxg").exists()
+}
+
 /// Resolves `--backend` for the process with `local_rank`.
 pub fn select_backend(name: &str, local_rank: usize) -> Result<(BackendKind, String)> {
     match name {
@@ -46,6 +63,12 @@ pub fn select_backend(name: &str, local_rank: usize) -> Result<(BackendKind, Str
         }
         "cuda" => bail!("--backend cuda is unavailable: {}", cuda_status()),
         "auto" => {
+            if !may_have_gpu() {
+                return Ok((
+                    BackendKind::Cpu,
+                    "auto: no GPU device node on this machine, so the CPU backend".into(),
+                ));
+            }
             let adapters = list_adapters();
             let hardware: Vec<&AdapterReport> = usable(&adapters).filter(|a| !a.is_software).collect();
             if hardware.is_empty() {
