@@ -164,7 +164,45 @@ impl rustls::client::danger::ServerCertVerifier for ExporterBound {
     }
 }
 
-fn make_endpoint(socket: std::net::UdpSocket, idle: Duration) -> std::result::Result<Endpoint, String> {
+/// Transport tuning, chosen per link type and measured with `bench/allreduce/run.sh` (see BENCHMARKS.md).
+///
+/// On loopback, every datagram is sent at 8000 bytes from the first packet (no MTU discovery), without
+/// segmentation offload: on this path quinn's default 1452-byte datagrams cost a syscall and a packet header
+/// per 1.4 KiB, and GSO with large segments loses whole batches (busbw fell to 0.005 GB/s in our runs).
+/// Payloads of 12000 bytes and more stalled the handshake. Other links keep quinn's defaults (1200-byte start,
+/// MTU discovery, GSO), which are safe on any path.
+#[derive(Clone, Copy, Debug)]
+struct Tuning {
+    /// UDP payload size used from the first packet (0 = quinn's default with MTU discovery).
+    mtu: u16,
+    gso: bool,
+    /// Requested UDP socket buffer sizes (the kernel caps them at rmem_max / wmem_max).
+    sock_buf: usize,
+    /// Tokio worker threads per rank.
+    workers: usize,
+}
+
+impl Tuning {
+    fn for_link(loopback: bool) -> Self {
+        if loopback {
+            Tuning {
+                mtu: 8000,
+                gso: false,
+                sock_buf: 4 << 20,
+                workers: 2,
+            }
+        } else {
+            Tuning {
+                mtu: 0,
+                gso: true,
+                sock_buf: 4 << 20,
+                workers: 2,
+            }
+        }
+    }
+}
+
+fn make_endpoint(socket: std::net::UdpSocket, idle: Duration, tuning: Tuning) -> std::result::Result<Endpoint, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| e.to_string())?;
     let cert_der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
@@ -176,8 +214,25 @@ fn make_endpoint(socket: std::net::UdpSocket, idle: Duration) -> std::result::Re
         .keep_alive_interval(Some(idle / 3))
         .stream_receive_window(quinn::VarInt::from_u32(16 << 20))
         .receive_window(quinn::VarInt::from_u32(64 << 20))
-        .send_window(64 << 20);
+        .send_window(64 << 20)
+        .enable_segmentation_offload(tuning.gso);
+    if tuning.mtu > 0 {
+        transport
+            .initial_mtu(tuning.mtu)
+            .min_mtu(tuning.mtu)
+            .mtu_discovery_config(None);
+    }
     let transport = Arc::new(transport);
+    if tuning.sock_buf > 0 {
+        if let Ok(state) = quinn::udp::UdpSocketState::new((&socket).into()) {
+            let _ = state.set_recv_buffer_size((&socket).into(), tuning.sock_buf);
+            let _ = state.set_send_buffer_size((&socket).into(), tuning.sock_buf);
+        }
+    }
+    let mut ep_cfg = quinn::EndpointConfig::default();
+    if tuning.mtu > 0 {
+        ep_cfg.max_udp_payload_size(tuning.mtu).map_err(|e| e.to_string())?;
+    }
 
     let mut server_tls = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -202,7 +257,7 @@ fn make_endpoint(socket: std::net::UdpSocket, idle: Duration) -> std::result::Re
     client.transport_config(transport);
 
     let runtime = quinn::default_runtime().ok_or("no async runtime for quinn")?;
-    let mut ep = Endpoint::new(quinn::EndpointConfig::default(), Some(server), socket, runtime)
+    let mut ep = Endpoint::new(ep_cfg, Some(server), socket, runtime)
         .map_err(|e| format!("cannot start the QUIC endpoint: {e}"))?;
     ep.set_default_client_config(client);
     Ok(ep)
@@ -248,6 +303,75 @@ async fn read_frame(recv: &mut RecvStream, max_payload: usize) -> std::result::R
         .await
         .map_err(|e| ReadFail::Closed(closed_reason(&e)))?;
     Ok((h, payload))
+}
+
+/// f32 values laid out little-endian in memory, handed to quinn without another copy.
+struct LeF32(Vec<f32>);
+
+impl LeF32 {
+    fn new(mut v: Vec<f32>) -> Self {
+        if cfg!(target_endian = "big") {
+            for x in v.iter_mut() {
+                *x = f32::from_bits(x.to_bits().to_le());
+            }
+        }
+        LeF32(v)
+    }
+}
+
+impl AsRef<[u8]> for LeF32 {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+/// The chunks of one data frame: the header, then the payload as its own buffer (no copy for f32).
+fn data_frame_chunks(job: u64, step: u64, seq: u64, m: super::ring::Msg) -> [bytes::Bytes; 2] {
+    let (kind, payload) = match m.payload {
+        super::ring::Payload::F32(v) => (Kind::F32, bytes::Bytes::from_owner(LeF32::new(v))),
+        super::ring::Payload::Bytes(v) => (Kind::Bytes, bytes::Bytes::from(v)),
+    };
+    let h = Header {
+        kind,
+        job,
+        step,
+        seq,
+        phase: m.phase,
+        chunk: m.chunk,
+        sub: m.sub,
+        len: u32::try_from(payload.len()).expect("payload fits in u32"),
+    };
+    let mut hb = Vec::with_capacity(HEADER_LEN);
+    h.encode(&mut hb);
+    [bytes::Bytes::from(hb), payload]
+}
+
+/// Reads one data frame; a well-formed f32 payload is read straight into f32 storage.
+async fn read_data_frame(recv: &mut RecvStream, max_payload: usize) -> std::result::Result<LinkEvent, ReadFail> {
+    let mut hb = [0u8; HEADER_LEN];
+    recv.read_exact(&mut hb)
+        .await
+        .map_err(|e| ReadFail::Closed(closed_reason(&e)))?;
+    let h = Header::decode(&hb, max_payload).map_err(ReadFail::Bad)?;
+    // `h.len` is bounded by `max_payload` here.
+    let len = h.len as usize;
+    if h.kind == Kind::F32 && len % 4 == 0 {
+        let mut v = vec![0f32; len / 4];
+        recv.read_exact(bytemuck::cast_slice_mut(&mut v))
+            .await
+            .map_err(|e| ReadFail::Closed(closed_reason(&e)))?;
+        if cfg!(target_endian = "big") {
+            for x in v.iter_mut() {
+                *x = f32::from_bits(u32::from_le(x.to_bits()));
+            }
+        }
+        return Ok(LinkEvent::F32(h, v));
+    }
+    let mut payload = vec![0u8; len];
+    recv.read_exact(&mut payload)
+        .await
+        .map_err(|e| ReadFail::Closed(closed_reason(&e)))?;
+    Ok(LinkEvent::Frame(h, payload))
 }
 
 fn control_frame(job: u64, c: &Control) -> Vec<u8> {
@@ -437,6 +561,8 @@ impl Shared {
 
 enum LinkEvent {
     Frame(Header, Vec<u8>),
+    /// A data frame of kind F32 whose payload is already decoded (length checked against the header).
+    F32(Header, Vec<f32>),
     Closed(String),
     Bad(FrameError),
 }
@@ -539,7 +665,7 @@ impl QuicCollective {
             return Err(no_secret_refusal(bind));
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(Tuning::for_link(bind.ip().is_loopback()).workers)
             .thread_name(format!("ringtrain-quic-{}", cfg.rank))
             .enable_all()
             .build()
@@ -621,14 +747,15 @@ impl QuicCollective {
                         return Err(local(format!("rank {rank}: injected crash after {k} messages")));
                     }
                 }
-                let mut bytes = frame::encode_msg(self.cfg.job_id, self.step, seq, &m);
+                let [hdr, payload] = data_frame_chunks(self.cfg.job_id, self.step, seq, m);
+                let mut chunks = vec![hdr, payload];
                 if self.cfg.duplicate_msg == Some(self.sent_msgs) {
-                    bytes.extend_from_within(..);
+                    chunks.extend_from_within(..);
                 }
                 self.sent_msgs += 1;
                 let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
                 let written = tokio::select! {
-                    r = send.write_chunk(bytes::Bytes::from(bytes)) => r.map_err(|e| e.to_string()),
+                    r = send.write_all_chunks(&mut chunks) => r.map_err(|e| e.to_string()),
                     _ = tokio::time::sleep_until(deadline) =>
                         return Err(CollectiveError::Timeout { seq, waiting_on: right_rank, secs }),
                     _ = poison_rx.changed() => Err("control plane reported a failure".to_string()),
@@ -667,6 +794,24 @@ impl QuicCollective {
                         )));
                     }
                     let msg = frame::decode_msg(&h, &payload).map_err(|e| proto(e.to_string()))?;
+                    engine.handle(msg).map_err(|e| proto(e.to_string()))?;
+                }
+                LinkEvent::F32(h, v) => {
+                    let proto = |msg: String| CollectiveError::Protocol { rank: left_rank, msg };
+                    self.guard.check(&h).map_err(|e| proto(e.to_string()))?;
+                    if v.len() * 4 > engine.max_payload_bytes() {
+                        return Err(proto(format!(
+                            "payload of {} bytes exceeds the {} expected",
+                            v.len() * 4,
+                            engine.max_payload_bytes()
+                        )));
+                    }
+                    let msg = super::ring::Msg {
+                        phase: h.phase,
+                        chunk: h.chunk,
+                        sub: h.sub,
+                        payload: super::ring::Payload::F32(v),
+                    };
                     engine.handle(msg).map_err(|e| proto(e.to_string()))?;
                 }
                 LinkEvent::Bad(e) => {
@@ -778,7 +923,8 @@ struct Setup {
 
 async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared>) -> Result<Setup> {
     let key = auth_key(cfg.secret.as_deref());
-    let endpoint = make_endpoint(socket, cfg.idle_timeout).map_err(local)?;
+    let loopback = socket.local_addr().map(|a| a.ip().is_loopback()).unwrap_or(false);
+    let endpoint = make_endpoint(socket, cfg.idle_timeout, Tuning::for_link(loopback)).map_err(local)?;
     let (joined_tx, mut joined_rx) = mpsc::unbounded_channel::<Joined>();
     {
         let ep = endpoint.clone();
@@ -1058,9 +1204,9 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
             let max = (cfg.sub_chunk * 4).max(MAX_GATHER_BLOB);
             tokio::spawn(async move {
                 loop {
-                    match read_frame(&mut recv, max).await {
-                        Ok((h, p)) => {
-                            if tx.send(LinkEvent::Frame(h, p)).is_err() {
+                    match read_data_frame(&mut recv, max).await {
+                        Ok(ev) => {
+                            if tx.send(ev).is_err() {
                                 break;
                             }
                         }

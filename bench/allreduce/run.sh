@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Same-run comparison of all-reduce over loopback: ringtrain (QUIC), PyTorch Gloo (TCP) and nexar (QUIC),
+# alternating implementations, for N=2 and N=4. 64 MiB of f32 for bandwidth (busbw), 4 KiB for latency.
+#
+#   bench/allreduce/run.sh [ROUNDS] [ITERS_BIG] [ITERS_SMALL]
+#
+# Builds ringtrain (release) and the standalone nexar harness (bench/allreduce/nexar, its own workspace;
+# target dir $NEXAR_TARGET, default /tmp/ringtrain-nexar-target). Prints every table and the load average.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+ROUNDS=${1:-2}
+IT_BIG=${2:-10}
+IT_SMALL=${3:-200}
+NEXAR_TARGET=${NEXAR_TARGET:-/tmp/ringtrain-nexar-target}
+RT=${RINGTRAIN_BIN:-$ROOT/target/release/ringtrain}
+NX=$NEXAR_TARGET/release/ringtrain-bench-nexar
+if [ -z "${NO_BUILD:-}" ]; then
+  (cd "$ROOT" && cargo build --release --bin ringtrain)
+  (cd "$ROOT/bench/allreduce/nexar" && CARGO_TARGET_DIR=$NEXAR_TARGET cargo build --release)
+fi
+echo "== $(date -u +%FT%TZ)  $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
+for round in $(seq 1 "$ROUNDS"); do
+  for n in 2 4; do
+    echo; echo "=== round $round, N=$n  load: $(uptime | sed 's/.*load average: //')"
+    echo "--- ringtrain (QUIC) 64MiB"; "$RT" bench allreduce --nproc "$n" --size 64MiB --iters "$IT_BIG"
+    echo "--- gloo (TCP) 64MiB"; python3 "$ROOT/bench/allreduce/gloo.py" "$n" 67108864 "$IT_BIG"
+    echo "--- nexar (QUIC) 64MiB"; "$NX" "$n" 67108864 "$IT_BIG"
+    echo "--- ringtrain (QUIC) 4KiB"; "$RT" bench allreduce --nproc "$n" --size 4KiB --iters "$IT_SMALL"
+    echo "--- gloo (TCP) 4KiB"; python3 "$ROOT/bench/allreduce/gloo.py" "$n" 4096 "$IT_SMALL"
+    echo "--- nexar (QUIC) 4KiB"; "$NX" "$n" 4096 "$IT_SMALL"
+  done
+done
+echo; echo "load at end: $(uptime | sed 's/.*load average: //')"
