@@ -26,6 +26,8 @@
 //!   token's positions in `(b, t)` order on the device, as the CPU specification does.
 
 mod context;
+#[cfg(test)]
+mod tests;
 
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
 
@@ -46,6 +48,14 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << 30;
 pub const MAX_PENDING: usize = 256;
 
 const WG: u32 = 256;
+/// C tile of one matmul workgroup (`TM` x `TN` of matmul.wgsl).
+const MATMUL_TILE_M: usize = 128;
+const MATMUL_TILE_N: usize = 128;
+/// C tile of one workgroup of the vec4 matmul (matmul4.wgsl).
+const MATMUL4_TILE_M: usize = 128;
+const MATMUL4_TILE_N: usize = 128;
+/// `VPI` of residual4.wgsl: vec4s per invocation of the vec4 element-wise kernels.
+const VEC4_PER_INVOCATION: usize = 16;
 /// sum_squares block: the CPU specification's `SUM_BLOCK`.
 const SUM_BLOCK: usize = 4096;
 
@@ -79,6 +89,11 @@ const FAMILIES: &[Family] = &[
         &[("matmul", 4), ("matmul_backward_bias", 2)],
     ),
     (
+        "matmul4",
+        include_str!("../../../shaders/matmul4.wgsl"),
+        &[("matmul4", 4)],
+    ),
+    (
         "attention",
         include_str!("../../../shaders/attention.wgsl"),
         &[
@@ -103,6 +118,17 @@ const FAMILIES: &[Family] = &[
             ("scale", 1),
             ("fill", 1),
             ("copy", 2),
+        ],
+    ),
+    (
+        "residual4",
+        include_str!("../../../shaders/residual4.wgsl"),
+        &[
+            ("residual_forward4", 3),
+            ("add_inplace4", 2),
+            ("scale4", 1),
+            ("fill4", 1),
+            ("copy4", 2),
         ],
     ),
     (
@@ -656,7 +682,38 @@ impl WgpuBackend {
             assert_eq!(v.len, len, "{kernel}: views of different lengths");
         }
         let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        // The residual family has vec4 kernels: used for the multiple-of-4 head when every view starts at a
+        // multiple of 4 elements (windows then start 16-byte aligned), the scalar kernel doing the tail.
+        let vec4 = match kernel {
+            "residual_forward" => Some("residual_forward4"),
+            "add_inplace" => Some("add_inplace4"),
+            "scale" => Some("scale4"),
+            "fill" => Some("fill4"),
+            "copy" => Some("copy4"),
+            _ => None,
+        };
         let mut start = 0;
+        if let Some(k4) = vec4.filter(|_| len >= 4 && views.iter().all(|v| v.offset % 4 == 0)) {
+            let head = len / 4 * 4;
+            while start < head {
+                let n = chunk.min(head - start);
+                let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
+                if wins.iter().any(|w| w.off % 4 != 0 || w.start % 16 != 0) {
+                    // Unaligned window (an adapter with an odd offset alignment): scalar kernels for the rest.
+                    break;
+                }
+                let mut p = Params::default().u(n / 4);
+                for i in 0..3 {
+                    p = p.u(wins.get(i).map_or(0, |w| w.off / 4));
+                }
+                if let Some(s) = scalar {
+                    p = p.f(s);
+                }
+                let groups = self.grid(ceil_div(n / 4, WG as usize * VEC4_PER_INVOCATION));
+                self.dispatch(k4, &wins, p, groups);
+                start += n;
+            }
+        }
         while start < len {
             let n = chunk.min(len - start);
             let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
@@ -682,7 +739,10 @@ impl WgpuBackend {
         let (c0, c1) = g.c.extent(g.m, g.n);
         let bias_fits = g.bias.is_none_or(|b| self.fits(b.offset, b.end()));
         let max_groups = self.max_groups as usize;
-        let (rows_ok, cols_ok) = (ceil_div(g.m, 64) <= max_groups, ceil_div(g.n, 64) <= max_groups);
+        let (rows_ok, cols_ok) = (
+            ceil_div(g.m, MATMUL_TILE_M) <= max_groups,
+            ceil_div(g.n, MATMUL_TILE_N) <= max_groups,
+        );
         if self.fits(a0, a1) && self.fits(b0, b1) && self.fits(c0, c1) && bias_fits && rows_ok && cols_ok {
             let (wa, wb, wc) = (
                 self.win_range(g.a.buf, a0, a1.max(a0)),
@@ -694,6 +754,40 @@ impl WgpuBackend {
                 None => self.dummy_win(),
             };
             let flags = g.accumulate as u32 | (g.bias.is_some() as u32) << 1;
+            // Row-major A and B whose windows start 16-byte aligned, with n, k and row strides multiples of
+            // 4: the vec4 kernel.
+            let aligned = |w: &Win| w.off % 4 == 0 && w.start % 16 == 0;
+            if g.a.cs == 1
+                && g.b.cs == 1
+                && g.a.rs % 4 == 0
+                && g.b.rs % 4 == 0
+                && g.n % 4 == 0
+                && g.k % 4 == 0
+                && g.k > 0
+                && aligned(&wa)
+                && aligned(&wb)
+            {
+                let p = Params::default()
+                    .u(g.m)
+                    .u(g.n)
+                    .u(g.k)
+                    .u(wc.off)
+                    .u(g.c.rs)
+                    .u(wa.off / 4)
+                    .u(g.a.rs / 4)
+                    .u(1u32)
+                    .u(wb.off / 4)
+                    .u(g.b.rs / 4)
+                    .u(1u32)
+                    .u(wbias.off)
+                    .u(flags);
+                let groups = (
+                    ceil_div(g.n, MATMUL4_TILE_N) as u32,
+                    ceil_div(g.m, MATMUL4_TILE_M) as u32,
+                );
+                self.dispatch("matmul4", &[wc, wa, wb, wbias], p, groups);
+                return;
+            }
             let p = Params::default()
                 .u(g.m)
                 .u(g.n)
@@ -708,7 +802,7 @@ impl WgpuBackend {
                 .u(g.b.cs)
                 .u(wbias.off)
                 .u(flags);
-            let groups = (ceil_div(g.n, 64) as u32, ceil_div(g.m, 64) as u32);
+            let groups = (ceil_div(g.n, MATMUL_TILE_N) as u32, ceil_div(g.m, MATMUL_TILE_M) as u32);
             self.dispatch("matmul", &[wc, wa, wb, wbias], p, groups);
             return;
         }
