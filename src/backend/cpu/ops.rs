@@ -305,8 +305,8 @@ pub fn attention_forward<F: Real>(out: &mut [F], att: &mut [F], qkv: &[F], s: At
             oh.iter_mut().for_each(|x| *x = F::zero());
             for (t2, &p) in probs.iter().enumerate().take(tq + 1) {
                 let v = &qkv[(b * t + t2) * 3 * ch + 2 * ch + h * hs..][..hs];
-                for i in 0..hs {
-                    oh[i] = oh[i] + p * v[i];
+                for (out, &x) in oh.iter_mut().zip(v) {
+                    *out = *out + p * x;
                 }
             }
         }
@@ -331,6 +331,8 @@ pub fn attention_backward<F: Real>(
         .enumerate()
         .for_each(|(b, (dq, da))| {
             dq.iter_mut().for_each(|x| *x = F::zero());
+            // [hs]: one query's dq, accumulated locally (only (h, tq) ever writes it).
+            let mut dq_row = vec![F::zero(); hs];
             let qkv_b = &qkv[b * t * 3 * ch..][..t * 3 * ch];
             let dout_b = &dout[b * t * ch..][..t * ch];
             for h in 0..nh {
@@ -343,8 +345,8 @@ pub fn attention_backward<F: Real>(
                         let v = &qkv_b[t2 * 3 * ch + 2 * ch + h * hs..][..hs];
                         drow[t2] = d_o.iter().zip(v).fold(F::zero(), |a, (&x, &y)| a + x * y);
                         let dv = &mut dq[t2 * 3 * ch + 2 * ch + h * hs..][..hs];
-                        for i in 0..hs {
-                            dv[i] = dv[i] + probs[t2] * d_o[i];
+                        for (d, &g) in dv.iter_mut().zip(d_o) {
+                            *d = *d + probs[t2] * g;
                         }
                     }
                     // softmax backward: dpre = p * (dp - sum(p * dp))
@@ -355,16 +357,21 @@ pub fn attention_backward<F: Real>(
                     for x in drow.iter_mut().skip(tq + 1) {
                         *x = F::zero();
                     }
-                    // dq and dk
+                    // dq (this query's row, summed over t2 in order) and dk (each key's row)
+                    let q = &qkv_b[tq * 3 * ch + h * hs..][..hs];
+                    dq_row.iter_mut().for_each(|x| *x = F::zero());
                     for t2 in 0..=tq {
                         let g = drow[t2] / sqrt_hs;
-                        for i in 0..hs {
-                            let k = qkv_b[t2 * 3 * ch + ch + h * hs + i];
-                            let q = qkv_b[tq * 3 * ch + h * hs + i];
-                            dq[tq * 3 * ch + h * hs + i] = dq[tq * 3 * ch + h * hs + i] + g * k;
-                            dq[t2 * 3 * ch + ch + h * hs + i] = dq[t2 * 3 * ch + ch + h * hs + i] + g * q;
+                        let k = &qkv_b[t2 * 3 * ch + ch + h * hs..][..hs];
+                        for (acc, &kv) in dq_row.iter_mut().zip(k) {
+                            *acc = *acc + g * kv;
+                        }
+                        let dk = &mut dq[t2 * 3 * ch + ch + h * hs..][..hs];
+                        for (d, &qv) in dk.iter_mut().zip(q) {
+                            *d = *d + g * qv;
                         }
                     }
+                    dq[tq * 3 * ch + h * hs..][..hs].copy_from_slice(&dq_row);
                 }
             }
         });
