@@ -39,16 +39,14 @@ impl RefAdam {
     }
 }
 
+/// A one-layer model small enough to check element by element, with both decayed and undecayed tensors.
+fn small_model() -> ModelConfig {
+    ModelConfig { n_layer: 1, n_embd: 8, n_head: 2, vocab_size: 11, n_positions: 4 }
+}
+
 #[test]
 fn adamw_matches_independent_reference_over_steps() {
-    let cfg = ModelConfig {
-        n_layer: 1,
-        n_embd: 8,
-        n_head: 2,
-        vocab_size: 11,
-        n_positions: 4,
-    };
-    let layout = ParamLayout::new(&cfg);
+    let layout = ParamLayout::new(&small_model());
     let n = layout.total;
     let decays: Vec<bool> = layout
         .specs
@@ -107,14 +105,7 @@ fn adamw_matches_independent_reference_over_steps() {
 #[test]
 fn sharded_ranges_equal_one_full_update() {
     // Updating [0, k) and [k, n) separately (as ZeRO-1 shards do) gives the same bits as one full update.
-    let cfg = ModelConfig {
-        n_layer: 1,
-        n_embd: 8,
-        n_head: 2,
-        vocab_size: 11,
-        n_positions: 4,
-    };
-    let layout = ParamLayout::new(&cfg);
+    let layout = ParamLayout::new(&small_model());
     let n = layout.total;
     let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
     let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 0.1).collect();
