@@ -5,6 +5,13 @@
 //! - **Pipelines.** One compute pipeline per kernel, compiled once at construction from `shaders/*.wgsl`
 //!   (one file per op family, `common.wgsl` prepended). The kernel stem is the WGSL entry point and the
 //!   Rust method name; ops needing several passes add suffixed kernels (`attention_backward_dq`, ...).
+//! - **Kernel shapes.** Tuned for CPU implementations (lavapipe), where each storage access is a
+//!   per-invocation scalar access and barriers are costly, while staying plain WGSL for GPUs: the matmuls keep
+//!   a large register block per invocation and read A and B straight from storage (no workgroup memory, no
+//!   barriers); row-major operands with 4-aligned offsets, strides, `n` and `k` take the `vec4` kernel
+//!   (`matmul4.wgsl`), everything else the strided one. Element-wise residual/add/scale/fill/copy run on
+//!   `vec4` bindings when every view starts at a multiple of 4 elements (`residual4.wgsl`), the last `len % 4`
+//!   elements on the scalar kernels.
 //! - **Memory.** An allocation is one storage buffer, or, past the adapter's `max_buffer_size` (capped at
 //!   [`MAX_SEGMENT_BYTES`]), several *segments* of at most that size. A [`View`] is bound as a *window* of
 //!   its segment: the binding starts at the view's offset rounded down to
