@@ -541,6 +541,8 @@ struct Shared {
     poison: watch::Sender<Option<CollectiveError>>,
     /// Set when this rank is leaving: losses seen after this are expected.
     closing: AtomicBool,
+    /// Set when this rank crashes on purpose (tests): its own connections drop, nobody else's fault.
+    crashed: AtomicBool,
 }
 
 impl Shared {
@@ -674,6 +676,7 @@ impl QuicCollective {
         let shared = Arc::new(Shared {
             poison,
             closing: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
         });
         let setup = rt.block_on(setup(&cfg, socket, shared.clone()));
         let s = match setup {
@@ -719,6 +722,7 @@ impl QuicCollective {
 
     fn crash(&mut self) {
         self.crashed = true;
+        self.shared.crashed.store(true, Ordering::SeqCst);
         self.shared.closing.store(true, Ordering::SeqCst);
         self.endpoint.close(2u32.into(), b"crashed");
     }
@@ -1052,7 +1056,9 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
                         }
                         Ok(_) => {}
                         Err(e) => {
-                            if !slot.said_bye.load(Ordering::SeqCst) {
+                            // A host that crashed (fault injection) closed this connection itself: that says
+                            // nothing about the rank on the other end, so it must not be reported dead.
+                            if !slot.said_bye.load(Ordering::SeqCst) && !shared.crashed.load(Ordering::SeqCst) {
                                 let reason = format!("lost its connection to rank 0: {e}");
                                 shared.poison(CollectiveError::PeerDead {
                                     rank,
