@@ -15,7 +15,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (one rank; several when launched with RANK/WORLD_SIZE or the flags)
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Start N local training processes that train data-parallel over QUIC on loopback
     Launch {
         #[arg(long)]
@@ -97,7 +97,7 @@ enum BenchCommand {
     /// ms/step, tokens/s and GFLOP/s of training steps (takes the train flags; --steps = timed steps)
     Step {
         #[command(flatten)]
-        args: TrainArgs,
+        args: Box<TrainArgs>,
         /// Untimed steps first
         #[arg(long, default_value_t = 2)]
         warmup_steps: u64,
@@ -111,7 +111,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => train::run_train(args),
+        Command::Train(args) => train::run_train(*args),
         Command::Launch {
             nproc,
             master_port,
@@ -151,7 +151,7 @@ fn main() -> ExitCode {
                 dump_logits,
             },
         ),
-        Command::Bench(BenchCommand::Step { args, warmup_steps }) => train::run_bench_step(args, warmup_steps),
+        Command::Bench(BenchCommand::Step { args, warmup_steps }) => train::run_bench_step(*args, warmup_steps),
         Command::Bench(BenchCommand::Kernels { backend, sizes, iters }) => {
             bench_kernels::run_bench_kernels(&backend, &sizes, iters)
         }

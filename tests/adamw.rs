@@ -41,7 +41,13 @@ impl RefAdam {
 
 /// A one-layer model small enough to check element by element, with both decayed and undecayed tensors.
 fn small_model() -> ModelConfig {
-    ModelConfig { n_layer: 1, n_embd: 8, n_head: 2, vocab_size: 11, n_positions: 4 }
+    ModelConfig {
+        n_layer: 1,
+        n_embd: 8,
+        n_head: 2,
+        vocab_size: 11,
+        n_positions: 4,
+    }
 }
 
 #[test]

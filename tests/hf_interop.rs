@@ -23,7 +23,16 @@ fn trained_checkpoint_matches_transformers_logits() {
     let dump = dir.path().join("logits.safetensors");
     let bin = env!("CARGO_BIN_EXE_ringtrain");
     let train = Command::new(bin)
-        .args(["train", "--model", "tiny", "--steps", "20", "--eval-every", "0", "--save"])
+        .args([
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "20",
+            "--eval-every",
+            "0",
+            "--save",
+        ])
         .arg(&ck)
         .output()
         .unwrap();
@@ -37,7 +46,13 @@ fn trained_checkpoint_matches_transformers_logits() {
         .unwrap();
     assert!(eval.status.success(), "{}", String::from_utf8_lossy(&eval.stderr));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_check.py");
-    let check = Command::new("python3").arg(script).arg(&ck).arg("--expect").arg(&dump).output().unwrap();
+    let check = Command::new("python3")
+        .arg(script)
+        .arg(&ck)
+        .arg("--expect")
+        .arg(&dump)
+        .output()
+        .unwrap();
     let out = String::from_utf8_lossy(&check.stdout);
     eprintln!("{out}{}", String::from_utf8_lossy(&check.stderr));
     assert!(check.status.success() && out.contains("PASS"), "hf_check failed");

@@ -112,10 +112,13 @@ fn check_matmuls(be: &mut WgpuBackend) {
     }
 }
 
+/// An elementwise op applied to views of one buffer.
+type ElementwiseOp = dyn Fn(&mut dyn Backend, &[View]);
+
 fn check_elementwise(be: &mut WgpuBackend) {
     for n in [1, 3, 4, 7, 1000, 70001] {
         for pad in [0, 4, 5] {
-            let ops: [(&str, &dyn Fn(&mut dyn Backend, &[View])); 5] = [
+            let ops: [(&str, &ElementwiseOp); 5] = [
                 ("residual_forward", &|be, v| be.residual_forward(v[0], v[1], v[2])),
                 ("add_inplace", &|be, v| be.add_inplace(v[0], v[1])),
                 ("scale", &|be, v| be.scale(v[0], -0.37)),
