@@ -196,7 +196,7 @@ impl Alloc {
 }
 
 /// Uniform parameters: up to 16 scalar words, in the order of the kernel's `Params` struct.
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Params(Vec<u32>);
 
 impl Params {
@@ -1177,19 +1177,9 @@ impl Backend for WgpuBackend {
             .u(w[5].off)
             .u(w[6].off)
             .u(w[7].off);
+        // Both passes read the same parameter block: the input gradient by rows, then dweight/dbias by columns.
         let groups = self.grid(n);
-        self.dispatch("layernorm_backward", &w[..7], p, groups);
-        let p = Params::default()
-            .u(n)
-            .u(c)
-            .u(w[0].off)
-            .u(w[1].off)
-            .u(w[2].off)
-            .u(w[3].off)
-            .u(w[4].off)
-            .u(w[5].off)
-            .u(w[6].off)
-            .u(w[7].off);
+        self.dispatch("layernorm_backward", &w[..7], p.clone(), groups);
         let groups = self.grid(ceil_div(c, 16));
         self.dispatch("layernorm_backward_params", &w, p, groups);
     }
