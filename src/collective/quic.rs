@@ -835,10 +835,13 @@ impl QuicCollective {
         }
     }
 
-    /// A link broke: give rank 0's verdict a moment to arrive, so the error names the rank that really died
-    /// (the neighbour may just have left after seeing the failure first). Otherwise blame the neighbour.
+    /// A link broke: give rank 0's verdict time to arrive, so the error names the rank that really died
+    /// (the neighbour may just have left after seeing the failure first). If rank 0 itself died, its close
+    /// may never arrive and only the keep-alive idle timeout reveals it, so the wait covers that timeout.
+    /// Otherwise blame the neighbour.
     async fn blame(&self, fallback: CollectiveError, deadline: Instant) -> CollectiveError {
-        let grace = (Instant::now() + Duration::from_millis(1500)).min(deadline);
+        let wait = Duration::from_millis(1500).max(self.cfg.idle_timeout + Duration::from_millis(500));
+        let grace = (Instant::now() + wait).min(deadline);
         let mut poison_rx = self.poison_rx.clone();
         loop {
             if let Some(e) = self.current_poison() {
