@@ -450,6 +450,25 @@ async fn dial(
         .await
         .map_err(|e| format!("cannot open stream to {addr}: {e}"))?;
     let tok = auth_token(key, &conn, b'C')?;
+    send.write_all(&auth_frame(&tok))
+        .await
+        .map_err(|e| format!("send to {addr}: {e}"))?;
+    let (h, p) = read_frame(&mut recv, 32).await.map_err(|e| match e {
+        ReadFail::Closed(s) => format!("authentication with {addr} failed (wrong cluster secret?): {s}"),
+        ReadFail::Bad(b) => format!("authentication with {addr} failed: {b}"),
+    })?;
+    let want = auth_token(key, &conn, b'S')?;
+    if !is_auth_token(&h, &p, &want) {
+        conn.close(1u32.into(), b"authentication failed");
+        return Err(format!(
+            "{addr} failed to authenticate (it does not know the cluster secret)"
+        ));
+    }
+    Ok((conn, send, recv))
+}
+
+/// The frame that carries one side's authentication token.
+fn auth_frame(token: &blake3::Hash) -> Vec<u8> {
     let h = Header {
         kind: Kind::Auth,
         job: 0,
@@ -460,21 +479,13 @@ async fn dial(
         sub: 0,
         len: 0,
     };
-    send.write_all(&frame::encode_frame(h, tok.as_bytes()))
-        .await
-        .map_err(|e| format!("send to {addr}: {e}"))?;
-    let (h, p) = read_frame(&mut recv, 32).await.map_err(|e| match e {
-        ReadFail::Closed(s) => format!("authentication with {addr} failed (wrong cluster secret?): {s}"),
-        ReadFail::Bad(b) => format!("authentication with {addr} failed: {b}"),
-    })?;
-    let want = auth_token(key, &conn, b'S')?;
-    if h.kind != Kind::Auth || p.len() != 32 || blake3::Hash::from_bytes(p.try_into().expect("32 bytes")) != want {
-        conn.close(1u32.into(), b"authentication failed");
-        return Err(format!(
-            "{addr} failed to authenticate (it does not know the cluster secret)"
-        ));
-    }
-    Ok((conn, send, recv))
+    frame::encode_frame(h, token.as_bytes())
+}
+
+/// Whether a received frame is an authentication frame holding exactly `want` (compared in constant time
+/// by `blake3::Hash`'s `PartialEq`).
+fn is_auth_token(h: &Header, payload: &[u8], want: &blake3::Hash) -> bool {
+    h.kind == Kind::Auth && <[u8; 32]>::try_from(payload).is_ok_and(|bytes| blake3::Hash::from_bytes(bytes) == *want)
 }
 
 /// An authenticated incoming connection, after its first control message.
@@ -491,12 +502,7 @@ async fn serve_incoming(incoming: quinn::Incoming, key: [u8; 32], tx: mpsc::Unbo
         let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
         let res = read_frame(&mut recv, 32).await;
         let ok = match &res {
-            Ok((h, p)) => {
-                h.kind == Kind::Auth
-                    && p.len() == 32
-                    && blake3::Hash::from_bytes(p.as_slice().try_into().expect("32 bytes"))
-                        == auth_token(&key, &conn, b'C')?
-            }
+            Ok((h, p)) => is_auth_token(h, p, &auth_token(&key, &conn, b'C')?),
             Err(_) => false,
         };
         if !ok {
@@ -504,19 +510,7 @@ async fn serve_incoming(incoming: quinn::Incoming, key: [u8; 32], tx: mpsc::Unbo
             return Err("authentication failed".to_string());
         }
         let tok = auth_token(&key, &conn, b'S')?;
-        let h = Header {
-            kind: Kind::Auth,
-            job: 0,
-            step: 0,
-            seq: 0,
-            phase: 0,
-            chunk: 0,
-            sub: 0,
-            len: 0,
-        };
-        send.write_all(&frame::encode_frame(h, tok.as_bytes()))
-            .await
-            .map_err(|e| e.to_string())?;
+        send.write_all(&auth_frame(&tok)).await.map_err(|e| e.to_string())?;
         let msg = match read_control(&mut recv, None).await {
             Ok(m) => m,
             Err(e) => {
