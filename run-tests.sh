@@ -21,6 +21,7 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
   fi
 fi
 
-# The cuda feature must keep building even where no NVIDIA GPU exists.
-cargo build --workspace --all-targets --features cuda
+# One build of the test profile serves both steps: the tests, then the `cuda` feature's library and
+# binary, which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
 cargo test --workspace
+cargo build --profile test -p ringtrain --features cuda --lib --bins
