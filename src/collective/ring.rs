@@ -252,14 +252,23 @@ impl<'a> RingEngine<'a> {
         s..(s + self.sub_chunk).min(r.end)
     }
 
+    /// Queues sub-chunk `sub` of this phase's send chunk, copied from the buffer.
     fn queue(&mut self, phase: usize, sub: usize) {
+        let range = self.sub_range(self.send_chunk(phase), sub);
+        let data = self.buf[range].to_vec();
+        self.queue_owned(phase, sub, data);
+    }
+
+    /// Queues sub-chunk `sub` of this phase's send chunk with `data` as its payload. Forwarding reuses the
+    /// allocation a message arrived in, so the steady state of a ring allocates nothing per message.
+    fn queue_owned(&mut self, phase: usize, sub: usize, data: Vec<f32>) {
         let c = self.send_chunk(phase);
-        let range = self.sub_range(c, sub);
+        debug_assert_eq!(data.len(), self.sub_range(c, sub).len());
         self.outbox.push_back(Msg {
             phase: phase as u32,
             chunk: c as u32,
             sub: sub as u32,
-            payload: Payload::F32(self.buf[range].to_vec()),
+            payload: Payload::F32(data),
         });
     }
 
@@ -318,7 +327,7 @@ impl Engine for RingEngine<'_> {
         if sub >= self.seen[phase].len() {
             return Err(bad(format!("chunk has {} sub-chunks", self.seen[phase].len())));
         }
-        let data = match msg.payload {
+        let mut data = match msg.payload {
             Payload::F32(d) => d,
             Payload::Bytes(_) => return Err(bad("byte payload in an f32 collective".into())),
         };
@@ -347,34 +356,33 @@ impl Engine for RingEngine<'_> {
         if let RingOp::Broadcast { root } = self.op {
             dst.copy_from_slice(&data);
             if (self.rank + 1) % n != root {
-                self.queue(0, sub);
+                self.queue_owned(0, sub, data);
             }
             return Ok(());
         }
-        if is_ag {
-            dst.copy_from_slice(&data);
-        } else {
-            // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution.
-            // IEEE addition is commutative, so `partial + own` and `own + partial` give the same bits.
-            for (d, s) in dst.iter_mut().zip(&data) {
-                *d += *s;
+        if !is_ag {
+            // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution, summed in
+            // place in the received allocation, which then travels on. IEEE addition is commutative, so
+            // `partial + own` and `own + partial` give the same bits.
+            for (s, d) in data.iter_mut().zip(dst.iter()) {
+                *s += *d;
             }
             let last_rs = phase == n - 2;
-            if last_rs {
-                // chunk == rank: the sum is complete here.
-                if mean {
-                    let k = n as f32;
-                    for d in dst.iter_mut() {
-                        *d /= k;
-                    }
+            if last_rs && mean {
+                // chunk == rank: the sum is complete here; one division by N, on the owner only.
+                let k = n as f32;
+                for s in data.iter_mut() {
+                    *s /= k;
                 }
             }
         }
+        dst.copy_from_slice(&data);
         let next = phase + 1;
         if next < self.num_phases() {
-            // The chunk we send in phase p+1 is the one we just received in phase p.
+            // The chunk we send in phase p+1 is the one we just received in phase p, now holding what we
+            // stored for it.
             debug_assert_eq!(self.send_chunk(next), chunk);
-            self.queue(next, sub);
+            self.queue_owned(next, sub, data);
         }
         Ok(())
     }
