@@ -3,7 +3,8 @@
 //! - [`ring`]: the sans-IO engines (no sockets, clocks or threads); the reduction order is documented there.
 //! - [`mem`]: N ranks in one process over channels, with fault injection (tests, simulator).
 //! - [`frame`]: the bounded, versioned wire format.
-//! - [`quic`]: the QUIC transport (quinn), with rendezvous in [`crate::dist`].
+//! - [`quic`]: the QUIC transport (quinn), with rendezvous in [`crate::dist`]; [`buffer_pool`] recycles
+//!   its message buffers.
 //! - [`bench`](mod@bench): the all-reduce benchmark behind `ringtrain bench allreduce`.
 //!
 //! The layer knows no backend: it works on f32 and byte slices. Every transport implements [`Collective`]
@@ -11,6 +12,7 @@
 //! identically over every transport.
 
 pub mod bench;
+pub mod buffer_pool;
 pub mod frame;
 pub mod mem;
 pub mod quic;
