@@ -5,6 +5,17 @@
 //! - **Pipelines.** One compute pipeline per kernel, compiled once at construction from `shaders/*.wgsl`
 //!   (one file per op family, `common.wgsl` prepended). The kernel stem is the WGSL entry point and the
 //!   Rust method name; ops needing several passes add suffixed kernels (`attention_backward_dq`, ...).
+//! - **Bind groups.** Built once and cached (module `binding`), keyed by the layout (one per number of
+//!   storage bindings) and each storage window's (buffer id, start, size). Buffer ids come from a counter,
+//!   never reused. The uniform parameters are not in the key: they live in one ring buffer bound at a
+//!   dynamic offset. Why: the AdamW scalars (`step_size`, bias correction, scheduled `lr`) change every step,
+//!   so a key holding the parameter words would miss once per parameter tensor per step and keep growing;
+//!   with the ring, every dispatch of a repeated step hits, and no buffer is created per dispatch. Windows
+//!   over temporary buffers (gathered straddling views, the embedding backward's per-call index) bypass
+//!   the cache: their buffer is new every call, so an entry could never hit again. Allocations are never
+//!   freed (the `Backend` trait has no `free`), so entries cannot go stale; the one buffer the backend does
+//!   replace, the `sum_squares` scratch when it grows, drops its entries. Past 4096 entries the cache is
+//!   cleared, so changing shapes cannot grow it without bound.
 //! - **Kernel shapes.** Tuned for CPU implementations (lavapipe), where each storage access is a
 //!   per-invocation scalar access and barriers are costly, while staying plain WGSL for GPUs: the matmuls keep
 //!   a large register block per invocation and read A and B straight from storage (no workgroup memory, no
@@ -26,20 +37,26 @@
 //!   sequence's attention `[nh, t, t]` must each fit a binding.
 //! - **Submission.** Ops are recorded into one command encoder and submitted in batches: on `download`,
 //!   `sum_squares`, `synchronize`, before an upload (so the upload lands after the ops recorded before it),
-//!   and every [`MAX_PENDING`] dispatches. Only `download` and `sum_squares` read back.
+//!   and every [`MAX_PENDING`] dispatches. Only `download` and `sum_squares` read back. Each dispatch stages
+//!   its parameters in the next slot of the uniform ring; the batch's slots are written with one
+//!   `write_buffer` just before its submit (wgpu runs it after the earlier submits, so the next batch
+//!   reuses the ring from slot 0).
 //! - **Determinism.** No atomics; every output is written by one invocation summing in a fixed order, and
 //!   reductions use fixed trees. The token embedding's backward groups positions by token on the host (the
 //!   backend keeps a host copy of every token buffer, which only `upload_tokens` writes) and sums each
 //!   token's positions in `(b, t)` order on the device, as the CPU specification does.
 
+mod binding;
 mod context;
 #[cfg(test)]
 mod tests;
 
+pub use binding::BindGroupStats;
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
 
 use super::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
 use anyhow::{anyhow, bail, ensure, Result};
+use binding::{BindGroupCache, BindKey, BufferId, BufferIds, UniformRing, WindowKey, MAX_CACHED_BIND_GROUPS};
 use context::Context;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
@@ -51,7 +68,7 @@ use wgpu::util::DeviceExt;
 /// one allocation can hold. Larger tensors are split into segments of this size.
 pub const MAX_SEGMENT_BYTES: u64 = 1 << 30;
 
-/// Dispatches recorded before the encoder is submitted anyway (bounds the memory held by bind groups).
+/// Dispatches recorded before the encoder is submitted anyway: the number of slots of the uniform ring.
 pub const MAX_PENDING: usize = 256;
 
 const WG: u32 = 256;
@@ -157,12 +174,21 @@ struct Kernel {
     bindings: u32,
 }
 
+/// A buffer the backend keeps, with the identity the bind-group cache knows it by.
+#[derive(Clone)]
+struct Tracked {
+    id: BufferId,
+    buffer: wgpu::Buffer,
+}
+
 /// A bound range of a buffer: `size` bytes from byte `start`; the view begins `off` elements into it.
+/// `id` is `None` for a temporary buffer, whose bind groups are not cached.
 /// `scatter` is set when the range straddles segments of an allocation and `buffer` is a temporary copy of
 /// elements `[first, end)` of allocation `buf`: the copy is written back after each dispatch that binds it.
 #[derive(Clone)]
 struct Win {
     buffer: wgpu::Buffer,
+    id: Option<BufferId>,
     start: u64,
     size: u64,
     off: u32,
@@ -171,7 +197,7 @@ struct Win {
 
 /// One allocation: segment `i` holds elements `[i * seg, min((i + 1) * seg, len))`.
 struct Alloc {
-    segs: Vec<wgpu::Buffer>,
+    segs: Vec<Tracked>,
     seg: usize,
     len: usize,
 }
@@ -195,6 +221,34 @@ impl Alloc {
     }
 }
 
+/// A bind group of `layout`: the uniform ring's slot, then `wins` in binding order.
+fn make_bind_group(
+    device: &wgpu::Device,
+    layout: &wgpu::BindGroupLayout,
+    uniforms: &UniformRing,
+    wins: &[Win],
+) -> wgpu::BindGroup {
+    let mut entries = vec![wgpu::BindGroupEntry {
+        binding: 0,
+        resource: uniforms.binding(),
+    }];
+    for (i, w) in wins.iter().enumerate() {
+        entries.push(wgpu::BindGroupEntry {
+            binding: i as u32 + 1,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &w.buffer,
+                offset: w.start,
+                size: NonZeroU64::new(w.size),
+            }),
+        });
+    }
+    device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout,
+        entries: &entries,
+    })
+}
+
 /// Uniform parameters: up to 16 scalar words, in the order of the kernel's `Params` struct.
 #[derive(Clone, Default)]
 struct Params(Vec<u32>);
@@ -210,6 +264,13 @@ impl Params {
     fn f(mut self, x: f32) -> Self {
         self.0.push(x.to_bits());
         self
+    }
+    /// The 16 words of a uniform slot, zero-padded.
+    fn words(&self, kernel: &str) -> [u32; 16] {
+        assert!(self.0.len() <= 16, "kernel {kernel}: too many parameters");
+        let mut words = [0; 16];
+        words[..self.0.len()].copy_from_slice(&self.0);
+        words
     }
 }
 
@@ -258,12 +319,18 @@ pub struct WgpuBackend {
     bufs: Vec<Alloc>,
     /// Elements per segment of new allocations (what `max_buffer_size` allows, 256-byte aligned).
     seg_elems: usize,
-    tok_bufs: Vec<(wgpu::Buffer, usize)>,
+    tok_bufs: Vec<(Tracked, usize)>,
     /// Host copies of the token buffers (written only by `upload_tokens`), for the embedding backward.
     tok_host: Vec<Vec<u32>>,
-    dummy: wgpu::Buffer,
+    dummy: Tracked,
+    /// `sum_squares`' per-block partial sums and their number of elements, grown on demand (a call reads
+    /// them back before returning, so the next call may reuse them).
+    partials: Option<(Tracked, usize)>,
+    buffer_ids: BufferIds,
+    bind_groups: BindGroupCache,
+    /// Parameters of the dispatches recorded since the last submit.
+    uniforms: UniformRing,
     encoder: Option<wgpu::CommandEncoder>,
-    pending: usize,
     align: u64,
     max_binding: u64,
     max_groups: u32,
@@ -271,6 +338,25 @@ pub struct WgpuBackend {
 
 fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)
+}
+
+/// The cache key of a bind group of the layout with `bindings` storage bindings over `wins`; `None` when a
+/// window is over a temporary buffer (new every call, so an entry for it could never hit again).
+fn bind_key(bindings: u32, wins: &[Win]) -> Option<BindKey> {
+    let windows = wins
+        .iter()
+        .map(|w| {
+            Some(WindowKey {
+                buffer: w.id?,
+                start: w.start,
+                size: w.size,
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(BindKey {
+        layout: bindings,
+        windows,
+    })
 }
 
 impl WgpuBackend {
@@ -297,7 +383,8 @@ impl WgpuBackend {
                             visibility: wgpu::ShaderStages::COMPUTE,
                             ty: wgpu::BindingType::Buffer {
                                 ty: wgpu::BufferBindingType::Uniform,
-                                has_dynamic_offset: false,
+                                // The dispatch's slot of the uniform ring.
+                                has_dynamic_offset: true,
                                 min_binding_size: None,
                             },
                             count: None,
@@ -351,12 +438,18 @@ impl WgpuBackend {
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
         }
-        let dummy = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("dummy"),
-            size: 256,
-            usage: wgpu::BufferUsages::STORAGE,
-            mapped_at_creation: false,
-        });
+        let mut buffer_ids = BufferIds::default();
+        let dummy = Tracked {
+            id: buffer_ids.next(),
+            buffer: device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("dummy"),
+                size: 256,
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            }),
+        };
+        let uniform_alignment = ctx.limits.min_uniform_buffer_offset_alignment as u64;
+        let uniforms = UniformRing::new(device, uniform_alignment, MAX_PENDING);
         let align = ctx.limits.min_storage_buffer_offset_alignment as u64;
         let seg_elems = (ctx.limits.max_buffer_size.min(MAX_SEGMENT_BYTES) / 4) as usize / 64 * 64;
         let max_binding = ctx.limits.max_storage_buffer_binding_size.min(seg_elems as u64 * 4) / 4 * 4;
@@ -369,8 +462,11 @@ impl WgpuBackend {
             tok_bufs: Vec::new(),
             tok_host: Vec::new(),
             dummy,
+            partials: None,
+            buffer_ids,
+            bind_groups: BindGroupCache::new(MAX_CACHED_BIND_GROUPS),
+            uniforms,
             encoder: None,
-            pending: 0,
             align,
             max_binding,
             max_groups,
@@ -413,7 +509,8 @@ impl WgpuBackend {
         (end as u64 * 4).max(start + 4) - start <= self.max_binding
     }
 
-    fn win_of(&self, buffer: &wgpu::Buffer, buf_len: usize, first: usize, end: usize) -> Win {
+    /// Window over elements `[first, end)` of `buffer` (of `buf_len` elements); `id` as in [`Win`].
+    fn win_of(&self, buffer: &wgpu::Buffer, id: Option<BufferId>, buf_len: usize, first: usize, end: usize) -> Win {
         assert!(end <= buf_len, "range [{first}, {end}) out of a buffer of {buf_len}");
         if first == end {
             return self.dummy_win();
@@ -427,6 +524,7 @@ impl WgpuBackend {
         );
         Win {
             buffer: buffer.clone(),
+            id,
             start,
             size,
             off: ((first as u64 * 4 - start) / 4) as u32,
@@ -451,11 +549,11 @@ impl WgpuBackend {
         let (s0, s1) = (first / a.seg, (end - 1) / a.seg);
         if s0 == s1 {
             let base = s0 * a.seg;
-            let (b, seg_len) = (a.segs[s0].clone(), a.seg_len(s0));
-            return self.win_of(&b, seg_len, first - base, end - base);
+            let (seg, seg_len) = (a.segs[s0].clone(), a.seg_len(s0));
+            return self.win_of(&seg.buffer, Some(seg.id), seg_len, first - base, end - base);
         }
         let parts = a.parts(first, end);
-        let segs: Vec<wgpu::Buffer> = parts.iter().map(|p| a.segs[p.0].clone()).collect();
+        let segs: Vec<wgpu::Buffer> = parts.iter().map(|p| a.segs[p.0].buffer.clone()).collect();
         let len = end - first;
         assert!(
             len as u64 * 4 <= self.max_binding,
@@ -475,6 +573,7 @@ impl WgpuBackend {
         }
         Win {
             buffer: temp,
+            id: None,
             start: 0,
             size: len as u64 * 4,
             off: 0,
@@ -488,12 +587,13 @@ impl WgpuBackend {
 
     fn twin(&self, v: TokenView) -> Win {
         let (b, len) = &self.tok_bufs[v.buf];
-        self.win_of(b, *len, v.offset, v.offset + v.len)
+        self.win_of(&b.buffer, Some(b.id), *len, v.offset, v.offset + v.len)
     }
 
     fn dummy_win(&self) -> Win {
         Win {
-            buffer: self.dummy.clone(),
+            buffer: self.dummy.buffer.clone(),
+            id: Some(self.dummy.id),
             start: 0,
             size: 4,
             off: 0,
@@ -515,41 +615,11 @@ impl WgpuBackend {
     }
 
     fn dispatch(&mut self, kernel: &str, wins: &[Win], params: Params, groups: (u32, u32)) {
-        let k = &self.kernels[kernel];
-        assert_eq!(
-            wins.len() as u32,
-            k.bindings,
-            "kernel {kernel} binds {} buffers",
-            k.bindings
-        );
-        let mut words = params.0;
-        assert!(words.len() <= 16, "kernel {kernel}: too many parameters");
-        words.resize(16, 0);
+        let bindings = self.kernels[kernel].bindings;
+        assert_eq!(wins.len() as u32, bindings, "kernel {kernel} binds {bindings} buffers");
+        let uniform_offset = self.uniforms.push(&params.words(kernel));
+        let bind_group = self.bind_group(kernel, wins);
         let device = &self.ctx.device;
-        let ubuf = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: None,
-            contents: bytemuck::cast_slice(&words),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: ubuf.as_entire_binding(),
-        }];
-        for (i, w) in wins.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: &w.buffer,
-                    offset: w.start,
-                    size: NonZeroU64::new(w.size),
-                }),
-            });
-        }
-        let bg = device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &k.layout,
-            entries: &entries,
-        });
         let encoder = self
             .encoder
             .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
@@ -558,8 +628,8 @@ impl WgpuBackend {
                 label: None,
                 timestamp_writes: None,
             });
-            pass.set_pipeline(&k.pipeline);
-            pass.set_bind_group(0, &bg, &[]);
+            pass.set_pipeline(&self.kernels[kernel].pipeline);
+            pass.set_bind_group(0, &bind_group, &[uniform_offset]);
             pass.dispatch_workgroups(groups.0, groups.1, 1);
         }
         // Write straddling windows back to their segments.
@@ -567,22 +637,46 @@ impl WgpuBackend {
             if let Some((buf, first, end)) = w.scatter {
                 let a = &self.bufs[buf];
                 for (s, local, at, n) in a.parts(first, end) {
-                    encoder.copy_buffer_to_buffer(&w.buffer, at as u64 * 4, &a.segs[s], local as u64 * 4, n as u64 * 4);
+                    let seg = &a.segs[s].buffer;
+                    encoder.copy_buffer_to_buffer(&w.buffer, at as u64 * 4, seg, local as u64 * 4, n as u64 * 4);
                 }
             }
         }
-        self.pending += 1;
-        if self.pending >= MAX_PENDING {
+        if self.uniforms.is_full() {
             self.flush();
         }
+    }
+
+    /// The bind group of `kernel` over `wins`: from the cache, unless a window is over a temporary buffer.
+    fn bind_group(&mut self, kernel: &str, wins: &[Win]) -> wgpu::BindGroup {
+        let kernel = &self.kernels[kernel];
+        let make = || make_bind_group(&self.ctx.device, &kernel.layout, &self.uniforms, wins);
+        match bind_key(kernel.bindings, wins) {
+            Some(key) => self.bind_groups.get_or_make(key, make),
+            None => {
+                self.bind_groups.count_uncached();
+                make()
+            }
+        }
+    }
+
+    /// Bind groups made so far: cache hits, cached misses, and uncached ones (temporary buffers).
+    pub fn bind_group_stats(&self) -> BindGroupStats {
+        self.bind_groups.stats()
+    }
+
+    /// Bind groups held by the cache now.
+    pub fn cached_bind_groups(&self) -> usize {
+        self.bind_groups.len()
     }
 
     /// Submits the recorded work (without waiting).
     fn flush(&mut self) {
         if let Some(enc) = self.encoder.take() {
+            // Lands before the commands of this submit, which read it.
+            self.uniforms.upload(&self.ctx.queue);
             self.ctx.queue.submit([enc.finish()]);
         }
-        self.pending = 0;
     }
 
     fn wait(&mut self) -> Result<()> {
@@ -680,6 +774,31 @@ impl WgpuBackend {
             );
         }
         Ok(buffer)
+    }
+
+    /// Gives `buffer` an identity for the bind-group cache.
+    fn track(&mut self, buffer: wgpu::Buffer) -> Tracked {
+        Tracked {
+            id: self.buffer_ids.next(),
+            buffer,
+        }
+    }
+
+    /// A buffer of at least `blocks` elements for `sum_squares`' partial sums: the previous one when it is
+    /// large enough, else a new one replacing it.
+    fn sum_squares_partials(&mut self, blocks: usize) -> Result<Tracked> {
+        if let Some((partials, len)) = &self.partials {
+            if *len >= blocks {
+                return Ok(partials.clone());
+            }
+        }
+        let buffer = self.new_buffer(blocks, "sum_squares partials")?;
+        let partials = self.track(buffer);
+        if let Some((old, _)) = self.partials.replace((partials.clone(), blocks)) {
+            // The old buffer is freed: its entries could never hit again but would keep its memory alive.
+            self.bind_groups.forget(old.id);
+        }
+        Ok(partials)
     }
 
     /// Runs an element-wise kernel over equally long views, in ranges that fit a binding window.
@@ -897,7 +1016,8 @@ impl Backend for WgpuBackend {
         let seg = self.seg_elems;
         let mut segs = Vec::new();
         for s in 0..len.div_ceil(seg).max(1) {
-            segs.push(self.new_buffer(seg.min(len - (s * seg).min(len)), "tensor")?);
+            let buffer = self.new_buffer(seg.min(len - (s * seg).min(len)), "tensor")?;
+            segs.push(self.track(buffer));
         }
         self.bufs.push(Alloc { segs, seg, len });
         Ok(View {
@@ -908,8 +1028,9 @@ impl Backend for WgpuBackend {
     }
 
     fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
-        let b = self.new_buffer(len, "tokens")?;
-        self.tok_bufs.push((b, len));
+        let buffer = self.new_buffer(len, "tokens")?;
+        let tracked = self.track(buffer);
+        self.tok_bufs.push((tracked, len));
         self.tok_host.push(vec![0; len]);
         Ok(TokenView {
             buf: self.tok_bufs.len() - 1,
@@ -933,7 +1054,7 @@ impl Backend for WgpuBackend {
         let a = &self.bufs[dst.buf];
         for (s, local, at, n) in a.parts(dst.offset, dst.end()) {
             let bytes: &[u8] = bytemuck::cast_slice(&src[at..at + n]);
-            self.ctx.queue.write_buffer(&a.segs[s], local as u64 * 4, bytes);
+            self.ctx.queue.write_buffer(&a.segs[s].buffer, local as u64 * 4, bytes);
         }
         Ok(())
     }
@@ -954,7 +1075,7 @@ impl Backend for WgpuBackend {
         }
         self.flush();
         self.tok_host[dst.buf][dst.offset..dst.offset + dst.len].copy_from_slice(src);
-        let buffer = &self.tok_bufs[dst.buf].0;
+        let buffer = &self.tok_bufs[dst.buf].0.buffer;
         self.ctx
             .queue
             .write_buffer(buffer, dst.offset as u64 * 4, bytemuck::cast_slice(src));
@@ -979,7 +1100,7 @@ impl Backend for WgpuBackend {
         let pieces: Vec<(wgpu::Buffer, u64, u64)> = a
             .parts(src.offset, src.end())
             .into_iter()
-            .map(|(s, local, _, n)| (a.segs[s].clone(), local as u64 * 4, n as u64 * 4))
+            .map(|(s, local, _, n)| (a.segs[s].buffer.clone(), local as u64 * 4, n as u64 * 4))
             .collect();
         let bytes = self.read_back(&pieces)?;
         dst.copy_from_slice(bytemuck::cast_slice(&bytes));
@@ -1087,7 +1208,8 @@ impl Backend for WgpuBackend {
             contents: bytemuck::cast_slice(&aux),
             usage: wgpu::BufferUsages::STORAGE,
         });
-        let waux = self.win_of(&aux_buf, aux.len(), 0, aux.len());
+        // A new buffer every call: bound uncached.
+        let waux = self.win_of(&aux_buf, None, aux.len(), 0, aux.len());
         let rows_per = self.rows_per_window(c);
         let mut v0 = 0;
         while v0 < v {
@@ -1441,19 +1563,19 @@ impl Backend for WgpuBackend {
             return Ok(0.0);
         }
         let blocks = ceil_div(x.len, SUM_BLOCK);
-        let partial = self.new_buffer(blocks, "sum_squares partials")?;
+        let partial = self.sum_squares_partials(blocks)?;
         let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
         let mut start = 0;
         while start < x.len {
             let n = chunk.min(x.len - start);
             let wx = self.win(x.sub(start, n));
-            let wp = self.win_of(&partial, blocks, 0, blocks);
+            let wp = self.win_of(&partial.buffer, Some(partial.id), blocks, 0, blocks);
             let p = Params::default().u(n).u(wx.off).u(start / SUM_BLOCK);
             let groups = self.grid(ceil_div(n, SUM_BLOCK));
             self.dispatch("sum_squares", &[wp, wx], p, groups);
             start += n;
         }
-        let bytes = self.read_back(&[(partial, 0, blocks as u64 * 4)])?;
+        let bytes = self.read_back(&[(partial.buffer, 0, blocks as u64 * 4)])?;
         let sums: &[f32] = bytemuck::cast_slice(&bytes);
         Ok(sums.iter().map(|&s| s as f64).sum())
     }
