@@ -493,7 +493,10 @@ impl WgpuBackend {
     /// `max_buffer_size`); larger allocations are split into segments. Tests use it to exercise views that
     /// straddle segments. Also caps the binding size to one segment.
     pub fn set_max_buffer_bytes(&mut self, bytes: u64) {
-        let min = 4 * SUM_BLOCK as u64 + 2 * self.align;
+        // At least one `sum_squares` block must fit a window wherever it starts, even after rounding the
+        // segment down to 64 elements (256 bytes); a smaller window would split element-wise ops into
+        // empty pieces forever.
+        let min = 4 * SUM_BLOCK as u64 + 2 * self.align + 256;
         let bytes = bytes.clamp(min, self.ctx.limits.max_buffer_size.min(MAX_SEGMENT_BYTES));
         self.seg_elems = (bytes / 4) as usize / 64 * 64;
         self.max_binding = self.max_binding.min(self.seg_elems as u64 * 4);

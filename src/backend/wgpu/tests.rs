@@ -487,3 +487,15 @@ fn windows_differing_only_in_start_are_bound_apart() {
     assert_eq!(download(&mut be, a), vec![1.0; 8]);
     assert_eq!(download(&mut be, b), vec![2.0; 8]);
 }
+
+#[test]
+fn tiny_buffer_caps_still_leave_room_for_a_reduction_block() {
+    for bytes in [0, 1, 4096, 16_384, 16_500] {
+        let Some(be) = wgpu_or_skip(Some(bytes)) else { return };
+        assert!(
+            be.max_window_elems() >= super::SUM_BLOCK,
+            "cap {bytes}: windows of {} elements",
+            be.max_window_elems()
+        );
+    }
+}
