@@ -21,6 +21,14 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
   fi
 fi
 
+# Mesa's lavapipe prints an error for every Vulkan instance when XDG_RUNTIME_DIR is unset (harmless, but it
+# floods the log); give it a private directory for this run.
+if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
+  XDG_RUNTIME_DIR=$(mktemp -d)
+  export XDG_RUNTIME_DIR
+  trap 'rm -rf "$XDG_RUNTIME_DIR"' EXIT
+fi
+
 # One build of the test profile serves both steps: the tests, then the `cuda` feature's library and
 # binary, which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
 cargo test --workspace

@@ -360,6 +360,8 @@ impl Engine for RingEngine<'_> {
             }
             return Ok(());
         }
+        // In reduce-scatter phase N-2 the received chunk is this rank's own: the sum completes here.
+        let last_rs = !is_ag && phase == n - 2;
         if !is_ag {
             // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution, summed in
             // place in the received allocation, which then travels on. IEEE addition is commutative, so
@@ -367,7 +369,6 @@ impl Engine for RingEngine<'_> {
             for (s, d) in data.iter_mut().zip(dst.iter()) {
                 *s += *d;
             }
-            let last_rs = phase == n - 2;
             if last_rs && mean {
                 // chunk == rank: the sum is complete here; one division by N, on the owner only.
                 let k = n as f32;
@@ -376,11 +377,16 @@ impl Engine for RingEngine<'_> {
                 }
             }
         }
-        dst.copy_from_slice(&data);
+        // In an all-reduce, a partial sum that is not final is overwritten by the all-gather later, so only
+        // the finished sum and gathered chunks are stored; a reduce-scatter keeps its partials (documented).
+        let partial_overwritten_later = matches!(self.op, RingOp::AllReduce(_)) && !is_ag && !last_rs;
+        if !partial_overwritten_later {
+            dst.copy_from_slice(&data);
+        }
         let next = phase + 1;
         if next < self.num_phases() {
-            // The chunk we send in phase p+1 is the one we just received in phase p, now holding what we
-            // stored for it.
+            // The chunk we send in phase p+1 is the one we just received in phase p; the payload is what
+            // this rank computed for it.
             debug_assert_eq!(self.send_chunk(next), chunk);
             self.queue_owned(next, sub, data);
         }
