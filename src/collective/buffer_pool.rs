@@ -13,23 +13,35 @@ use std::sync::{Arc, Mutex};
 
 /// Idle f32 buffers, shared by a rank's reader task and its sending side.
 pub struct BufferPool {
-    /// Idle buffers; their contents are stale and meaningless.
-    free: Mutex<Vec<Vec<f32>>>,
+    idle: Mutex<Idle>,
     max_bytes: usize,
+}
+
+/// The idle buffers and their total capacity in bytes, kept together under one lock.
+#[derive(Default)]
+struct Idle {
+    /// Contents are stale and meaningless.
+    buffers: Vec<Vec<f32>>,
+    bytes: usize,
 }
 
 impl BufferPool {
     /// A pool that keeps at most `max_bytes` of idle buffer capacity.
     pub fn new(max_bytes: usize) -> Arc<Self> {
         Arc::new(BufferPool {
-            free: Mutex::new(Vec::new()),
+            idle: Mutex::new(Idle::default()),
             max_bytes,
         })
     }
 
     /// A buffer of exactly `len` elements whose contents are unspecified (the caller overwrites them).
     pub fn take(&self, len: usize) -> Vec<f32> {
-        let recycled = self.lock().pop();
+        let recycled = {
+            let mut idle = self.lock();
+            let v = idle.buffers.pop();
+            idle.bytes -= v.as_ref().map_or(0, |v| v.capacity() * 4);
+            v
+        };
         let mut v = recycled.unwrap_or_default();
         // Only elements past the recycled buffer's old length are zero-filled.
         v.resize(len, 0.0);
@@ -41,23 +53,24 @@ impl BufferPool {
         if v.capacity() == 0 {
             return;
         }
-        let mut free = self.lock();
-        let held: usize = free.iter().map(|b| b.capacity() * 4).sum();
-        if held + v.capacity() * 4 <= self.max_bytes {
+        let mut idle = self.lock();
+        let bytes = v.capacity() * 4;
+        if idle.bytes + bytes <= self.max_bytes {
             // The stale contents stay (no clear): `take` then zero-fills nothing it can reuse.
-            free.push(v);
+            idle.buffers.push(v);
+            idle.bytes += bytes;
         }
     }
 
     /// Number of idle buffers (for tests).
     pub fn idle(&self) -> usize {
-        self.lock().len()
+        self.lock().buffers.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Vec<f32>>> {
-        // A panic while holding the lock cannot leave the list inconsistent (push and pop are atomic with
-        // respect to it), so a poisoned lock is still usable.
-        self.free.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
+        // No code that can panic runs between a change to the list and the matching change to its byte
+        // count, so a poisoned lock still holds a consistent pool.
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
