@@ -5,6 +5,12 @@ use ringtrain::cli::{args::TrainArgs, bench_allreduce, bench_kernels, eval, info
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+// mimalloc keeps freed memory mapped for reuse; glibc's malloc returned the per-message buffers of the
+// collective layer to the kernel and faulted them back in (page faults were 5-8% of an all-reduce's CPU;
+// BENCHMARKS.md has the before/after).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "ringtrain", version, about = "Data-parallel GPT-2 trainer")]
 struct Cli {
