@@ -11,10 +11,10 @@
 //!   dynamic offset. Why: the AdamW scalars (`step_size`, bias correction, scheduled `lr`) change every step,
 //!   so a key holding the parameter words would miss once per parameter tensor per step and keep growing;
 //!   with the ring, every dispatch of a repeated step hits, and no buffer is created per dispatch. Windows
-//!   over temporary buffers (gathered straddling views, the embedding backward's per-call index) bypass
-//!   the cache: their buffer is new every call, so an entry could never hit again. Allocations are never
-//!   freed (the `Backend` trait has no `free`), so entries cannot go stale; the one buffer the backend does
-//!   replace, the `sum_squares` scratch when it grows, drops its entries. Past 4096 entries the cache is
+//!   over temporary buffers (gathered straddling views) bypass the cache: their buffer is new every call,
+//!   so an entry could never hit again. Allocations are never freed (the `Backend` trait has no `free`), so
+//!   entries cannot go stale; the buffers the backend does replace when they grow (the `sum_squares`
+//!   scratch, the embedding backward's index) drop their entries. Past 4096 entries the cache is
 //!   cleared, so changing shapes cannot grow it without bound.
 //! - **Kernel shapes.** Tuned for CPU implementations (lavapipe), where each storage access is a
 //!   per-invocation scalar access and barriers are costly, while staying plain WGSL for GPUs: the matmuls keep
@@ -61,7 +61,6 @@ use context::Context;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::time::Instant;
-use wgpu::util::DeviceExt;
 
 /// Largest wgpu buffer the backend creates, whatever `max_buffer_size` says: Vulkan only guarantees
 /// allocations of 1 GiB (`maxMemoryAllocationSize`), and some drivers report a larger `max_buffer_size` than
@@ -179,6 +178,16 @@ struct Kernel {
 struct Tracked {
     id: BufferId,
     buffer: wgpu::Buffer,
+}
+
+/// The persistent index buffer of `encoder_backward`.
+struct EmbedIndex {
+    buf: Tracked,
+    /// Capacity in u32 elements; the whole of it is bound, so the window (and bind group) never changes.
+    cap: usize,
+    /// A dispatch recorded since the last submit reads it: the next rewrite must submit first, because a
+    /// `write_buffer` lands before every command of the next submit.
+    read_by_pending: bool,
 }
 
 /// A bound range of a buffer: `size` bytes from byte `start`; the view begins `off` elements into it.
@@ -326,6 +335,9 @@ pub struct WgpuBackend {
     /// `sum_squares`' per-block partial sums and their number of elements, grown on demand (a call reads
     /// them back before returning, so the next call may reuse them).
     partials: Option<(Tracked, usize)>,
+    /// The embedding backward's token index (`[rows | starts | positions]`, u32), grown on demand and
+    /// rewritten by each call, so its bind groups are cached like any other.
+    embed_index: Option<EmbedIndex>,
     buffer_ids: BufferIds,
     bind_groups: BindGroupCache,
     /// Parameters of the dispatches recorded since the last submit.
@@ -463,6 +475,7 @@ impl WgpuBackend {
             tok_host: Vec::new(),
             dummy,
             partials: None,
+            embed_index: None,
             buffer_ids,
             bind_groups: BindGroupCache::new(MAX_CACHED_BIND_GROUPS),
             uniforms,
@@ -675,6 +688,9 @@ impl WgpuBackend {
 
     /// Submits the recorded work (without waiting).
     fn flush(&mut self) {
+        if let Some(ix) = &mut self.embed_index {
+            ix.read_by_pending = false;
+        }
         if let Some(enc) = self.encoder.take() {
             // Lands before the commands of this submit, which read it.
             self.uniforms.upload(&self.ctx.queue);
@@ -785,6 +801,44 @@ impl WgpuBackend {
             id: self.buffer_ids.next(),
             buffer,
         }
+    }
+
+    /// Writes `aux` to the start of the embedding index buffer (grown to a power of two when too small) and
+    /// returns the window over its whole capacity.
+    fn write_embed_index(&mut self, aux: &[u32]) -> Win {
+        if self.embed_index.as_ref().is_some_and(|ix| ix.read_by_pending) {
+            self.flush();
+        }
+        if self.embed_index.as_ref().is_none_or(|ix| ix.cap < aux.len()) {
+            let cap = aux
+                .len()
+                .next_power_of_two()
+                .max(1024)
+                .min(self.max_window_elems())
+                .max(aux.len());
+            let buffer = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("encoder_backward index"),
+                size: cap as u64 * 4,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let buf = self.track(buffer);
+            let fresh = EmbedIndex {
+                buf,
+                cap,
+                read_by_pending: false,
+            };
+            if let Some(old) = self.embed_index.replace(fresh) {
+                self.bind_groups.forget(old.buf.id);
+            }
+        }
+        let ix = self.embed_index.as_mut().expect("just ensured");
+        self.ctx
+            .queue
+            .write_buffer(&ix.buf.buffer, 0, bytemuck::cast_slice(aux));
+        ix.read_by_pending = true;
+        let (buffer, id, cap) = (ix.buf.buffer.clone(), ix.buf.id, ix.cap);
+        self.win_of(&buffer, Some(id), cap, 0, cap)
     }
 
     /// A buffer of at least `blocks` elements for `sum_squares`' partial sums: the previous one when it is
@@ -1206,13 +1260,7 @@ impl Backend for WgpuBackend {
         let mut aux = rows;
         aux.extend_from_slice(&starts);
         aux.extend_from_slice(&order);
-        let aux_buf = self.ctx.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("encoder_backward index"),
-            contents: bytemuck::cast_slice(&aux),
-            usage: wgpu::BufferUsages::STORAGE,
-        });
-        // A new buffer every call: bound uncached.
-        let waux = self.win_of(&aux_buf, None, aux.len(), 0, aux.len());
+        let waux = self.write_embed_index(&aux);
         let rows_per = self.rows_per_window(c);
         let mut v0 = 0;
         while v0 < v {
