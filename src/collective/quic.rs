@@ -169,8 +169,8 @@ impl rustls::client::danger::ServerCertVerifier for ExporterBound {
 
 /// Transport tuning, chosen per link type and measured with `bench/allreduce/run.sh` (see BENCHMARKS.md).
 ///
-/// On loopback, datagrams start at 16000 bytes (no 1200-byte start) and MTU discovery raises them to 32000
-/// once the handshake is done; the congestion window starts at 1 MiB. Large datagrams are what pays here:
+/// On loopback, datagrams start at 16000 bytes (8000 on macOS; no 1200-byte start) and MTU discovery
+/// raises them to 32000 once the handshake is done; the congestion window starts at 1 MiB. Large datagrams are what pays here:
 /// quinn's default 1452-byte datagrams cost a syscall, a packet header and a kernel buffer per 1.4 KiB.
 /// Two limits shape the numbers:
 /// - a long-header (handshake) packet encodes its length in a 2-byte varint, so it must stay under 16384
@@ -196,6 +196,11 @@ struct Tuning {
     workers: usize,
 }
 
+/// First datagram size on loopback. macOS refuses UDP datagrams over `net.inet.udp.maxdgram` (9216 bytes
+/// by default) and its loopback MTU is 16384, so it keeps the 8000 bytes used before; discovery may still
+/// raise it where the system allows.
+const LOOPBACK_START_MTU: u16 = if cfg!(target_os = "macos") { 8000 } else { 16000 };
+
 /// Largest packet a QUIC long header can describe (its length field is a 2-byte varint).
 const MAX_LONG_HEADER_PACKET: u16 = (1 << 14) - 1;
 
@@ -203,7 +208,7 @@ impl Tuning {
     fn for_link(loopback: bool) -> Self {
         if loopback {
             Tuning {
-                mtu: 16000,
+                mtu: LOOPBACK_START_MTU,
                 mtu_ceiling: 32000,
                 initial_window: 1 << 20,
                 gso: false,
