@@ -20,7 +20,10 @@
 //!   per-invocation scalar access and barriers are costly, while staying plain WGSL for GPUs: the matmuls keep
 //!   a large register block per invocation and read A and B straight from storage (no workgroup memory, no
 //!   barriers); row-major operands with 4-aligned offsets, strides, `n` and `k` take the `vec4` kernel
-//!   (`matmul4.wgsl`), everything else the strided one. Element-wise residual/add/scale/fill/copy run on
+//!   (`matmul4.wgsl`), everything else the strided one. On software adapters the `vec4` case, when both
+//!   operands' rows are a multiple of 256 bytes apart, first copies A and B into rgba32f textures and runs
+//!   `matmul4t.wgsl`, which reads them with texel fetches: llvmpipe gathers those as vectors but loops over
+//!   the lanes for storage loads (`tex_matmul.rs`). Element-wise residual/add/scale/fill/copy run on
 //!   `vec4` bindings when every view starts at a multiple of 4 elements (`residual4.wgsl`), the last `len % 4`
 //!   elements on the scalar kernels.
 //! - **Memory.** An allocation is one storage buffer, or, past the adapter's `max_buffer_size` (capped at
@@ -50,6 +53,7 @@ mod binding;
 mod context;
 #[cfg(test)]
 mod tests;
+mod tex_matmul;
 
 pub use binding::BindGroupStats;
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
@@ -338,6 +342,10 @@ pub struct WgpuBackend {
     /// The embedding backward's token index (`[rows | starts | positions]`, u32), grown on demand and
     /// rewritten by each call, so its bind groups are cached like any other.
     embed_index: Option<EmbedIndex>,
+    /// The texture-fed matmul, on software adapters only (see `tex_matmul.rs`).
+    tex_matmul: Option<tex_matmul::TexMatmul>,
+    /// Dispatches of the texture-fed matmul so far (tests check which kernel ran).
+    tex_matmul_dispatches: u64,
     buffer_ids: BufferIds,
     bind_groups: BindGroupCache,
     /// Parameters of the dispatches recorded since the last submit.
@@ -447,6 +455,10 @@ impl WgpuBackend {
                 );
             }
         }
+        let tex_matmul = ctx.report.is_software.then(|| {
+            let source = format!("{COMMON}\n{}", include_str!("../../../shaders/matmul4t.wgsl"));
+            tex_matmul::TexMatmul::new(device, &source, ctx.limits.max_texture_dimension_2d)
+        });
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
         }
@@ -476,6 +488,8 @@ impl WgpuBackend {
             dummy,
             partials: None,
             embed_index: None,
+            tex_matmul,
+            tex_matmul_dispatches: 0,
             buffer_ids,
             bind_groups: BindGroupCache::new(MAX_CACHED_BIND_GROUPS),
             uniforms,
@@ -648,7 +662,13 @@ impl WgpuBackend {
             pass.set_bind_group(0, &bind_group, &[uniform_offset]);
             pass.dispatch_workgroups(groups.0, groups.1, 1);
         }
-        // Write straddling windows back to their segments.
+        self.finish_dispatch(wins);
+    }
+
+    /// After a dispatch: writes straddling windows back to their segments, and submits when the uniform ring
+    /// is full.
+    fn finish_dispatch(&mut self, wins: &[Win]) {
+        let encoder = self.encoder.as_mut().expect("a dispatch was just recorded");
         for w in wins {
             if let Some((buf, first, end)) = w.scatter {
                 let a = &self.bufs[buf];
@@ -661,6 +681,78 @@ impl WgpuBackend {
         if self.uniforms.is_full() {
             self.flush();
         }
+    }
+
+    /// The vec4 matmul with A and B copied into textures, when this backend has it (software adapters) and
+    /// both operands can be copied (`TexMatmul::fits`). Returns false, recording nothing, otherwise.
+    fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params) -> bool {
+        let [wc, wa, wb, wbias] = wins;
+        let Some(tm) = &self.tex_matmul else {
+            return false;
+        };
+        fn source(w: &Win, rows: usize, cols: usize, rs: usize) -> tex_matmul::Source<'_> {
+            tex_matmul::Source {
+                buffer: &w.buffer,
+                offset: w.start + w.off as u64 * 4,
+                row_bytes: rs as u64 * 4,
+                rows,
+                cols,
+            }
+        }
+        let (sa, sb) = (source(wa, g.m, g.k, g.a.rs), source(wb, g.k, g.n, g.b.rs));
+        // Temporary (gathered) windows are not copy sources.
+        if wa.id.is_none() || wb.id.is_none() || !tm.fits(&sa) || !tm.fits(&sb) {
+            return false;
+        }
+        let uniform_offset = self.uniforms.push(&params.words("matmul4t"));
+        let device = &self.ctx.device;
+        let encoder = self
+            .encoder
+            .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
+        let tm = self.tex_matmul.as_mut().expect("checked above");
+        let ta = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::A, &sa);
+        let tb = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::B, &sb);
+        let tm = self.tex_matmul.as_ref().expect("checked above");
+        let make = || {
+            tm.bind_group(
+                device,
+                &self.uniforms,
+                (&wc.buffer, wc.start, wc.size),
+                ta,
+                tb,
+                (&wbias.buffer, wbias.start, wbias.size),
+            )
+        };
+        let key = tex_matmul::TexMatmul::key((wc.id, wc.start, wc.size), ta, tb, (wbias.id, wbias.start, wbias.size));
+        let bind_group = match key {
+            Some(key) => self.bind_groups.get_or_make(key, make),
+            None => {
+                self.bind_groups.count_uncached();
+                make()
+            }
+        };
+        let groups = (
+            ceil_div(g.n, tex_matmul::TILE_N) as u32,
+            ceil_div(g.m, tex_matmul::TILE_M) as u32,
+        );
+        {
+            let encoder = self.encoder.as_mut().expect("created above");
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&tm.pipeline);
+            pass.set_bind_group(0, &bind_group, &[uniform_offset]);
+            pass.dispatch_workgroups(groups.0, groups.1, 1);
+        }
+        self.tex_matmul_dispatches += 1;
+        self.finish_dispatch(std::slice::from_ref(wc));
+        true
+    }
+
+    /// Dispatches of the texture-fed matmul so far.
+    pub fn tex_matmul_dispatches(&self) -> u64 {
+        self.tex_matmul_dispatches
     }
 
     /// The bind group of `kernel` over `wins`: from the cache, unless a window is over a temporary buffer.
@@ -964,6 +1056,9 @@ impl WgpuBackend {
                     .u(1u32)
                     .u(wbias.off)
                     .u(flags);
+                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone()) {
+                    return;
+                }
                 let groups = (
                     ceil_div(g.n, MATMUL4_TILE_N) as u32,
                     ceil_div(g.m, MATMUL4_TILE_M) as u32,

@@ -89,6 +89,8 @@ fn check_matmuls(be: &mut WgpuBackend) {
         (130, 68, 132),
         (257, 36, 260),
         (128, 128, 128),
+        // Rows 256 and 768 bytes apart: on software adapters the texture-fed kernel.
+        (130, 64, 192),
         (3, 12, 400),
     ];
     for (n, c, oc) in shapes {
@@ -144,6 +146,34 @@ fn vec4_kernels_match_cpu() {
     let Some(mut be) = wgpu_or_skip(None) else { return };
     check_matmuls(&mut be);
     check_elementwise(&mut be);
+}
+
+/// On a software adapter, forward matmuls whose operands can be copied into textures take the texture-fed
+/// kernel, match the CPU and give the same bits when repeated; elsewhere that kernel does not exist.
+#[test]
+fn texture_matmul_runs_on_software_adapters() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let (n, c, oc) = (200, 128, 320);
+    let s = MatmulShape {
+        n,
+        c,
+        oc,
+        layout: WeightLayout::InOut,
+    };
+    let lens = [n * oc, n * c, c * oc, oc];
+    let fwd = |be: &mut dyn Backend, v: &[View]| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), s);
+    let before = be.tex_matmul_dispatches();
+    let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 1, &fwd);
+    let got = run(&mut be, &lens, 0, 1, &fwd);
+    let again = run(&mut be, &lens, 0, 1, &fwd);
+    let used = be.tex_matmul_dispatches() - before;
+    if be.adapter().is_software {
+        assert_eq!(used, 2, "both forward matmuls took the texture-fed kernel");
+    } else {
+        assert_eq!(used, 0, "hardware adapters keep the storage-buffer kernel");
+    }
+    assert_close("texture matmul", &got, &want, 1e-5 * (c as f32).sqrt(), 1e-5);
+    assert_eq!(got, again, "run to run, the same bits");
 }
 
 /// 256 KiB segments: the larger views straddle two buffers and go through gathered windows.
