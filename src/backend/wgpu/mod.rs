@@ -398,29 +398,8 @@ impl WgpuBackend {
                 let (bgl, pl) = layouts
                     .entry(bindings)
                     .or_insert_with(|| {
-                        let mut e = vec![wgpu::BindGroupLayoutEntry {
-                            binding: 0,
-                            visibility: wgpu::ShaderStages::COMPUTE,
-                            ty: wgpu::BindingType::Buffer {
-                                ty: wgpu::BufferBindingType::Uniform,
-                                // The dispatch's slot of the uniform ring.
-                                has_dynamic_offset: true,
-                                min_binding_size: None,
-                            },
-                            count: None,
-                        }];
-                        for b in 1..=bindings {
-                            e.push(wgpu::BindGroupLayoutEntry {
-                                binding: b,
-                                visibility: wgpu::ShaderStages::COMPUTE,
-                                ty: wgpu::BindingType::Buffer {
-                                    ty: wgpu::BufferBindingType::Storage { read_only: false },
-                                    has_dynamic_offset: false,
-                                    min_binding_size: None,
-                                },
-                                count: None,
-                            });
-                        }
+                        let mut e = vec![binding::uniform_ring_entry()];
+                        e.extend((1..=bindings).map(binding::storage_entry));
                         let bgl = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
                             label: None,
                             entries: &e,

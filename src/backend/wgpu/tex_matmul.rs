@@ -6,7 +6,7 @@
 //! call copies the operands into pooled rgba32f textures first (O(m·k + k·n) against the O(m·k·n) product).
 //! Hardware adapters keep the storage-buffer kernel: there the copies would only cost.
 
-use super::binding::{BindKey, BufferId, BufferIds, UniformRing, WindowKey};
+use super::binding::{storage_entry, uniform_ring_entry, BindKey, BufferId, BufferIds, UniformRing, WindowKey};
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 
@@ -51,16 +51,6 @@ pub(super) struct Source<'a> {
 
 impl TexMatmul {
     pub fn new(device: &wgpu::Device, source: &str, max_dim: u32) -> Self {
-        let buffer = |binding| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only: false },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
         let texture = |binding| wgpu::BindGroupLayoutEntry {
             binding,
             visibility: wgpu::ShaderStages::COMPUTE,
@@ -72,20 +62,11 @@ impl TexMatmul {
             count: None,
         };
         let entries = [
-            wgpu::BindGroupLayoutEntry {
-                binding: 0,
-                visibility: wgpu::ShaderStages::COMPUTE,
-                ty: wgpu::BindingType::Buffer {
-                    ty: wgpu::BufferBindingType::Uniform,
-                    has_dynamic_offset: true,
-                    min_binding_size: None,
-                },
-                count: None,
-            },
-            buffer(1),
+            uniform_ring_entry(),
+            storage_entry(1),
             texture(2),
             texture(3),
-            buffer(4),
+            storage_entry(4),
         ];
         let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("matmul4t"),
