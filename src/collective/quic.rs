@@ -170,8 +170,9 @@ impl rustls::client::danger::ServerCertVerifier for ExporterBound {
 /// Transport tuning, chosen per link type and measured with `bench/allreduce/run.sh` (see BENCHMARKS.md).
 ///
 /// On loopback, datagrams start at 16000 bytes (8000 on macOS; no 1200-byte start) and MTU discovery
-/// raises them to 32000 once the handshake is done; the congestion window starts at 1 MiB. Large datagrams are what pays here:
-/// quinn's default 1452-byte datagrams cost a syscall, a packet header and a kernel buffer per 1.4 KiB.
+/// raises them to 32000 once the handshake is done; the congestion window starts at 1 MiB. Large datagrams
+/// are what pays here: quinn's default 1452-byte datagrams cost a syscall, a packet header and a kernel
+/// buffer per 1.4 KiB.
 /// Two limits shape the numbers:
 /// - a long-header (handshake) packet encodes its length in a 2-byte varint, so it must stay under 16384
 ///   bytes; only short-header packets, sent after the handshake, can be larger, hence the discovery step;
@@ -200,9 +201,6 @@ struct Tuning {
 /// by default) and its loopback MTU is 16384, so it keeps the 8000 bytes used before; discovery may still
 /// raise it where the system allows.
 const LOOPBACK_START_MTU: u16 = if cfg!(target_os = "macos") { 8000 } else { 16000 };
-
-/// Largest packet a QUIC long header can describe (its length field is a 2-byte varint).
-const MAX_LONG_HEADER_PACKET: u16 = (1 << 14) - 1;
 
 impl Tuning {
     fn for_link(loopback: bool) -> Self {
@@ -247,10 +245,6 @@ fn make_endpoint(socket: std::net::UdpSocket, idle: Duration, tuning: Tuning) ->
         .receive_window(quinn::VarInt::from_u32(64 << 20))
         .send_window(64 << 20)
         .enable_segmentation_offload(tuning.gso);
-    debug_assert!(
-        tuning.mtu <= MAX_LONG_HEADER_PACKET,
-        "handshake packets cannot exceed 16383 bytes"
-    );
     if tuning.mtu > 0 {
         let discovery = (tuning.mtu_ceiling > tuning.mtu).then(|| {
             let mut d = quinn::MtuDiscoveryConfig::default();
@@ -1365,6 +1359,9 @@ impl Drop for QuicCollective {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Largest packet a QUIC long header can describe (its length field is a 2-byte varint).
+    const MAX_LONG_HEADER_PACKET: u16 = (1 << 14) - 1;
 
     /// The limits in [`Tuning`]'s comment: a handshake packet must fit a long header, and the first
     /// congestion window must hold several of the largest datagrams, or the first flight never leaves.

@@ -71,8 +71,17 @@ impl BindGroupCache {
         }
     }
 
-    /// The bind group of `key`, made by `make` on a miss.
-    pub(super) fn get_or_make(&mut self, key: BindKey, make: impl FnOnce() -> wgpu::BindGroup) -> wgpu::BindGroup {
+    /// The bind group of `key`, made by `make` on a miss; with no key (a window over a temporary buffer,
+    /// which could never hit again) made outside the cache and counted as uncached.
+    pub(super) fn get_or_make(
+        &mut self,
+        key: Option<BindKey>,
+        make: impl FnOnce() -> wgpu::BindGroup,
+    ) -> wgpu::BindGroup {
+        let Some(key) = key else {
+            self.stats.uncached += 1;
+            return make();
+        };
         if let Some(group) = self.groups.get(&key) {
             self.stats.hits += 1;
             return group.clone();
@@ -85,11 +94,6 @@ impl BindGroupCache {
         let group = make();
         self.groups.insert(key, group.clone());
         group
-    }
-
-    /// Counts a bind group made outside the cache.
-    pub(super) fn count_uncached(&mut self) {
-        self.stats.uncached += 1;
     }
 
     /// Drops every entry binding `buffer`, which is being freed: its entries could never hit again (ids are

@@ -363,20 +363,37 @@ fn ceil_div(a: usize, b: usize) -> usize {
 /// The cache key of a bind group of the layout with `bindings` storage bindings over `wins`; `None` when a
 /// window is over a temporary buffer (new every call, so an entry for it could never hit again).
 fn bind_key(bindings: u32, wins: &[Win]) -> Option<BindKey> {
-    let windows = wins
-        .iter()
-        .map(|w| {
-            Some(WindowKey {
-                buffer: w.id?,
-                start: w.start,
-                size: w.size,
-            })
-        })
-        .collect::<Option<Vec<_>>>()?;
+    let windows = wins.iter().map(window_key).collect::<Option<Vec<_>>>()?;
     Some(BindKey {
         layout: bindings,
         windows,
     })
+}
+
+/// The cache identity of a window; `None` for one over a temporary buffer.
+fn window_key(w: &Win) -> Option<WindowKey> {
+    Some(WindowKey {
+        buffer: w.id?,
+        start: w.start,
+        size: w.size,
+    })
+}
+
+/// Records one dispatch of `pipeline` in its own compute pass.
+fn record_dispatch(
+    encoder: &mut wgpu::CommandEncoder,
+    pipeline: &wgpu::ComputePipeline,
+    bind_group: &wgpu::BindGroup,
+    uniform_offset: u32,
+    groups: (u32, u32),
+) {
+    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        label: None,
+        timestamp_writes: None,
+    });
+    pass.set_pipeline(pipeline);
+    pass.set_bind_group(0, bind_group, &[uniform_offset]);
+    pass.dispatch_workgroups(groups.0, groups.1, 1);
 }
 
 impl WgpuBackend {
@@ -632,15 +649,13 @@ impl WgpuBackend {
         let encoder = self
             .encoder
             .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: None,
-                timestamp_writes: None,
-            });
-            pass.set_pipeline(&self.kernels[kernel].pipeline);
-            pass.set_bind_group(0, &bind_group, &[uniform_offset]);
-            pass.dispatch_workgroups(groups.0, groups.1, 1);
-        }
+        record_dispatch(
+            encoder,
+            &self.kernels[kernel].pipeline,
+            &bind_group,
+            uniform_offset,
+            groups,
+        );
         self.finish_dispatch(wins);
     }
 
@@ -689,41 +704,26 @@ impl WgpuBackend {
             .encoder
             .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
         let tm = self.tex_matmul.as_mut().expect("checked above");
-        let ta = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::A, &sa);
-        let tb = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::B, &sb);
+        let (ta, view_a) = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::A, &sa);
+        let (tb, view_b) = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::B, &sb);
         let tm = self.tex_matmul.as_ref().expect("checked above");
-        let make = || {
+        let key = tex_matmul::TexMatmul::key(window_key(wc), ta, tb, window_key(wbias));
+        let bind_group = self.bind_groups.get_or_make(key, || {
             tm.bind_group(
                 device,
                 &self.uniforms,
                 (&wc.buffer, wc.start, wc.size),
-                ta,
-                tb,
+                &view_a,
+                &view_b,
                 (&wbias.buffer, wbias.start, wbias.size),
             )
-        };
-        let key = tex_matmul::TexMatmul::key((wc.id, wc.start, wc.size), ta, tb, (wbias.id, wbias.start, wbias.size));
-        let bind_group = match key {
-            Some(key) => self.bind_groups.get_or_make(key, make),
-            None => {
-                self.bind_groups.count_uncached();
-                make()
-            }
-        };
+        });
         let groups = (
             ceil_div(g.n, tex_matmul::TILE_N) as u32,
             ceil_div(g.m, tex_matmul::TILE_M) as u32,
         );
-        {
-            let encoder = self.encoder.as_mut().expect("created above");
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: None,
-                timestamp_writes: None,
-            });
-            pass.set_pipeline(&tm.pipeline);
-            pass.set_bind_group(0, &bind_group, &[uniform_offset]);
-            pass.dispatch_workgroups(groups.0, groups.1, 1);
-        }
+        let encoder = self.encoder.as_mut().expect("created above");
+        record_dispatch(encoder, &tm.pipeline, &bind_group, uniform_offset, groups);
         self.tex_matmul_dispatches += 1;
         self.finish_dispatch(std::slice::from_ref(wc));
         true
@@ -738,13 +738,7 @@ impl WgpuBackend {
     fn bind_group(&mut self, kernel: &str, wins: &[Win]) -> wgpu::BindGroup {
         let kernel = &self.kernels[kernel];
         let make = || make_bind_group(&self.ctx.device, &kernel.layout, &self.uniforms, wins);
-        match bind_key(kernel.bindings, wins) {
-            Some(key) => self.bind_groups.get_or_make(key, make),
-            None => {
-                self.bind_groups.count_uncached();
-                make()
-            }
-        }
+        self.bind_groups.get_or_make(bind_key(kernel.bindings, wins), make)
     }
 
     /// Bind groups made so far: cache hits, cached misses, and uncached ones (temporary buffers).

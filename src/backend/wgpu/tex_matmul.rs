@@ -109,7 +109,8 @@ impl TexMatmul {
             && s.rows as u64 <= self.max_dim as u64
     }
 
-    /// Records the copy of `s` into the pooled texture for (`op`, its shape) and returns the texture's id.
+    /// Records the copy of `s` into the pooled texture for (`op`, its shape) and returns the texture's id
+    /// and view.
     pub fn fill(
         &mut self,
         device: &wgpu::Device,
@@ -117,7 +118,7 @@ impl TexMatmul {
         encoder: &mut wgpu::CommandEncoder,
         op: Operand,
         s: &Source,
-    ) -> BufferId {
+    ) -> (BufferId, wgpu::TextureView) {
         let (w, h) = ((s.cols / 4) as u32, s.rows as u32);
         let extent = wgpu::Extent3d {
             width: w,
@@ -159,24 +160,12 @@ impl TexMatmul {
             },
             extent,
         );
-        pooled.id
+        (pooled.id, pooled.view.clone())
     }
 
-    /// Cache key of a bind group over C, the two textures and the bias window (`None` for a temporary
-    /// C or bias buffer).
-    pub fn key(
-        c: (Option<BufferId>, u64, u64),
-        a: BufferId,
-        b: BufferId,
-        bias: (Option<BufferId>, u64, u64),
-    ) -> Option<BindKey> {
-        let win = |(id, start, size): (Option<BufferId>, u64, u64)| {
-            Some(WindowKey {
-                buffer: id?,
-                start,
-                size,
-            })
-        };
+    /// Cache key of a bind group over the C window, the textures of ids `a` and `b` and the bias window
+    /// (`None` when C or bias is over a temporary buffer).
+    pub fn key(c: Option<WindowKey>, a: BufferId, b: BufferId, bias: Option<WindowKey>) -> Option<BindKey> {
         let whole = |id| WindowKey {
             buffer: id,
             start: 0,
@@ -184,28 +173,20 @@ impl TexMatmul {
         };
         Some(BindKey {
             layout: KEY_LAYOUT,
-            windows: vec![win(c)?, whole(a), whole(b), win(bias)?],
+            windows: vec![c?, whole(a), whole(b), bias?],
         })
     }
 
-    /// A bind group over `c` and `bias` (buffer, start, size) and the textures of ids `a` and `b`.
+    /// A bind group over `c` and `bias` (buffer, start, size) and the texture views `a` and `b`.
     pub fn bind_group(
         &self,
         device: &wgpu::Device,
         uniforms: &UniformRing,
         c: (&wgpu::Buffer, u64, u64),
-        a: BufferId,
-        b: BufferId,
+        a: &wgpu::TextureView,
+        b: &wgpu::TextureView,
         bias: (&wgpu::Buffer, u64, u64),
     ) -> wgpu::BindGroup {
-        let view = |id: BufferId| {
-            &self
-                .textures
-                .values()
-                .find(|t| t.id == id)
-                .expect("a texture this call filled")
-                .view
-        };
         fn buffer<'a>((buffer, offset, size): (&'a wgpu::Buffer, u64, u64)) -> wgpu::BindingResource<'a> {
             wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                 buffer,
@@ -227,11 +208,11 @@ impl TexMatmul {
                 },
                 wgpu::BindGroupEntry {
                     binding: 2,
-                    resource: wgpu::BindingResource::TextureView(view(a)),
+                    resource: wgpu::BindingResource::TextureView(a),
                 },
                 wgpu::BindGroupEntry {
                     binding: 3,
-                    resource: wgpu::BindingResource::TextureView(view(b)),
+                    resource: wgpu::BindingResource::TextureView(b),
                 },
                 wgpu::BindGroupEntry {
                     binding: 4,
