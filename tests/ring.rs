@@ -69,6 +69,37 @@ fn all_reduce_exact_and_identical_all_sizes() {
 }
 
 #[test]
+fn all_reduce_from_split_byte_pieces_is_exact_and_identical() {
+    // The form QUIC delivers: each f32 payload in little-endian pieces that cut values apart.
+    for world in 1..=8 {
+        let mut o = opts(world as u64 + 100, 5);
+        o.faults.split_seed = Some(world as u64);
+        let results = run_cluster(world, o, |c| {
+            let mut out = Vec::new();
+            for &len in &LENS {
+                let mut sum = input(c.rank(), len);
+                c.all_reduce_sum(&mut sum).unwrap();
+                let mut bcast = input(c.rank(), len);
+                c.broadcast(&mut bcast, c.world() - 1).unwrap();
+                out.push((sum, bcast));
+            }
+            out
+        });
+        for (li, &len) in LENS.iter().enumerate() {
+            let want = exact_sum(world, len);
+            for (r, res) in results.iter().enumerate() {
+                assert_eq!(res[li].0, want, "world {world} len {len} rank {r}");
+                assert_eq!(
+                    res[li].1,
+                    input(world - 1, len),
+                    "broadcast, world {world} len {len} rank {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn bits_independent_of_schedule_and_sub_chunk() {
     // Non-integer data: the fixed reduction order must give the same bits for any seed, delay or sub-chunk.
     let data = |r: usize, len: usize| -> Vec<f32> {
@@ -81,6 +112,8 @@ fn bits_independent_of_schedule_and_sub_chunk() {
     for (seed, sub, delay) in [(1u64, 7usize, 0u64), (2, 64, 50), (3, 1000, 0), (4, 3, 20)] {
         let mut o = opts(seed, sub);
         o.faults.delay = Some(Duration::from_micros(delay));
+        // Half of the runs receive their payloads as split byte pieces, as over QUIC.
+        o.faults.split_seed = (seed % 2 == 0).then_some(seed);
         let res = run_cluster(5, o, |c| {
             let mut b = data(c.rank(), len);
             c.all_reduce_mean(&mut b).unwrap();

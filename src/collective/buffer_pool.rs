@@ -1,17 +1,18 @@
 //! Recycled f32 message buffers for the QUIC data path.
 //!
 //! Every ring message is a sub-chunk of at most `sub_chunk` f32 values (256 KiB by default). Allocating a
-//! fresh buffer for each received message costs a zero-fill and, for allocations this large, fresh pages
+//! fresh buffer for each reduced message costs a zero-fill and, for allocations this large, fresh pages
 //! (page faults) every time; the profile of a 64 MiB all-reduce showed both. Instead, a payload handed to
-//! quinn returns its storage to the pool when quinn drops it (once the data is acknowledged), and the
-//! reader takes its next receive buffer from there. A recycled buffer is overwritten in full by the read,
-//! so it needs no zeroing.
+//! quinn returns its storage to the pool when quinn drops it (once the data is acknowledged), and the ring
+//! engine takes the buffer it writes the next received partial sum into from there (received payloads
+//! carry the pool, see `le_pieces.rs`). A recycled buffer is overwritten in full by the sum, so it needs
+//! no zeroing.
 //!
 //! The pool holds at most `max_bytes` of idle buffers; beyond that, returned buffers are freed.
 
 use std::sync::{Arc, Mutex};
 
-/// Idle f32 buffers, shared by a rank's reader task and its sending side.
+/// Idle f32 buffers, shared by a rank's ring engine and its sending side.
 pub struct BufferPool {
     idle: Mutex<Idle>,
     max_bytes: usize,

@@ -191,6 +191,7 @@ pub fn decode_frame(b: &[u8], max_payload: usize) -> Result<(Header, &[u8]), Fra
 pub fn encode_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Vec<u8> {
     let (kind, len) = match &msg.payload {
         Payload::F32(v) => (Kind::F32, v.len() * 4),
+        Payload::F32Le(p) => (Kind::F32, p.len_bytes()),
         Payload::Bytes(v) => (Kind::Bytes, v.len()),
     };
     let h = Header {
@@ -213,6 +214,7 @@ pub fn encode_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Vec<u8> {
                 d.copy_from_slice(&x.to_le_bytes());
             }
         }
+        Payload::F32Le(p) => p.pieces.iter().for_each(|b| out.extend_from_slice(b)),
         Payload::Bytes(v) => out.extend_from_slice(v),
     }
     out

@@ -9,7 +9,9 @@
 //! - `slow_rank`: that rank sleeps before handling each message;
 //! - `die_after`: that rank "dies" after sending the given number of messages (counted over its lifetime):
 //!   its call fails and every other rank fails with [`CollectiveError::PeerDead`] naming it, within the
-//!   deadline, never hanging.
+//!   deadline, never hanging;
+//! - `split_seed`: every f32 payload is delivered as little-endian byte pieces cut at seeded offsets,
+//!   the form in which the QUIC transport hands received data to the engines (values split across pieces).
 //!
 //! Dropping a [`MemCollective`] between collectives is a clean exit; dropping it during one (a panicking
 //! thread) counts as death.
@@ -22,7 +24,8 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::ring::{Engine, Msg};
+use super::le_pieces::LePieces;
+use super::ring::{Engine, Msg, Payload};
 use super::{Collective, CollectiveError, Result};
 
 /// Fault injection for the in-memory transport. `Default` injects nothing.
@@ -33,6 +36,7 @@ pub struct Faults {
     pub slow_rank: Option<(usize, Duration)>,
     /// `(rank, n)`: `rank` dies after sending `n` messages.
     pub die_after: Option<(usize, usize)>,
+    pub split_seed: Option<u64>,
 }
 
 /// Options for [`mem_cluster`].
@@ -80,6 +84,7 @@ pub struct MemCollective {
     pending: Vec<Envelope>,
     shared: Arc<Shared>,
     rng: Option<ChaCha8Rng>,
+    split_rng: Option<ChaCha8Rng>,
     seq: u64,
     sent: usize,
     in_collective: bool,
@@ -108,6 +113,10 @@ pub fn mem_cluster(world: usize, opts: MemOptions) -> Vec<MemCollective> {
                 .faults
                 .reorder_seed
                 .map(|s| ChaCha8Rng::seed_from_u64(s ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))),
+            split_rng: opts
+                .faults
+                .split_seed
+                .map(|s| ChaCha8Rng::seed_from_u64(s ^ (r as u64).wrapping_mul(0x51_7CC1_B727_220A))),
             opts: opts.clone(),
             seq: 0,
             sent: 0,
@@ -144,7 +153,28 @@ impl MemCollective {
         Ok(())
     }
 
+    /// With `split_seed`, an f32 payload as byte pieces of 0 to 40 bytes (mostly cutting values apart).
+    fn maybe_split(&mut self, mut msg: Msg) -> Msg {
+        let Some(rng) = &mut self.split_rng else { return msg };
+        let values = match &msg.payload {
+            Payload::F32(v) => v.clone(),
+            Payload::F32Le(p) => p.to_f32(),
+            Payload::Bytes(_) => return msg,
+        };
+        let bytes = bytes::Bytes::from(values.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        while at < bytes.len() {
+            let end = (at + rng.gen_range(0..=40)).min(bytes.len());
+            pieces.push(bytes.slice(at..end));
+            at = end;
+        }
+        msg.payload = Payload::F32Le(LePieces { pieces, pool: None });
+        msg
+    }
+
     fn send(&mut self, msg: Msg) -> Result<()> {
+        let msg = self.maybe_split(msg);
         if let Some((r, n)) = self.opts.faults.die_after {
             if r == self.rank && self.sent >= n {
                 self.die();

@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod buffer_pool;
 pub mod frame;
+pub mod le_pieces;
 pub mod mem;
 pub mod quic;
 pub mod ring;

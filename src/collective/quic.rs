@@ -41,6 +41,7 @@ use tokio::time::Instant;
 
 use super::buffer_pool::{BufferPool, PooledLeF32};
 use super::frame::{self, FrameError, Header, Kind, SequenceGuard, HEADER_LEN, PROTOCOL_VERSION};
+use super::le_pieces::LePieces;
 use super::ring::Engine;
 use super::{Collective, CollectiveError, Result};
 use crate::dist::{Control, Hello};
@@ -228,10 +229,11 @@ impl Tuning {
 
 fn make_endpoint(socket: std::net::UdpSocket, idle: Duration, tuning: Tuning) -> std::result::Result<Endpoint, String> {
     // AES-128-GCM only: QUIC's mandatory suite, with 10 AES rounds instead of AES-256's 14 (packet
-    // protection was 12-15% of a large all-reduce's CPU time in the profiles in BENCHMARKS.md).
+    // protection was 12-20% of a large all-reduce's CPU time in the profiles in BENCHMARKS.md). aws-lc-rs
+    // rather than ring: its AVX-512 AES-GCM took about 30% less of the profile than ring's AVX2 code.
     let provider = Arc::new(rustls::crypto::CryptoProvider {
-        cipher_suites: vec![rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256],
-        ..rustls::crypto::ring::default_provider()
+        cipher_suites: vec![rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_128_GCM_SHA256],
+        ..rustls::crypto::aws_lc_rs::default_provider()
     });
     let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| e.to_string())?;
     let cert_der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
@@ -347,13 +349,19 @@ async fn read_frame(recv: &mut RecvStream, max_payload: usize) -> std::result::R
     Ok((h, payload))
 }
 
-/// The chunks of one data frame: the header, then the payload as its own buffer (no copy for f32; its
-/// storage returns to `pool` once quinn is done with it).
-fn data_frame_chunks(job: u64, step: u64, seq: u64, m: super::ring::Msg, pool: &Arc<BufferPool>) -> [bytes::Bytes; 2] {
+/// The chunks of one data frame: the header, then the payload as its own buffer or buffers (no copy for
+/// f32; an owned buffer's storage returns to `pool` once quinn is done with it).
+fn data_frame_chunks(job: u64, step: u64, seq: u64, m: super::ring::Msg, pool: &Arc<BufferPool>) -> Vec<bytes::Bytes> {
+    use super::ring::Payload;
     let (kind, payload) = match m.payload {
-        super::ring::Payload::F32(v) => (Kind::F32, bytes::Bytes::from_owner(PooledLeF32::new(v, pool.clone()))),
-        super::ring::Payload::Bytes(v) => (Kind::Bytes, bytes::Bytes::from(v)),
+        Payload::F32(v) => (
+            Kind::F32,
+            vec![bytes::Bytes::from_owner(PooledLeF32::new(v, pool.clone()))],
+        ),
+        Payload::F32Le(p) => (Kind::F32, p.pieces),
+        Payload::Bytes(v) => (Kind::Bytes, vec![bytes::Bytes::from(v)]),
     };
+    let len: usize = payload.iter().map(|b| b.len()).sum();
     let h = Header {
         kind,
         job,
@@ -362,19 +370,19 @@ fn data_frame_chunks(job: u64, step: u64, seq: u64, m: super::ring::Msg, pool: &
         phase: m.phase,
         chunk: m.chunk,
         sub: m.sub,
-        len: u32::try_from(payload.len()).expect("payload fits in u32"),
+        len: u32::try_from(len).expect("payload fits in u32"),
     };
     let mut hb = Vec::with_capacity(HEADER_LEN);
     h.encode(&mut hb);
-    [bytes::Bytes::from(hb), payload]
+    let mut chunks = Vec::with_capacity(1 + payload.len());
+    chunks.push(bytes::Bytes::from(hb));
+    chunks.extend(payload);
+    chunks
 }
 
-/// Reads one data frame; a well-formed f32 payload is read straight into f32 storage taken from `pool`.
-async fn read_data_frame(
-    recv: &mut RecvStream,
-    max_payload: usize,
-    pool: &BufferPool,
-) -> std::result::Result<LinkEvent, ReadFail> {
+/// Reads one data frame. A well-formed f32 payload is taken as the stream's own received pieces (no copy:
+/// the engine sums or stores straight from them, see `le_pieces.rs`).
+async fn read_data_frame(recv: &mut RecvStream, max_payload: usize) -> std::result::Result<LinkEvent, ReadFail> {
     let mut hb = [0u8; HEADER_LEN];
     recv.read_exact(&mut hb)
         .await
@@ -383,16 +391,18 @@ async fn read_data_frame(
     // `h.len` is bounded by `max_payload` here.
     let len = h.len as usize;
     if h.kind == Kind::F32 && len % 4 == 0 {
-        let mut v = pool.take(len / 4);
-        recv.read_exact(bytemuck::cast_slice_mut(&mut v))
-            .await
-            .map_err(|e| ReadFail::Closed(closed_reason(&e)))?;
-        if cfg!(target_endian = "big") {
-            for x in v.iter_mut() {
-                *x = f32::from_bits(u32::from_le(x.to_bits()));
-            }
+        let mut pieces = Vec::new();
+        let mut left = len;
+        while left > 0 {
+            let chunk = recv
+                .read_chunk(left, true)
+                .await
+                .map_err(|e| ReadFail::Closed(closed_reason(&quinn::ReadExactError::ReadError(e))))?;
+            let chunk = chunk.ok_or_else(|| ReadFail::Closed("stream finished".into()))?;
+            left -= chunk.bytes.len();
+            pieces.push(chunk.bytes);
         }
-        return Ok(LinkEvent::F32(h, v));
+        return Ok(LinkEvent::F32Le(h, pieces));
     }
     let mut payload = vec![0u8; len];
     recv.read_exact(&mut payload)
@@ -586,8 +596,8 @@ impl Shared {
 
 enum LinkEvent {
     Frame(Header, Vec<u8>),
-    /// A data frame of kind F32 whose payload is already decoded (length checked against the header).
-    F32(Header, Vec<f32>),
+    /// A data frame of kind F32: its payload as received, `h.len` bytes in all (a multiple of 4).
+    F32Le(Header, Vec<bytes::Bytes>),
     Closed(String),
     Bad(FrameError),
 }
@@ -775,8 +785,7 @@ impl QuicCollective {
                         return Err(local(format!("rank {rank}: injected crash after {k} messages")));
                     }
                 }
-                let [hdr, payload] = data_frame_chunks(self.cfg.job_id, self.step, seq, m, &self.shared.pool);
-                let mut chunks = vec![hdr, payload];
+                let mut chunks = data_frame_chunks(self.cfg.job_id, self.step, seq, m, &self.shared.pool);
                 if self.cfg.duplicate_msg == Some(self.sent_msgs) {
                     chunks.extend_from_within(..);
                 }
@@ -824,13 +833,13 @@ impl QuicCollective {
                     let msg = frame::decode_msg(&h, &payload).map_err(|e| proto(e.to_string()))?;
                     engine.handle(msg).map_err(|e| proto(e.to_string()))?;
                 }
-                LinkEvent::F32(h, v) => {
+                LinkEvent::F32Le(h, pieces) => {
                     let proto = |msg: String| CollectiveError::Protocol { rank: left_rank, msg };
                     self.guard.check(&h).map_err(|e| proto(e.to_string()))?;
-                    if v.len() * 4 > engine.max_payload_bytes() {
+                    if h.len as usize > engine.max_payload_bytes() {
                         return Err(proto(format!(
                             "payload of {} bytes exceeds the {} expected",
-                            v.len() * 4,
+                            h.len,
                             engine.max_payload_bytes()
                         )));
                     }
@@ -838,7 +847,10 @@ impl QuicCollective {
                         phase: h.phase,
                         chunk: h.chunk,
                         sub: h.sub,
-                        payload: super::ring::Payload::F32(v),
+                        payload: super::ring::Payload::F32Le(LePieces {
+                            pieces,
+                            pool: Some(self.shared.pool.clone()),
+                        }),
                     };
                     engine.handle(msg).map_err(|e| proto(e.to_string()))?;
                 }
@@ -1235,10 +1247,9 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
             keep.push(send);
             let (tx, rx) = mpsc::unbounded_channel();
             let max = (cfg.sub_chunk * 4).max(MAX_GATHER_BLOB);
-            let pool = shared.pool.clone();
             tokio::spawn(async move {
                 loop {
-                    match read_data_frame(&mut recv, max, &pool).await {
+                    match read_data_frame(&mut recv, max).await {
                         Ok(ev) => {
                             if tx.send(ev).is_err() {
                                 break;

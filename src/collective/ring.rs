@@ -32,6 +32,7 @@
 //! `r-1-p`; in all-gather phase `q` it sends chunk `r-q`. A sub-chunk moves to the next phase as soon as
 //! it has arrived, independently of the other sub-chunks.
 
+use super::le_pieces::LePieces;
 use std::fmt;
 
 /// Default sub-chunk size in f32 elements (256 KiB per message).
@@ -73,6 +74,8 @@ pub enum RingOp {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Payload {
     F32(Vec<f32>),
+    /// f32 values as a transport received them (see [`LePieces`]); engines take them like `F32`.
+    F32Le(LePieces),
     Bytes(Vec<u8>),
 }
 
@@ -80,7 +83,55 @@ impl Payload {
     pub fn len_bytes(&self) -> usize {
         match self {
             Payload::F32(v) => v.len() * 4,
+            Payload::F32Le(p) => p.len_bytes(),
             Payload::Bytes(v) => v.len(),
+        }
+    }
+}
+
+/// A received f32 payload, owned or in pieces.
+enum Incoming {
+    Owned(Vec<f32>),
+    Pieces(LePieces),
+}
+
+impl Incoming {
+    fn len(&self) -> usize {
+        match self {
+            Incoming::Owned(v) => v.len(),
+            Incoming::Pieces(p) => p.len_bytes() / 4,
+        }
+    }
+
+    /// `dst = values`.
+    fn store_into(&self, dst: &mut [f32]) {
+        match self {
+            Incoming::Owned(v) => dst.copy_from_slice(v),
+            Incoming::Pieces(p) => p.store_into(dst),
+        }
+    }
+
+    /// `values + own`, in the received allocation when there is one.
+    fn plus(self, own: &[f32]) -> Vec<f32> {
+        match self {
+            Incoming::Owned(mut v) => {
+                for (s, d) in v.iter_mut().zip(own) {
+                    *s += *d;
+                }
+                v
+            }
+            Incoming::Pieces(p) => {
+                let mut out = p.scratch(own.len());
+                p.sum_into(own, &mut out);
+                out
+            }
+        }
+    }
+
+    fn into_payload(self) -> Payload {
+        match self {
+            Incoming::Owned(v) => Payload::F32(v),
+            Incoming::Pieces(p) => Payload::F32Le(p),
         }
     }
 }
@@ -259,16 +310,21 @@ impl<'a> RingEngine<'a> {
         self.queue_owned(phase, sub, data);
     }
 
-    /// Queues sub-chunk `sub` of this phase's send chunk with `data` as its payload. Forwarding reuses the
-    /// allocation a message arrived in, so the steady state of a ring allocates nothing per message.
+    /// Queues sub-chunk `sub` of this phase's send chunk with `data` as its payload.
     fn queue_owned(&mut self, phase: usize, sub: usize, data: Vec<f32>) {
+        self.queue_payload(phase, sub, Payload::F32(data));
+    }
+
+    /// Queues sub-chunk `sub` of this phase's send chunk. Forwarding reuses what a message arrived in (its
+    /// allocation, or its received pieces), so the steady state of a ring allocates nothing per message.
+    fn queue_payload(&mut self, phase: usize, sub: usize, payload: Payload) {
         let c = self.send_chunk(phase);
-        debug_assert_eq!(data.len(), self.sub_range(c, sub).len());
+        debug_assert_eq!(payload.len_bytes(), 4 * self.sub_range(c, sub).len());
         self.outbox.push_back(Msg {
             phase: phase as u32,
             chunk: c as u32,
             sub: sub as u32,
-            payload: Payload::F32(data),
+            payload,
         });
     }
 
@@ -327,15 +383,17 @@ impl Engine for RingEngine<'_> {
         if sub >= self.seen[phase].len() {
             return Err(bad(format!("chunk has {} sub-chunks", self.seen[phase].len())));
         }
-        let mut data = match msg.payload {
-            Payload::F32(d) => d,
+        let incoming = match msg.payload {
+            Payload::F32(d) => Incoming::Owned(d),
+            Payload::F32Le(p) if p.len_bytes() % 4 == 0 => Incoming::Pieces(p),
+            Payload::F32Le(p) => return Err(bad(format!("{} bytes is not a whole number of f32", p.len_bytes()))),
             Payload::Bytes(_) => return Err(bad("byte payload in an f32 collective".into())),
         };
         let range = self.sub_range(chunk, sub);
-        if data.len() != range.len() {
+        if incoming.len() != range.len() {
             return Err(bad(format!(
                 "payload has {} elements, expected {}",
-                data.len(),
+                incoming.len(),
                 range.len()
             )));
         }
@@ -352,39 +410,44 @@ impl Engine for RingEngine<'_> {
         let n = self.world;
         let is_ag = self.is_ag_phase(phase);
         let mean = self.reduce_mode() == Some(Reduce::Mean);
+        let next = phase + 1;
+        let forward = next < self.num_phases();
         let dst = &mut self.buf[range];
         if let RingOp::Broadcast { root } = self.op {
-            dst.copy_from_slice(&data);
+            incoming.store_into(dst);
             if (self.rank + 1) % n != root {
-                self.queue_owned(0, sub, data);
+                self.queue_payload(0, sub, incoming.into_payload());
             }
             return Ok(());
         }
-        // In reduce-scatter phase N-2 the received chunk is this rank's own: the sum completes here.
-        let last_rs = !is_ag && phase == n - 2;
-        if !is_ag {
-            // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution, summed in
-            // place in the received allocation, which then travels on. IEEE addition is commutative, so
-            // `partial + own` and `own + partial` give the same bits.
-            for (s, d) in data.iter_mut().zip(dst.iter()) {
-                *s += *d;
+        if is_ag {
+            // Gathered bytes are the owner's finished sum: stored, and passed on as received.
+            incoming.store_into(dst);
+            if forward {
+                debug_assert_eq!(self.send_chunk(next), chunk);
+                self.queue_payload(next, sub, incoming.into_payload());
             }
-            if last_rs && mean {
-                // chunk == rank: the sum is complete here; one division by N, on the owner only.
-                let k = n as f32;
-                for s in data.iter_mut() {
-                    *s /= k;
-                }
+            return Ok(());
+        }
+        // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution. IEEE addition
+        // is commutative, so `partial + own` and `own + partial` give the same bits.
+        let mut data = incoming.plus(dst);
+        // In reduce-scatter phase N-2 the received chunk is this rank's own: the sum completes here.
+        let last_rs = phase == n - 2;
+        if last_rs && mean {
+            // chunk == rank: the sum is complete here; one division by N, on the owner only.
+            let k = n as f32;
+            for s in data.iter_mut() {
+                *s /= k;
             }
         }
         // In an all-reduce, a partial sum that is not final is overwritten by the all-gather later, so only
-        // the finished sum and gathered chunks are stored; a reduce-scatter keeps its partials (documented).
-        let partial_overwritten_later = matches!(self.op, RingOp::AllReduce(_)) && !is_ag && !last_rs;
+        // the finished sum is stored; a reduce-scatter keeps its partials (documented).
+        let partial_overwritten_later = matches!(self.op, RingOp::AllReduce(_)) && !last_rs;
         if !partial_overwritten_later {
             dst.copy_from_slice(&data);
         }
-        let next = phase + 1;
-        if next < self.num_phases() {
+        if forward {
             // The chunk we send in phase p+1 is the one we just received in phase p; the payload is what
             // this rank computed for it.
             debug_assert_eq!(self.send_chunk(next), chunk);
@@ -476,7 +539,7 @@ impl Engine for GatherEngine {
         }
         let data = match msg.payload {
             Payload::Bytes(d) => d,
-            Payload::F32(_) => return Err(bad("f32 payload in a byte gather".into())),
+            Payload::F32(_) | Payload::F32Le(_) => return Err(bad("f32 payload in a byte gather".into())),
         };
         if data.len() != self.blob_len {
             return Err(bad(format!(
