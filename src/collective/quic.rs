@@ -194,6 +194,9 @@ struct Tuning {
     gso: bool,
     /// Requested UDP socket buffer sizes (the kernel caps them at rmem_max / wmem_max).
     sock_buf: usize,
+    /// Size the flow-control windows from the receive buffer the kernel granted ([`flow_window_for`])
+    /// instead of the fixed 16 MiB stream / 64 MiB connection windows.
+    window_from_socket: bool,
     /// Tokio worker threads per rank.
     workers: usize,
 }
@@ -212,6 +215,7 @@ impl Tuning {
                 initial_window: 1 << 20,
                 gso: false,
                 sock_buf: 4 << 20,
+                window_from_socket: true,
                 workers: 2,
             }
         } else {
@@ -221,10 +225,24 @@ impl Tuning {
                 initial_window: 0,
                 gso: true,
                 sock_buf: 4 << 20,
+                window_from_socket: false,
                 workers: 2,
             }
         }
     }
+}
+
+/// Flow-control window (per stream and per connection) for a link whose receive socket buffer is reported
+/// as `reported_rcvbuf` bytes. A sender may have a whole window in flight; when that exceeds what the
+/// receiving socket can queue while its rank is off the CPU, the kernel drops datagrams (1-1.4% of them in
+/// a 64 MiB all-reduce here, with the 16 MiB window and 4 MiB buffers; far more with Linux's default 208 KiB
+/// `rmem_max`), and every drop costs a retransmission and a congestion-window cut. The kernel charges each
+/// queued datagram's full buffer size (payload plus a few percent of bookkeeping) against the limit it
+/// reports (on Linux twice the size asked for), so three quarters of the reported size leaves room for the
+/// bookkeeping and for the acknowledgements of the other direction. On loopback the round trip is tens of
+/// microseconds, so even the smallest window here keeps the link busy (measured in BENCHMARKS.md).
+fn flow_window_for(reported_rcvbuf: usize) -> u32 {
+    (reported_rcvbuf / 4 * 3).clamp(64 << 10, 16 << 20) as u32
 }
 
 fn make_endpoint(socket: std::net::UdpSocket, idle: Duration, tuning: Tuning) -> std::result::Result<Endpoint, String> {
@@ -239,12 +257,25 @@ fn make_endpoint(socket: std::net::UdpSocket, idle: Duration, tuning: Tuning) ->
     let cert_der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
     let key_der = rustls::pki_types::PrivateKeyDer::Pkcs8(cert.key_pair.serialize_der().into());
 
+    let mut granted_rcvbuf = None;
+    if tuning.sock_buf > 0 {
+        if let Ok(state) = quinn::udp::UdpSocketState::new((&socket).into()) {
+            let _ = state.set_recv_buffer_size((&socket).into(), tuning.sock_buf);
+            let _ = state.set_send_buffer_size((&socket).into(), tuning.sock_buf);
+            granted_rcvbuf = state.recv_buffer_size((&socket).into()).ok();
+        }
+    }
+    let (stream_window, conn_window) = match granted_rcvbuf {
+        // One data stream per link: the connection window only needs to cover it.
+        Some(b) if tuning.window_from_socket => (flow_window_for(b), flow_window_for(b)),
+        _ => (16 << 20, 64 << 20),
+    };
     let mut transport = quinn::TransportConfig::default();
     transport
         .max_idle_timeout(Some(quinn::IdleTimeout::try_from(idle).map_err(|e| e.to_string())?))
         .keep_alive_interval(Some(idle / 3))
-        .stream_receive_window(quinn::VarInt::from_u32(16 << 20))
-        .receive_window(quinn::VarInt::from_u32(64 << 20))
+        .stream_receive_window(quinn::VarInt::from_u32(stream_window))
+        .receive_window(quinn::VarInt::from_u32(conn_window))
         .send_window(64 << 20)
         .enable_segmentation_offload(tuning.gso);
     if tuning.mtu > 0 {
@@ -264,12 +295,6 @@ fn make_endpoint(socket: std::net::UdpSocket, idle: Duration, tuning: Tuning) ->
         transport.congestion_controller_factory(Arc::new(cubic));
     }
     let transport = Arc::new(transport);
-    if tuning.sock_buf > 0 {
-        if let Ok(state) = quinn::udp::UdpSocketState::new((&socket).into()) {
-            let _ = state.set_recv_buffer_size((&socket).into(), tuning.sock_buf);
-            let _ = state.set_send_buffer_size((&socket).into(), tuning.sock_buf);
-        }
-    }
     let mut ep_cfg = quinn::EndpointConfig::default();
     if tuning.mtu > 0 {
         // What this endpoint accepts, announced to the peer: the discovery ceiling bounds its datagrams.
@@ -1376,6 +1401,17 @@ mod tests {
 
     /// The limits in [`Tuning`]'s comment: a handshake packet must fit a long header, and the first
     /// congestion window must hold several of the largest datagrams, or the first flight never leaves.
+    #[test]
+    fn flow_window_fits_the_granted_receive_buffer() {
+        // Linux's default rmem_max (208 KiB) and the 4 MiB the loopback tuning asks for, both reported doubled.
+        assert_eq!(flow_window_for(2 * 212_992), 319_488);
+        assert_eq!(flow_window_for(2 * (4 << 20)), 6 << 20);
+        // Never below a couple of the largest datagrams, never above the fixed window of other links.
+        let largest = Tuning::for_link(true).mtu_ceiling as u32;
+        assert!(flow_window_for(0) >= 2 * largest);
+        assert_eq!(flow_window_for(usize::MAX), 16 << 20);
+    }
+
     #[test]
     fn loopback_tuning_respects_quic_packet_limits() {
         for loopback in [true, false] {
