@@ -62,13 +62,15 @@ pub struct AdapterReport {
     pub max_storage_buffers_per_shader_stage: u32,
     pub max_compute_workgroup_storage_size: u32,
     pub max_compute_invocations_per_workgroup: u32,
+    /// Smallest and largest subgroup size, when the adapter offers subgroup operations.
+    pub subgroup_sizes: Option<(u32, u32)>,
     /// `None` when the adapter can run ringtrain's kernels, else why not.
     pub unsupported: Option<String>,
 }
 
 impl std::fmt::Display for AdapterReport {
     /// One line: `#0 NAME (Vulkan, DiscreteGpu, driver ...): max buffer 2048 MiB, max binding 128 MiB`, plus
-    /// `, software` and `, unusable: REASON` where they apply.
+    /// `, subgroups of 8-8`, `, software` and `, unusable: REASON` where they apply.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mib = |b: u64| b >> 20;
         write!(
@@ -82,6 +84,9 @@ impl std::fmt::Display for AdapterReport {
             mib(self.max_buffer_size),
             mib(self.max_storage_buffer_binding_size)
         )?;
+        if let Some((lo, hi)) = self.subgroup_sizes {
+            write!(f, ", subgroups of {lo}-{hi}")?;
+        }
         if self.is_software {
             write!(f, ", software")?;
         }
@@ -171,6 +176,10 @@ fn report(index: usize, adapter: &wgpu::Adapter) -> AdapterReport {
         max_storage_buffers_per_shader_stage: limits.max_storage_buffers_per_shader_stage,
         max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
         max_compute_invocations_per_workgroup: limits.max_compute_invocations_per_workgroup,
+        subgroup_sizes: adapter
+            .features()
+            .contains(wgpu::Features::SUBGROUP)
+            .then_some((info.subgroup_min_size, info.subgroup_max_size)),
         unsupported: unsupported_reason(adapter),
     }
 }
@@ -231,7 +240,7 @@ impl Context {
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("ringtrain"),
-            required_features: wgpu::Features::empty(),
+            required_features: adapter.features() & wgpu::Features::SUBGROUP,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,

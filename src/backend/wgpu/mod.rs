@@ -20,10 +20,11 @@
 //!   per-invocation scalar access and barriers are costly, while staying plain WGSL for GPUs: the matmuls keep
 //!   a large register block per invocation and read A and B straight from storage (no workgroup memory, no
 //!   barriers); row-major operands with 4-aligned offsets, strides, `n` and `k` take the `vec4` kernel
-//!   (`matmul4.wgsl`), everything else the strided one. On software adapters the `vec4` case, when both
-//!   operands' rows are a multiple of 256 bytes apart, first copies A and B into rgba32f textures and runs
-//!   `matmul4t.wgsl`, which reads them with texel fetches: llvmpipe gathers those as vectors but loops over
-//!   the lanes for storage loads (`tex_matmul.rs`). Element-wise residual/add/scale/fill/copy run on
+//!   (`matmul4.wgsl`), everything else the strided one. On software adapters with 8-lane subgroups the
+//!   `vec4` case, when both operands' rows are a multiple of 256 bytes apart, first copies A and B into
+//!   rgba32f textures and runs `matmul4t.wgsl`, which reads them with texel fetches (one load per lane,
+//!   where storage loads cost llvmpipe a branchy loop over the lanes) and shares each row of A across a
+//!   subgroup with a broadcast (`tex_matmul.rs`). Element-wise residual/add/scale/fill/copy run on
 //!   `vec4` bindings when every view starts at a multiple of 4 elements (`residual4.wgsl`), the last `len % 4`
 //!   elements on the scalar kernels.
 //! - **Memory.** An allocation is one storage buffer, or, past the adapter's `max_buffer_size` (capped at
@@ -451,7 +452,8 @@ impl WgpuBackend {
                 );
             }
         }
-        let tex_matmul = ctx.report.is_software.then(|| {
+        let eight_lanes = Some((tex_matmul::SUBGROUP_SIZE, tex_matmul::SUBGROUP_SIZE));
+        let tex_matmul = (ctx.report.is_software && ctx.report.subgroup_sizes == eight_lanes).then(|| {
             let source = format!("{COMMON}\n{}", include_str!("../../../shaders/matmul4t.wgsl"));
             tex_matmul::TexMatmul::new(device, &source, ctx.limits.max_texture_dimension_2d)
         });
@@ -732,6 +734,17 @@ impl WgpuBackend {
     /// Dispatches of the texture-fed matmul so far.
     pub fn tex_matmul_dispatches(&self) -> u64 {
         self.tex_matmul_dispatches
+    }
+
+    /// Whether `vec4` matmuls may take the texture-fed kernel on this adapter.
+    pub fn has_tex_matmul(&self) -> bool {
+        self.tex_matmul.is_some()
+    }
+
+    /// Drops the texture-fed kernel, so that tests can compare it with the storage-buffer one.
+    #[cfg(test)]
+    pub(crate) fn without_tex_matmul(&mut self) {
+        self.tex_matmul = None;
     }
 
     /// The bind group of `kernel` over `wins`: from the cache, unless a window is over a temporary buffer.

@@ -148,32 +148,47 @@ fn vec4_kernels_match_cpu() {
     check_elementwise(&mut be);
 }
 
-/// On a software adapter, forward matmuls whose operands can be copied into textures take the texture-fed
-/// kernel, match the CPU and give the same bits when repeated; elsewhere that kernel does not exist.
+/// On a software adapter with 8-lane subgroups, forward matmuls whose operands can be copied into textures
+/// take the texture-fed kernel, match the CPU, repeat bit for bit and give the storage-buffer kernel's
+/// bits; elsewhere that kernel does not exist. The shapes leave partial tiles, and fewer rows than a
+/// subgroup has lanes.
 #[test]
 fn texture_matmul_runs_on_software_adapters() {
     let Some(mut be) = wgpu_or_skip(None) else { return };
-    let (n, c, oc) = (200, 128, 320);
-    let s = MatmulShape {
-        n,
-        c,
-        oc,
-        layout: WeightLayout::InOut,
-    };
-    let lens = [n * oc, n * c, c * oc, oc];
-    let fwd = |be: &mut dyn Backend, v: &[View]| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), s);
-    let before = be.tex_matmul_dispatches();
-    let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 1, &fwd);
-    let got = run(&mut be, &lens, 0, 1, &fwd);
-    let again = run(&mut be, &lens, 0, 1, &fwd);
-    let used = be.tex_matmul_dispatches() - before;
-    if be.adapter().is_software {
-        assert_eq!(used, 2, "both forward matmuls took the texture-fed kernel");
-    } else {
-        assert_eq!(used, 0, "hardware adapters keep the storage-buffer kernel");
+    let report = be.adapter().clone();
+    let textured = report.is_software && report.subgroup_sizes == Some((8, 8));
+    assert_eq!(be.has_tex_matmul(), textured, "{report}");
+    let mut results = Vec::new();
+    for (n, c, oc) in [(200, 128, 320), (5, 64, 128)] {
+        let s = MatmulShape {
+            n,
+            c,
+            oc,
+            layout: WeightLayout::InOut,
+        };
+        let lens = [n * oc, n * c, c * oc, oc];
+        let fwd = move |be: &mut dyn Backend, v: &[View]| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), s);
+        let before = be.tex_matmul_dispatches();
+        let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 1, &fwd);
+        let got = run(&mut be, &lens, 0, 1, &fwd);
+        let again = run(&mut be, &lens, 0, 1, &fwd);
+        let used = be.tex_matmul_dispatches() - before;
+        assert_eq!(used, if textured { 2 } else { 0 }, "texture-fed dispatches, {report}");
+        assert_close("texture matmul", &got, &want, 1e-5 * (c as f32).sqrt(), 1e-5);
+        assert_eq!(got, again, "run to run, the same bits");
+        results.push((lens, fwd, got));
     }
-    assert_close("texture matmul", &got, &want, 1e-5 * (c as f32).sqrt(), 1e-5);
-    assert_eq!(got, again, "run to run, the same bits");
+    // Both kernels sum each output's k terms in the same order: the same bits.
+    be.without_tex_matmul();
+    for (lens, fwd, got) in results {
+        let storage = run(&mut be, &lens, 0, 1, &fwd);
+        let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got),
+            bits(&storage),
+            "texture-fed and storage-buffer kernels differ"
+        );
+    }
 }
 
 /// 256 KiB segments: the larger views straddle two buffers and go through gathered windows.

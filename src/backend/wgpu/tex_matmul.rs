@@ -1,18 +1,23 @@
-//! The texture-fed vec4 matmul (`shaders/matmul4t.wgsl`), used on software adapters only.
+//! The texture-fed vec4 matmul (`shaders/matmul4t.wgsl`), used on software adapters with 8-lane
+//! subgroups only.
 //!
 //! llvmpipe compiles a storage-buffer load whose address differs between invocations into a loop over the
-//! SIMD lanes with a branch and a scalar access per lane, but a texel fetch into a vector gather, so on
-//! lavapipe a matmul that reads A and B from textures runs about 1.5x faster (bench/wgpu/RESULTS.md). Each
-//! call copies the operands into pooled rgba32f textures first (O(m·k + k·n) against the O(m·k·n) product).
-//! Hardware adapters keep the storage-buffer kernel: there the copies would only cost.
+//! SIMD lanes with a branch and a scalar access per lane, and a texel fetch into one load per lane, so on
+//! lavapipe a matmul that reads A and B from textures runs faster; the lanes of a subgroup, which share
+//! their rows of A, fetch 8 rows at once and broadcast them (bench/wgpu/RESULTS.md has the measurements).
+//! Each call copies the operands into pooled rgba32f textures first (O(m·k + k·n) against the O(m·k·n)
+//! product). Hardware adapters keep the storage-buffer kernel: there the copies would only cost.
 
 use super::binding::{storage_entry, uniform_ring_entry, BindKey, BufferId, BufferIds, UniformRing, WindowKey};
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 
+/// Subgroup size the kernel is written for (its broadcasts name lanes 0..8).
+pub(super) const SUBGROUP_SIZE: u32 = 8;
+
 /// Output tile of one workgroup (TM / TN in matmul4t.wgsl).
-pub(super) const TILE_M: usize = 128;
-pub(super) const TILE_N: usize = 128;
+pub(super) const TILE_M: usize = 256;
+pub(super) const TILE_N: usize = 64;
 
 /// `layout` of the bind-group cache keys of this kernel; the storage-only layouts use their binding count
 /// (at most a handful), so keys can never collide.
