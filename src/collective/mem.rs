@@ -36,6 +36,7 @@ pub struct Faults {
     pub slow_rank: Option<(usize, Duration)>,
     /// `(rank, n)`: `rank` dies after sending `n` messages.
     pub die_after: Option<(usize, usize)>,
+    /// Seed of the cuts when f32 payloads are delivered as byte pieces (the QUIC reader's form).
     pub split_seed: Option<u64>,
 }
 

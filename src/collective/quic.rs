@@ -234,9 +234,9 @@ impl Tuning {
 
 /// Flow-control window (per stream and per connection) for a link whose receive socket buffer is reported
 /// as `reported_rcvbuf` bytes. A sender may have a whole window in flight; when that exceeds what the
-/// receiving socket can queue while its rank is off the CPU, the kernel drops datagrams (1-1.4% of them in
-/// a 64 MiB all-reduce here, with the 16 MiB window and 4 MiB buffers; far more with Linux's default 208 KiB
-/// `rmem_max`), and every drop costs a retransmission and a congestion-window cut. The kernel charges each
+/// receiving socket can queue while its rank is off the CPU, the kernel drops datagrams (1-2% of them in
+/// a 64 MiB all-reduce here with the 16 MiB window and 4 MiB buffers, 7-9% with Linux's default 208 KiB
+/// `rmem_max`; BENCHMARKS.md), and every drop costs a retransmission and a congestion-window cut. The kernel charges each
 /// queued datagram's full buffer size (payload plus a few percent of bookkeeping) against the limit it
 /// reports (on Linux twice the size asked for), so three quarters of the reported size leaves room for the
 /// bookkeeping and for the acknowledgements of the other direction. On loopback the round trip is tens of
@@ -405,6 +405,10 @@ fn data_frame_chunks(job: u64, step: u64, seq: u64, m: super::ring::Msg, pool: &
     chunks
 }
 
+/// Received stream data shorter than this is copied rather than kept as a slice of its datagram (a quarter
+/// of the largest loopback datagram, so retained memory stays within 4x of the payload).
+const MIN_ZERO_COPY_PIECE: usize = 8 << 10;
+
 /// Reads one data frame. A well-formed f32 payload is taken as the stream's own received pieces (no copy:
 /// the engine sums or stores straight from them, see `le_pieces.rs`).
 async fn read_data_frame(recv: &mut RecvStream, max_payload: usize) -> std::result::Result<LinkEvent, ReadFail> {
@@ -417,6 +421,9 @@ async fn read_data_frame(recv: &mut RecvStream, max_payload: usize) -> std::resu
     let len = h.len as usize;
     if h.kind == Kind::F32 && len % 4 == 0 {
         let mut pieces = Vec::new();
+        // Small pieces are copied together: each piece keeps its whole datagram alive, so a peer sending
+        // a few bytes per packet could otherwise pin up to 32 KB per byte sent (at most 4x here).
+        let mut small = bytes::BytesMut::new();
         let mut left = len;
         while left > 0 {
             let chunk = recv
@@ -425,7 +432,17 @@ async fn read_data_frame(recv: &mut RecvStream, max_payload: usize) -> std::resu
                 .map_err(|e| ReadFail::Closed(closed_reason(&quinn::ReadExactError::ReadError(e))))?;
             let chunk = chunk.ok_or_else(|| ReadFail::Closed("stream finished".into()))?;
             left -= chunk.bytes.len();
-            pieces.push(chunk.bytes);
+            if chunk.bytes.len() < MIN_ZERO_COPY_PIECE {
+                small.extend_from_slice(&chunk.bytes);
+            } else {
+                if !small.is_empty() {
+                    pieces.push(small.split().freeze());
+                }
+                pieces.push(chunk.bytes);
+            }
+        }
+        if !small.is_empty() {
+            pieces.push(small.freeze());
         }
         return Ok(LinkEvent::F32Le(h, pieces));
     }

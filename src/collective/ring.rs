@@ -316,7 +316,7 @@ impl<'a> RingEngine<'a> {
     }
 
     /// Queues sub-chunk `sub` of this phase's send chunk. Forwarding reuses what a message arrived in (its
-    /// allocation, or its received pieces), so the steady state of a ring allocates nothing per message.
+    /// allocation, or its received pieces), so no payload is copied or allocated again for it.
     fn queue_payload(&mut self, phase: usize, sub: usize, payload: Payload) {
         let c = self.send_chunk(phase);
         debug_assert_eq!(payload.len_bytes(), 4 * self.sub_range(c, sub).len());
@@ -761,5 +761,38 @@ mod tests {
             payload: Payload::F32(vec![1.0, 1.0]),
         };
         assert!(e.handle(wrong_phase).is_err());
+        // Byte pieces (as QUIC delivers them): a count that is not whole f32 values, and a wrong total.
+        let ragged = LePieces {
+            pieces: vec![
+                bytes::Bytes::from_static(&[0, 0, 128]),
+                bytes::Bytes::from_static(&[63]),
+            ],
+            pool: None,
+        };
+        let mut ragged_short = ragged.clone();
+        ragged_short.pieces[1] = bytes::Bytes::new();
+        let short_msg = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 1,
+            payload: Payload::F32Le(ragged_short),
+        };
+        assert!(e.handle(short_msg).is_err(), "3 bytes are not an f32");
+        let mut two = ragged.clone();
+        two.pieces.push(bytes::Bytes::from_static(&[0, 0, 0, 0]));
+        let too_long = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 1,
+            payload: Payload::F32Le(two),
+        };
+        assert!(e.handle(too_long).is_err(), "sub 1 holds one value, not two");
+        let right = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 1,
+            payload: Payload::F32Le(ragged),
+        };
+        e.handle(right).unwrap();
     }
 }

@@ -343,7 +343,7 @@ pub struct WgpuBackend {
     /// The embedding backward's token index (`[rows | starts | positions]`, u32), grown on demand and
     /// rewritten by each call, so its bind groups are cached like any other.
     embed_index: Option<EmbedIndex>,
-    /// The texture-fed matmul, on software adapters only (see `tex_matmul.rs`).
+    /// The texture-fed matmul, on software adapters with 8-lane subgroups only (see `tex_matmul.rs`).
     tex_matmul: Option<tex_matmul::TexMatmul>,
     /// Dispatches of the texture-fed matmul so far (tests check which kernel ran).
     tex_matmul_dispatches: u64,
@@ -679,8 +679,9 @@ impl WgpuBackend {
         }
     }
 
-    /// The vec4 matmul with A and B copied into textures, when this backend has it (software adapters) and
-    /// both operands can be copied (`TexMatmul::fits`). Returns false, recording nothing, otherwise.
+    /// The vec4 matmul with A and B copied into textures, when this backend has it (software adapters with
+    /// 8-lane subgroups) and both operands can be copied (`TexMatmul::fits`). Returns false, recording
+    /// nothing, otherwise.
     fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params) -> bool {
         let [wc, wa, wb, wbias] = wins;
         let Some(tm) = &self.tex_matmul else {
