@@ -364,3 +364,30 @@ fn duplicated_frame_is_a_protocol_error() {
         assert!(e.to_string().contains("duplicate"), "{e}");
     }
 }
+
+/// A phase's worth of frames far beyond what the reader queues and the flow-control window admits: each
+/// rank must keep taking its left neighbour's frames while its own writes wait, or the ring stalls (both
+/// ranks blocked writing, neither reading).
+#[test]
+fn all_reduce_larger_than_reader_queue_and_window() {
+    let world = 2;
+    let len = 5 << 20; // 20 MiB per rank: a 10 MiB chunk per phase, over the 6 MiB window a 4 MiB buffer gives
+    let (sock0, master) = master_socket();
+    let cfgs = (0..world)
+        .map(|r| {
+            let mut c = cfg(r, world, master);
+            c.sub_chunk = 4096; // 16 KiB frames: 640 per phase against a queue of 32
+            c
+        })
+        .collect();
+    let res = run_ranks(cfgs, sock0, |c| {
+        let mut b = input(c.rank(), len);
+        c.all_reduce_sum(&mut b).unwrap();
+        b
+    });
+    let (a, b) = (input(0, len), input(1, len));
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    for r in res {
+        assert!(r.unwrap() == want, "sum differs");
+    }
+}

@@ -409,6 +409,12 @@ fn data_frame_chunks(job: u64, step: u64, seq: u64, m: super::ring::Msg, pool: &
 /// of the largest loopback datagram, so retained memory stays within 4x of the payload).
 const MIN_ZERO_COPY_PIECE: usize = 8 << 10;
 
+/// Data frames the left link's reader holds for the engine. Past that it stops reading, and QUIC flow
+/// control holds the sender back, so a rank buffers at most this many sub-chunks (retained at most 4x, see
+/// `MIN_ZERO_COPY_PIECE`) whatever its neighbour sends. The ring cannot deadlock on it: `drive` keeps
+/// taking frames while its own writes wait.
+const MAX_QUEUED_FRAMES: usize = 32;
+
 /// Reads one data frame. A well-formed f32 payload is taken as the stream's own received pieces (no copy:
 /// the engine sums or stores straight from them, see `le_pieces.rs`).
 async fn read_data_frame(recv: &mut RecvStream, max_payload: usize) -> std::result::Result<LinkEvent, ReadFail> {
@@ -644,6 +650,55 @@ enum LinkEvent {
     Bad(FrameError),
 }
 
+/// Why a link event ended the collective.
+enum EventError {
+    /// A protocol violation or a local failure: the collective fails with it.
+    Fatal(CollectiveError),
+    /// The left link broke, for this reason; who is to blame is still to be found out.
+    LinkLost(String),
+}
+
+/// Feeds one event of the left link (`None`: its reader stopped) to `engine`, after checking the frame's
+/// tags and size.
+fn apply_event(
+    ev: Option<LinkEvent>,
+    engine: &mut dyn Engine,
+    guard: &mut SequenceGuard,
+    pool: &Arc<BufferPool>,
+    left_rank: usize,
+) -> std::result::Result<(), EventError> {
+    let proto = |msg: String| EventError::Fatal(CollectiveError::Protocol { rank: left_rank, msg });
+    let too_big = |len: usize, max: usize| proto(format!("payload of {len} bytes exceeds the {max} expected"));
+    match ev.unwrap_or(LinkEvent::Closed("reader stopped".into())) {
+        LinkEvent::Frame(h, payload) => {
+            guard.check(&h).map_err(|e| proto(e.to_string()))?;
+            if payload.len() > engine.max_payload_bytes() {
+                return Err(too_big(payload.len(), engine.max_payload_bytes()));
+            }
+            let msg = frame::decode_msg(&h, &payload).map_err(|e| proto(e.to_string()))?;
+            engine.handle(msg).map_err(|e| proto(e.to_string()))
+        }
+        LinkEvent::F32Le(h, pieces) => {
+            guard.check(&h).map_err(|e| proto(e.to_string()))?;
+            if h.len as usize > engine.max_payload_bytes() {
+                return Err(too_big(h.len as usize, engine.max_payload_bytes()));
+            }
+            let msg = super::ring::Msg {
+                phase: h.phase,
+                chunk: h.chunk,
+                sub: h.sub,
+                payload: super::ring::Payload::F32Le(LePieces {
+                    pieces,
+                    pool: Some(pool.clone()),
+                }),
+            };
+            engine.handle(msg).map_err(|e| proto(e.to_string()))
+        }
+        LinkEvent::Bad(e) => Err(proto(e.to_string())),
+        LinkEvent::Closed(reason) => Err(EventError::LinkLost(reason)),
+    }
+}
+
 /// One control stream from rank 0 to a joined rank.
 struct ClientSlot {
     send: Mutex<SendStream>,
@@ -669,7 +724,7 @@ pub struct QuicCollective {
     shared: Arc<Shared>,
     poison_rx: watch::Receiver<Option<CollectiveError>>,
     right: Option<(Connection, SendStream)>,
-    left: Option<(Connection, mpsc::UnboundedReceiver<LinkEvent>)>,
+    left: Option<(Connection, mpsc::Receiver<LinkEvent>)>,
     control: ControlPlane,
     guard: SequenceGuard,
     seq: u64,
@@ -832,16 +887,36 @@ impl QuicCollective {
                     chunks.extend_from_within(..);
                 }
                 self.sent_msgs += 1;
-                let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
-                let written = tokio::select! {
-                    r = send.write_all_chunks(&mut chunks) => r.map_err(|e| e.to_string()),
-                    _ = tokio::time::sleep_until(deadline) =>
-                        return Err(CollectiveError::Timeout { seq, waiting_on: right_rank, secs }),
-                    _ = poison_rx.changed() => Err("control plane reported a failure".to_string()),
+                // While the write waits for flow-control credit, keep taking what the left neighbour sends:
+                // it may itself be waiting on us, and the reader's queue is bounded.
+                let lost = {
+                    let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
+                    let (_, rx) = self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?;
+                    let (guard, pool) = (&mut self.guard, &self.shared.pool);
+                    let mut write = std::pin::pin!(send.write_all_chunks(&mut chunks));
+                    loop {
+                        tokio::select! {
+                            r = &mut write => match r {
+                                Ok(()) => break None,
+                                Err(e) => break Some((right_rank, e.to_string())),
+                            },
+                            ev = rx.recv(), if engine.wants_input() => {
+                                match apply_event(ev, engine, guard, pool, left_rank) {
+                                    Ok(()) => {}
+                                    Err(EventError::Fatal(e)) => return Err(e),
+                                    Err(EventError::LinkLost(reason)) => break Some((left_rank, reason)),
+                                }
+                            }
+                            _ = tokio::time::sleep_until(deadline) =>
+                                return Err(CollectiveError::Timeout { seq, waiting_on: right_rank, secs }),
+                            _ = poison_rx.changed() =>
+                                break Some((right_rank, "control plane reported a failure".to_string())),
+                        }
+                    }
                 };
-                if let Err(reason) = written {
+                if let Some((peer, reason)) = lost {
                     let fallback = CollectiveError::PeerDead {
-                        rank: right_rank,
+                        rank: peer,
                         reason: format!("link lost: {reason}"),
                     };
                     return Err(self.blame(fallback, deadline).await);
@@ -852,7 +927,7 @@ impl QuicCollective {
             }
             let (_, rx) = self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?;
             let ev = tokio::select! {
-                ev = rx.recv() => ev.unwrap_or(LinkEvent::Closed("reader stopped".into())),
+                ev = rx.recv() => ev,
                 _ = tokio::time::sleep_until(deadline) =>
                     return Err(CollectiveError::Timeout { seq, waiting_on: left_rank, secs }),
                 r = poison_rx.changed() => {
@@ -861,48 +936,10 @@ impl QuicCollective {
                     continue;
                 }
             };
-            match ev {
-                LinkEvent::Frame(h, payload) => {
-                    let proto = |msg: String| CollectiveError::Protocol { rank: left_rank, msg };
-                    self.guard.check(&h).map_err(|e| proto(e.to_string()))?;
-                    if payload.len() > engine.max_payload_bytes() {
-                        return Err(proto(format!(
-                            "payload of {} bytes exceeds the {} expected",
-                            payload.len(),
-                            engine.max_payload_bytes()
-                        )));
-                    }
-                    let msg = frame::decode_msg(&h, &payload).map_err(|e| proto(e.to_string()))?;
-                    engine.handle(msg).map_err(|e| proto(e.to_string()))?;
-                }
-                LinkEvent::F32Le(h, pieces) => {
-                    let proto = |msg: String| CollectiveError::Protocol { rank: left_rank, msg };
-                    self.guard.check(&h).map_err(|e| proto(e.to_string()))?;
-                    if h.len as usize > engine.max_payload_bytes() {
-                        return Err(proto(format!(
-                            "payload of {} bytes exceeds the {} expected",
-                            h.len,
-                            engine.max_payload_bytes()
-                        )));
-                    }
-                    let msg = super::ring::Msg {
-                        phase: h.phase,
-                        chunk: h.chunk,
-                        sub: h.sub,
-                        payload: super::ring::Payload::F32Le(LePieces {
-                            pieces,
-                            pool: Some(self.shared.pool.clone()),
-                        }),
-                    };
-                    engine.handle(msg).map_err(|e| proto(e.to_string()))?;
-                }
-                LinkEvent::Bad(e) => {
-                    return Err(CollectiveError::Protocol {
-                        rank: left_rank,
-                        msg: e.to_string(),
-                    })
-                }
-                LinkEvent::Closed(reason) => {
+            match apply_event(ev, engine, &mut self.guard, &self.shared.pool, left_rank) {
+                Ok(()) => {}
+                Err(EventError::Fatal(e)) => return Err(e),
+                Err(EventError::LinkLost(reason)) => {
                     let fallback = CollectiveError::PeerDead {
                         rank: left_rank,
                         reason: format!("link lost: {reason}"),
@@ -1000,7 +1037,7 @@ async fn broadcast_control(clients: &[Option<Arc<ClientSlot>>], bytes: &[u8], ex
 struct Setup {
     endpoint: Endpoint,
     right: Option<(Connection, SendStream)>,
-    left: Option<(Connection, mpsc::UnboundedReceiver<LinkEvent>)>,
+    left: Option<(Connection, mpsc::Receiver<LinkEvent>)>,
     control: ControlPlane,
     keep: Vec<SendStream>,
     ring_error: Option<CollectiveError>,
@@ -1287,22 +1324,22 @@ async fn setup(cfg: &QuicConfig, socket: std::net::UdpSocket, shared: Arc<Shared
             right = Some(r?);
             let (conn, send, mut recv) = l?;
             keep.push(send);
-            let (tx, rx) = mpsc::unbounded_channel();
+            let (tx, rx) = mpsc::channel(MAX_QUEUED_FRAMES);
             let max = (cfg.sub_chunk * 4).max(MAX_GATHER_BLOB);
             tokio::spawn(async move {
                 loop {
                     match read_data_frame(&mut recv, max).await {
                         Ok(ev) => {
-                            if tx.send(ev).is_err() {
+                            if tx.send(ev).await.is_err() {
                                 break;
                             }
                         }
                         Err(ReadFail::Closed(s)) => {
-                            let _ = tx.send(LinkEvent::Closed(s));
+                            let _ = tx.send(LinkEvent::Closed(s)).await;
                             break;
                         }
                         Err(ReadFail::Bad(e)) => {
-                            let _ = tx.send(LinkEvent::Bad(e));
+                            let _ = tx.send(LinkEvent::Bad(e)).await;
                             break;
                         }
                     }

@@ -188,6 +188,9 @@ pub trait Engine {
     fn handle(&mut self, msg: Msg) -> Result<(), RingError>;
     /// All expected messages have arrived and every output has been queued.
     fn is_done(&self) -> bool;
+    /// Some expected message has not arrived yet (a transport may feed messages while it is still sending;
+    /// once this is false, what the left neighbour sends next belongs to the next collective).
+    fn wants_input(&self) -> bool;
     /// Largest payload, in bytes, that this engine may receive (for bounding frame decoding).
     fn max_payload_bytes(&self) -> usize;
 }
@@ -460,6 +463,10 @@ impl Engine for RingEngine<'_> {
         self.remaining == 0 && self.outbox.is_empty()
     }
 
+    fn wants_input(&self) -> bool {
+        self.remaining > 0
+    }
+
     fn max_payload_bytes(&self) -> usize {
         let max_chunk = match self.op {
             RingOp::Broadcast { .. } => self.buf.len(),
@@ -570,6 +577,10 @@ impl Engine for GatherEngine {
 
     fn is_done(&self) -> bool {
         self.remaining == 0 && self.outbox.is_empty()
+    }
+
+    fn wants_input(&self) -> bool {
+        self.remaining > 0
     }
 
     fn max_payload_bytes(&self) -> usize {
