@@ -6,27 +6,9 @@
 // tx + 8 q (q < 4), a 128x128 tile per workgroup; k advances 4 at a time (32 vec4 loads per 1024 multiply-adds).
 // Each output still sums its k terms in increasing order.
 
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    c_off: u32,
-    c_rs: u32,
-    a_off: u32,     // vec4s
-    a_rs: u32,      // vec4s
-    a_cs: u32,      // unused (1)
-    b_off: u32,     // vec4s
-    b_rs: u32,      // vec4s
-    b_cs: u32,      // unused (1)
-    bias_off: u32,
-    flags: u32,     // bit 0: accumulate into C; bit 1: add bias
-}
-
-@group(0) @binding(0) var<uniform> P: Params;
-@group(0) @binding(1) var<storage, read_write> C: array<f32>;
+// Params, P, C, bias and store4: matmul4_shared.wgsl.
 @group(0) @binding(2) var<storage, read_write> A: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> B: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read_write> bias: array<f32>;
 
 // Must match MATMUL4_TILE_M / MATMUL4_TILE_N of the backend.
 const TM: u32 = 128u;
@@ -288,17 +270,4 @@ fn matmul4(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     store4(r0 + 120u, 4u * (v0 + 8u), acc15_1);
     store4(r0 + 120u, 4u * (v0 + 16u), acc15_2);
     store4(r0 + 120u, 4u * (v0 + 24u), acc15_3);
-}
-
-// Writes row gm, columns gn0 .. gn0 + 3 of C from acc, adding bias and/or C as the flags say.
-fn store4(gm: u32, gn0: u32, acc: vec4<f32>) {
-    if (gm >= P.m || gn0 >= P.n) { return; }
-    for (var q = 0u; q < 4u; q++) {
-        let gn = gn0 + q;
-        var v = acc[q];
-        if ((P.flags & 2u) != 0u) { v = v + bias[P.bias_off + gn]; }
-        let o = P.c_off + gm * P.c_rs + gn;
-        if ((P.flags & 1u) != 0u) { v = C[o] + v; }
-        C[o] = v;
-    }
 }

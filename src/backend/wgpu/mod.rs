@@ -118,7 +118,10 @@ const FAMILIES: &[Family] = &[
     ),
     (
         "matmul4",
-        include_str!("../../../shaders/matmul4.wgsl"),
+        concat!(
+            include_str!("../../../shaders/matmul4_shared.wgsl"),
+            include_str!("../../../shaders/matmul4.wgsl")
+        ),
         &[("matmul4", 4)],
     ),
     (
@@ -454,7 +457,11 @@ impl WgpuBackend {
         }
         let eight_lanes = Some((tex_matmul::SUBGROUP_SIZE, tex_matmul::SUBGROUP_SIZE));
         let tex_matmul = (ctx.report.is_software && ctx.report.subgroup_sizes == eight_lanes).then(|| {
-            let source = format!("{COMMON}\n{}", include_str!("../../../shaders/matmul4t.wgsl"));
+            let source = format!(
+                "{COMMON}\n{}{}",
+                include_str!("../../../shaders/matmul4_shared.wgsl"),
+                include_str!("../../../shaders/matmul4t.wgsl")
+            );
             tex_matmul::TexMatmul::new(device, &source, ctx.limits.max_texture_dimension_2d)
         });
         if let Some(e) = pollster::block_on(scope.pop()) {
