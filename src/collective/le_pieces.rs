@@ -21,9 +21,8 @@ pub struct LePieces {
 impl LePieces {
     /// `values` as one piece (tests, and transports that hold whole buffers).
     pub fn from_f32(values: &[f32]) -> Self {
-        let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
         LePieces {
-            pieces: vec![Bytes::from(bytes)],
+            pieces: vec![le_bytes(values)],
             pool: None,
         }
     }
@@ -113,6 +112,11 @@ impl PartialEq for LePieces {
     }
 }
 
+/// `values` as little-endian bytes.
+pub fn le_bytes(values: &[f32]) -> Bytes {
+    Bytes::from(values.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+}
+
 /// `dst[i] = f32::from_le_bytes(bytes[4i..4i + 4])`.
 fn decode_le(dst: &mut [f32], bytes: &[u8]) {
     if cfg!(target_endian = "little") {
@@ -138,16 +142,13 @@ mod tests {
 
     /// `values` as little-endian bytes cut at `cuts` (byte offsets, any order, duplicates allowed).
     fn split(values: &[f32], cuts: &[usize]) -> LePieces {
-        let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let bytes = le_bytes(values);
         let mut at: Vec<usize> = cuts.iter().map(|&c| c % (bytes.len() + 1)).collect();
         at.push(0);
         at.push(bytes.len());
         at.sort_unstable();
         LePieces {
-            pieces: at
-                .windows(2)
-                .map(|w| Bytes::copy_from_slice(&bytes[w[0]..w[1]]))
-                .collect(),
+            pieces: at.windows(2).map(|w| bytes.slice(w[0]..w[1])).collect(),
             pool: None,
         }
     }

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::le_pieces::LePieces;
+use super::le_pieces::{le_bytes, LePieces};
 use super::ring::{Engine, Msg, Payload};
 use super::{Collective, CollectiveError, Result};
 
@@ -157,12 +157,11 @@ impl MemCollective {
     /// With `split_seed`, an f32 payload as byte pieces of 0 to 40 bytes (mostly cutting values apart).
     fn maybe_split(&mut self, mut msg: Msg) -> Msg {
         let Some(rng) = &mut self.split_rng else { return msg };
-        let values = match &msg.payload {
-            Payload::F32(v) => v.clone(),
-            Payload::F32Le(p) => p.to_f32(),
+        let bytes = match &msg.payload {
+            Payload::F32(v) => le_bytes(v),
+            Payload::F32Le(p) => le_bytes(&p.to_f32()),
             Payload::Bytes(_) => return msg,
         };
-        let bytes = bytes::Bytes::from(values.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
         let mut pieces = Vec::new();
         let mut at = 0;
         while at < bytes.len() {

@@ -668,21 +668,23 @@ fn apply_event(
     left_rank: usize,
 ) -> std::result::Result<(), EventError> {
     let proto = |msg: String| EventError::Fatal(CollectiveError::Protocol { rank: left_rank, msg });
-    let too_big = |len: usize, max: usize| proto(format!("payload of {len} bytes exceeds the {max} expected"));
+    // Tags first, then the size this engine can take (the reader read `len` bytes for either kind).
+    let mut check = |h: &Header, len: usize| {
+        guard.check(h).map_err(|e| proto(e.to_string()))?;
+        let max = engine.max_payload_bytes();
+        if len > max {
+            return Err(proto(format!("payload of {len} bytes exceeds the {max} expected")));
+        }
+        Ok(())
+    };
     match ev.unwrap_or(LinkEvent::Closed("reader stopped".into())) {
         LinkEvent::Frame(h, payload) => {
-            guard.check(&h).map_err(|e| proto(e.to_string()))?;
-            if payload.len() > engine.max_payload_bytes() {
-                return Err(too_big(payload.len(), engine.max_payload_bytes()));
-            }
+            check(&h, payload.len())?;
             let msg = frame::decode_msg(&h, &payload).map_err(|e| proto(e.to_string()))?;
             engine.handle(msg).map_err(|e| proto(e.to_string()))
         }
         LinkEvent::F32Le(h, pieces) => {
-            guard.check(&h).map_err(|e| proto(e.to_string()))?;
-            if h.len as usize > engine.max_payload_bytes() {
-                return Err(too_big(h.len as usize, engine.max_payload_bytes()));
-            }
+            check(&h, h.len as usize)?;
             let msg = super::ring::Msg {
                 phase: h.phase,
                 chunk: h.chunk,
@@ -915,11 +917,7 @@ impl QuicCollective {
                     }
                 };
                 if let Some((peer, reason)) = lost {
-                    let fallback = CollectiveError::PeerDead {
-                        rank: peer,
-                        reason: format!("link lost: {reason}"),
-                    };
-                    return Err(self.blame(fallback, deadline).await);
+                    return Err(self.blame(peer, &reason, deadline).await);
                 }
             }
             if engine.is_done() {
@@ -939,13 +937,7 @@ impl QuicCollective {
             match apply_event(ev, engine, &mut self.guard, &self.shared.pool, left_rank) {
                 Ok(()) => {}
                 Err(EventError::Fatal(e)) => return Err(e),
-                Err(EventError::LinkLost(reason)) => {
-                    let fallback = CollectiveError::PeerDead {
-                        rank: left_rank,
-                        reason: format!("link lost: {reason}"),
-                    };
-                    return Err(self.blame(fallback, deadline).await);
-                }
+                Err(EventError::LinkLost(reason)) => return Err(self.blame(left_rank, &reason, deadline).await),
             }
         }
     }
@@ -954,7 +946,11 @@ impl QuicCollective {
     /// (the neighbour may just have left after seeing the failure first). If rank 0 itself died, its close
     /// may never arrive and only the keep-alive idle timeout reveals it, so the wait covers that timeout.
     /// Otherwise blame the neighbour.
-    async fn blame(&self, fallback: CollectiveError, deadline: Instant) -> CollectiveError {
+    async fn blame(&self, peer: usize, reason: &str, deadline: Instant) -> CollectiveError {
+        let fallback = CollectiveError::PeerDead {
+            rank: peer,
+            reason: format!("link lost: {reason}"),
+        };
         let wait = Duration::from_millis(1500).max(self.cfg.idle_timeout + Duration::from_millis(500));
         let grace = (Instant::now() + wait).min(deadline);
         let mut poison_rx = self.poison_rx.clone();
