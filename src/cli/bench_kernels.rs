@@ -1,12 +1,13 @@
 //! `ringtrain bench kernels [--backend cpu|wgpu|auto] [--sizes 512,1024] [--iters K]`: matmul GFLOP/s and
-//! elementwise bandwidth of one backend, timed through the Backend trait (ops queued, then `synchronize`),
-//! with a plain Rust loop on the same cores as the elementwise reference. Run it once per backend in the
-//! same session to compare them side by side.
+//! elementwise bandwidth of one backend, timed through the Backend trait (ops queued, then `synchronize`).
+//! The references run in the same process: a plain Rust loop on the same cores for the elementwise op, and,
+//! for a backend other than the CPU one, the CPU backend's matmul, timed in rounds that alternate with the
+//! backend's so that both see the same machine (on a shared machine the CPU figure moves 3x between minutes).
 
 use super::select::{select_backend, BackendKind};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::wgpu::WgpuBackend;
-use crate::backend::{Backend, MatmulShape, WeightLayout};
+use crate::backend::{Backend, MatmulShape, View, WeightLayout};
 use anyhow::{ensure, Result};
 use std::time::Instant;
 
@@ -23,18 +24,40 @@ pub fn run_bench_kernels(backend: &str, sizes: &[usize], iters: usize) -> Result
     let (kind, reason) = select_backend(backend, 0)?;
     println!("# {reason}");
     match kind {
-        BackendKind::Cpu => bench_all(CpuBackend::<f32>::new(), sizes, iters),
-        BackendKind::Wgpu(sel) => bench_all(WgpuBackend::new(sel)?, sizes, iters),
+        BackendKind::Cpu => bench_all(CpuBackend::<f32>::new(), false, sizes, iters),
+        BackendKind::Wgpu(sel) => bench_all(WgpuBackend::new(sel)?, true, sizes, iters),
     }
 }
 
-fn bench_all<B: Backend>(mut be: B, sizes: &[usize], iters: usize) -> Result<()> {
+/// Timed rounds per matmul size when the CPU backend's matmul is measured alongside (alternating).
+const REFERENCE_ROUNDS: usize = 3;
+
+fn bench_all<B: Backend>(mut be: B, with_cpu_reference: bool, sizes: &[usize], iters: usize) -> Result<()> {
     println!("# backend: {}", be.name());
+    let mut cpu = with_cpu_reference.then(CpuBackend::<f32>::new);
     for &s in sizes {
-        let gflops = bench_matmul(&mut be, s, iters)?;
+        let mut subject = MatmulBench::new(&mut be, s)?;
+        let Some(cpu) = cpu.as_mut() else {
+            let gflops = subject.gflops(&mut be, iters)?;
+            println!(
+                "{}",
+                serde_json::json!({"op": "matmul_forward", "m": s, "k": s, "n": s, "backend": be.name(), "gflops": gflops})
+            );
+            continue;
+        };
+        let mut reference = MatmulBench::new(cpu, s)?;
+        let (mut rounds, mut ratios) = (Vec::new(), Vec::new());
+        for _ in 0..REFERENCE_ROUNDS {
+            let (mine, theirs) = (subject.gflops(&mut be, iters)?, reference.gflops(cpu, iters)?);
+            rounds.push(serde_json::json!({"gflops": mine, "cpu_gflops": theirs}));
+            ratios.push(mine / theirs);
+        }
+        let worst = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let best = ratios.iter().copied().fold(0.0, f64::max);
         println!(
             "{}",
-            serde_json::json!({"op": "matmul_forward", "m": s, "k": s, "n": s, "backend": be.name(), "gflops": gflops})
+            serde_json::json!({"op": "matmul_forward", "m": s, "k": s, "n": s, "backend": be.name(),
+                "rounds": rounds, "ratio_to_cpu_min": worst, "ratio_to_cpu_max": best})
         );
     }
     let (backend_gbs, native_gbs) = bench_add(&mut be, iters)?;
@@ -46,29 +69,43 @@ fn bench_all<B: Backend>(mut be: B, sizes: &[usize], iters: usize) -> Result<()>
     Ok(())
 }
 
-/// `[s, s] @ [s, s]` forward matmuls, one warm-up, then `iters` timed: GFLOP/s (2·s³ per matmul).
-fn bench_matmul<B: Backend>(be: &mut B, s: usize, iters: usize) -> Result<f64> {
-    let (a, w, out) = (be.alloc(s * s)?, be.alloc(s * s)?, be.alloc(s * s)?);
-    be.fill(a, 0.5);
-    be.fill(w, 0.25);
-    let shape = MatmulShape {
-        n: s,
-        c: s,
-        oc: s,
-        layout: WeightLayout::InOut,
-    };
-    be.matmul_forward(out, a, w, None, shape);
-    be.synchronize()?;
-    let started = Instant::now();
-    for _ in 0..iters {
-        be.matmul_forward(out, a, w, None, shape);
-    }
-    be.synchronize()?;
-    let secs = started.elapsed().as_secs_f64();
-    Ok(2.0 * (s as f64).powi(3) * iters as f64 / secs / 1e9)
+/// `[s, s] @ [s, s]` forward matmuls on one backend's buffers, warmed up once when made.
+struct MatmulBench {
+    a: View,   // [s, s]
+    w: View,   // [s, s], InOut
+    out: View, // [s, s]
+    shape: MatmulShape,
 }
 
-/// `dst += src` over 16M elements: bytes moved = 3 × 4 × len per call (read both, write one). Returns the
+impl MatmulBench {
+    fn new<B: Backend>(be: &mut B, s: usize) -> Result<Self> {
+        let (a, w, out) = (be.alloc(s * s)?, be.alloc(s * s)?, be.alloc(s * s)?);
+        be.fill(a, 0.5);
+        be.fill(w, 0.25);
+        let shape = MatmulShape {
+            n: s,
+            c: s,
+            oc: s,
+            layout: WeightLayout::InOut,
+        };
+        be.matmul_forward(out, a, w, None, shape);
+        be.synchronize()?;
+        Ok(MatmulBench { a, w, out, shape })
+    }
+
+    /// `iters` matmuls queued, then synchronized: GFLOP/s (2·s³ per matmul).
+    fn gflops<B: Backend>(&mut self, be: &mut B, iters: usize) -> Result<f64> {
+        let started = Instant::now();
+        for _ in 0..iters {
+            be.matmul_forward(self.out, self.a, self.w, None, self.shape);
+        }
+        be.synchronize()?;
+        let secs = started.elapsed().as_secs_f64();
+        Ok(2.0 * (self.shape.n as f64).powi(3) * iters as f64 / secs / 1e9)
+    }
+}
+
+/// `dst += src` over [`ELEMENTWISE_LEN`] elements: bytes moved = 3 × 4 × len per call (read both, write one). Returns the
 /// backend's GB/s and a native single-pass Rust loop's (rayon over the same cores).
 fn bench_add<B: Backend>(be: &mut B, iters: usize) -> Result<(f64, f64)> {
     use rayon::prelude::*;

@@ -22,8 +22,8 @@
 //!   barriers); row-major operands with 4-aligned offsets, strides, `n` and `k` take the `vec4` kernel
 //!   (`matmul4.wgsl`), everything else the strided one. On software adapters with 8-lane subgroups the
 //!   `vec4` case, when both operands' rows are a multiple of 256 bytes apart, first copies A and B into
-//!   rgba32f textures and runs `matmul4t.wgsl`, which reads them with texel fetches (one load per lane,
-//!   where storage loads cost llvmpipe a branchy loop over the lanes) and shares each row of A across a
+//!   read-only rgba32f storage textures and runs `matmul4t.wgsl`, which reads them with image loads (one
+//!   load per lane, where storage-buffer loads cost llvmpipe a branchy loop over the lanes) and shares each row of A across a
 //!   subgroup with a broadcast (`tex_matmul.rs`). Element-wise residual/add/scale/fill/copy run on
 //!   `vec4` bindings when every view starts at a multiple of 4 elements (`residual4.wgsl`), the last `len % 4`
 //!   elements on the scalar kernels.

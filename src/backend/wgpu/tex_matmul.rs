@@ -2,9 +2,11 @@
 //! subgroups only.
 //!
 //! llvmpipe compiles a storage-buffer load whose address differs between invocations into a loop over the
-//! SIMD lanes with a branch and a scalar access per lane, and a texel fetch into one load per lane, so on
+//! SIMD lanes with a branch and a scalar access per lane, and an image load into one load per lane, so on
 //! lavapipe a matmul that reads A and B from textures runs faster; the lanes of a subgroup, which share
 //! their rows of A, fetch 8 rows at once and broadcast them (bench/wgpu/RESULTS.md has the measurements).
+//! The textures are bound as read-only storage textures: a sampled texture's fetch is addressed per lane
+//! and per mip level by llvmpipe, which cost half the kernel's time; a storage texture has one level.
 //! Each call copies the operands into pooled rgba32f textures first (O(m·k + k·n) against the O(m·k·n)
 //! product). Hardware adapters keep the storage-buffer kernel: there the copies would only cost.
 
@@ -59,10 +61,10 @@ impl TexMatmul {
         let texture = |binding| wgpu::BindGroupLayoutEntry {
             binding,
             visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Texture {
-                sample_type: wgpu::TextureSampleType::Float { filterable: false },
+            ty: wgpu::BindingType::StorageTexture {
+                access: wgpu::StorageTextureAccess::ReadOnly,
+                format: wgpu::TextureFormat::Rgba32Float,
                 view_dimension: wgpu::TextureViewDimension::D2,
-                multisampled: false,
             },
             count: None,
         };
@@ -138,7 +140,7 @@ impl TexMatmul {
                 sample_count: 1,
                 dimension: wgpu::TextureDimension::D2,
                 format: wgpu::TextureFormat::Rgba32Float,
-                usage: wgpu::TextureUsages::TEXTURE_BINDING | wgpu::TextureUsages::COPY_DST,
+                usage: wgpu::TextureUsages::STORAGE_BINDING | wgpu::TextureUsages::COPY_DST,
                 view_formats: &[],
             });
             let view = texture.create_view(&wgpu::TextureViewDescriptor::default());
