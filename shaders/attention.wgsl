@@ -22,6 +22,38 @@ struct Params {
 
 fn hs() -> u32 { return P.c / P.nh; }
 
+// sum over i < hs of dout[x0 + i] * v[b, t2, h, i], added in increasing i. Four terms per loop
+// iteration: llvmpipe stops an invocation's loops after 65535 iterations in all, and a row of the
+// probabilities at T = 1024 with 64-wide heads would need 65 K of them one term at a time.
+fn head_dot_v(x0: u32, b: u32, t2: u32, h: u32) -> f32 {
+    let n = hs();
+    let n4 = n - n % 4u;
+    var dot = 0.0;
+    for (var i = 0u; i < n4; i += 4u) {
+        dot += dout[x0 + i] * qkv_at(b, t2, 2u, h, i);
+        dot += dout[x0 + i + 1u] * qkv_at(b, t2, 2u, h, i + 1u);
+        dot += dout[x0 + i + 2u] * qkv_at(b, t2, 2u, h, i + 2u);
+        dot += dout[x0 + i + 3u] * qkv_at(b, t2, 2u, h, i + 3u);
+    }
+    for (var i = n4; i < n; i++) { dot += dout[x0 + i] * qkv_at(b, t2, 2u, h, i); }
+    return dot;
+}
+
+// sum over i < hs of q[b, tq, h, i] * k[b, t2, h, i], the same way.
+fn head_dot_q(b: u32, tq: u32, t2: u32, h: u32) -> f32 {
+    let n = hs();
+    let n4 = n - n % 4u;
+    var dot = 0.0;
+    for (var i = 0u; i < n4; i += 4u) {
+        dot += qkv_at(b, tq, 0u, h, i) * qkv_at(b, t2, 1u, h, i);
+        dot += qkv_at(b, tq, 0u, h, i + 1u) * qkv_at(b, t2, 1u, h, i + 1u);
+        dot += qkv_at(b, tq, 0u, h, i + 2u) * qkv_at(b, t2, 1u, h, i + 2u);
+        dot += qkv_at(b, tq, 0u, h, i + 3u) * qkv_at(b, t2, 1u, h, i + 3u);
+    }
+    for (var i = n4; i < n; i++) { dot += qkv_at(b, tq, 0u, h, i) * qkv_at(b, t2, 1u, h, i); }
+    return dot;
+}
+
 // Element i of head h of part (0 q, 1 k, 2 v) at position t of sequence b.
 fn qkv_at(b: u32, t: u32, part: u32, h: u32, i: u32) -> f32 {
     return qkv[P.qkv_off + (b * P.t + t) * 3u * P.c + part * P.c + h * hs() + i];
@@ -41,9 +73,7 @@ fn attention_forward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgrou
     let a0 = P.att_off + row * P.t;
     var mx = -3.4028235e38;
     for (var t2 = 0u; t2 <= tq; t2++) {
-        var dot = 0.0;
-        for (var i = 0u; i < n; i++) { dot += qkv_at(b, tq, 0u, h, i) * qkv_at(b, t2, 1u, h, i); }
-        dot = dot / scale;
+        let dot = head_dot_q(b, tq, t2, h) / scale;
         att[a0 + t2] = dot;
         mx = max(mx, dot);
     }
@@ -90,9 +120,7 @@ fn attention_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgro
     let d0 = P.datt_off + row * P.t;
     let o0 = P.dout_off + (b * P.t + tq) * P.c + h * n;
     for (var t2 = 0u; t2 <= tq; t2++) {
-        var dot = 0.0;
-        for (var i = 0u; i < n; i++) { dot += dout[o0 + i] * qkv_at(b, t2, 2u, h, i); }
-        datt[d0 + t2] = dot;
+        datt[d0 + t2] = head_dot_v(o0, b, t2, h);
     }
     var s = 0.0;
     for (var t2 = 0u; t2 <= tq; t2++) { s += att[a0 + t2] * datt[d0 + t2]; }

@@ -69,3 +69,41 @@ fn crossentropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
         logits[x0 + j] = P.dloss * (p - ind);
     }
 }
+
+// ---- One invocation per row, in index order: for software adapters, where the barriers of the tree
+// reductions above cost more than the arithmetic (see the `_rows` kernels of layernorm.wgsl). ----
+
+// logsumexp of row `x0 .. x0 + v` of `logits`, by one invocation.
+fn row_lse_serial(x0: u32) -> f32 {
+    var m = -3.4028235e38;
+    for (var j = 0u; j < P.v; j++) { m = max(m, logits[x0 + j]); }
+    var s = 0.0;
+    for (var j = 0u; j < P.v; j++) { s += exp(logits[x0 + j] - m); }
+    return m + log(s);
+}
+
+@compute @workgroup_size(256)
+fn crossentropy_forward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                             @builtin(local_invocation_index) li: u32) {
+    let row = flat_index(wg, nwg, li);
+    if (row >= P.n) { return; }
+    let x0 = P.logits_off + row * P.v;
+    let tgt = min(targets[P.tgt_off + row], P.v - 1u);
+    out[P.out_off + row] = row_lse_serial(x0) - logits[x0 + tgt];
+}
+
+@compute @workgroup_size(256)
+fn crossentropy_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                              @builtin(local_invocation_index) li: u32) {
+    let row = flat_index(wg, nwg, li);
+    if (row >= P.n) { return; }
+    let x0 = P.logits_off + row * P.v;
+    let lse = row_lse_serial(x0);
+    let tgt = targets[P.tgt_off + row];
+    for (var j = 0u; j < P.v; j++) {
+        let p = exp(logits[x0 + j] - lse);
+        var ind = 0.0;
+        if (j == tgt) { ind = 1.0; }
+        logits[x0 + j] = P.dloss * (p - ind);
+    }
+}

@@ -124,3 +124,77 @@ fn layernorm_backward_params(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_
         bias[P.b_off + i] = bias[P.b_off + i] + red2[li];
     }
 }
+
+// ---- One invocation per row (per column for the parameter gradients), sums in index order. ----
+// For software adapters: on llvmpipe a workgroup barrier switches between all of the workgroup's
+// subgroups, and the tree kernels above pass 9 barriers per reduction, which made a tiny model's layer
+// norm cost more than its matmuls (bench/wgpu/RESULTS.md). These kernels need no workgroup memory and no
+// barrier; a lane owns a whole row, which is what a CPU's SIMD lanes do well.
+
+@compute @workgroup_size(256)
+fn layernorm_forward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                          @builtin(local_invocation_index) li: u32) {
+    let row = flat_index(wg, nwg, li);
+    if (row >= P.n) { return; }
+    let x0 = P.inp_off + row * P.c;
+    let cf = f32(P.c);
+    var s = 0.0;
+    for (var i = 0u; i < P.c; i++) { s += inp[x0 + i]; }
+    let mu = s / cf;
+    var s2 = 0.0;
+    for (var i = 0u; i < P.c; i++) { let d = inp[x0 + i] - mu; s2 += d * d; }
+    let r = 1.0 / sqrt(s2 / cf + 1e-5);
+    let o0 = P.out_off + row * P.c;
+    for (var i = 0u; i < P.c; i++) {
+        out[o0 + i] = (inp[x0 + i] - mu) * r * weight[P.w_off + i] + bias[P.b_off + i];
+    }
+    mean[P.mean_off + row] = mu;
+    rstd[P.rstd_off + row] = r;
+}
+
+@compute @workgroup_size(256)
+fn layernorm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                           @builtin(local_invocation_index) li: u32) {
+    let row = flat_index(wg, nwg, li);
+    if (row >= P.n) { return; }
+    let x0 = P.inp_off + row * P.c;
+    let d0 = P.dout_off + row * P.c;
+    let mu = mean[P.mean_off + row];
+    let r = rstd[P.rstd_off + row];
+    var sa = 0.0;
+    var sb = 0.0;
+    for (var i = 0u; i < P.c; i++) {
+        let norm = (inp[x0 + i] - mu) * r;
+        let dnorm = weight[P.w_off + i] * dout[d0 + i];
+        sa += dnorm;
+        sb += dnorm * norm;
+    }
+    let cf = f32(P.c);
+    let dnorm_mean = sa / cf;
+    let dnorm_norm_mean = sb / cf;
+    let o0 = P.out_off + row * P.c;
+    for (var i = 0u; i < P.c; i++) {
+        let norm = (inp[x0 + i] - mu) * r;
+        let dnorm = weight[P.w_off + i] * dout[d0 + i];
+        out[o0 + i] = out[o0 + i] + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+    }
+}
+
+// dweight[i] += sum over rows of norm * dout, dbias[i] += sum over rows of dout: one invocation per column,
+// rows in order.
+@compute @workgroup_size(256)
+fn layernorm_backward_params_cols(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+                                  @builtin(local_invocation_index) li: u32) {
+    let i = flat_index(wg, nwg, li);
+    if (i >= P.c) { return; }
+    var sw = 0.0;
+    var sb = 0.0;
+    for (var row = 0u; row < P.n; row++) {
+        let norm = (inp[P.inp_off + row * P.c + i] - mean[P.mean_off + row]) * rstd[P.rstd_off + row];
+        let d = dout[P.dout_off + row * P.c + i];
+        sw += norm * d;
+        sb += d;
+    }
+    dweight[P.dw_off + i] = dweight[P.dw_off + i] + sw;
+    bias[P.b_off + i] = bias[P.b_off + i] + sb;
+}

@@ -429,7 +429,7 @@ fn ci() -> bool {
 /// One wgpu backend shared by the tests of this binary (compiling the kernels once).
 fn shared_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
     static BE: OnceLock<Option<Mutex<WgpuBackend>>> = OnceLock::new();
-    open_wgpu(&BE, None)
+    open_wgpu(&BE, |_| {})
 }
 
 /// Segment size of the `wgpu_segmented` backend, in elements (256 KiB buffers).
@@ -439,19 +439,25 @@ const SEGMENT: usize = 65536;
 /// tensor larger than `max_buffer_size` would be.
 fn segmented_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
     static BE: OnceLock<Option<Mutex<WgpuBackend>>> = OnceLock::new();
-    open_wgpu(&BE, Some(SEGMENT as u64 * 4))
+    open_wgpu(&BE, |be| be.set_max_buffer_bytes(SEGMENT as u64 * 4))
+}
+
+/// A wgpu backend whose layer norm and cross-entropy take the kernels this adapter does not use by
+/// default (one workgroup per row with tree reductions, or one invocation per row on software adapters),
+/// so that both are checked on every adapter.
+fn other_reductions_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
+    static BE: OnceLock<Option<Mutex<WgpuBackend>>> = OnceLock::new();
+    open_wgpu(&BE, |be| be.set_row_kernels(!be.row_kernels()))
 }
 
 fn open_wgpu(
     cell: &'static OnceLock<Option<Mutex<WgpuBackend>>>,
-    max_buffer: Option<u64>,
+    configure: fn(&mut WgpuBackend),
 ) -> Option<MutexGuard<'static, WgpuBackend>> {
     let be = cell.get_or_init(|| match WgpuBackend::new(AdapterSelection::any()) {
         Ok(mut be) => {
             eprintln!("wgpu adapter: {}", be.name());
-            if let Some(bytes) = max_buffer {
-                be.set_max_buffer_bytes(bytes);
-            }
+            configure(&mut be);
             Some(Mutex::new(be))
         }
         Err(e) => {
@@ -497,6 +503,25 @@ macro_rules! backend_tests {
             )*
         }
     };
+}
+
+/// The per-row reductions again, with the kernels this adapter does not use by default.
+mod wgpu_other_reductions {
+    #[test]
+    fn layernorm() {
+        let Some(mut be) = super::other_reductions_wgpu() else {
+            return;
+        };
+        super::layernorm(&mut *be);
+    }
+
+    #[test]
+    fn crossentropy() {
+        let Some(mut be) = super::other_reductions_wgpu() else {
+            return;
+        };
+        super::crossentropy(&mut *be);
+    }
 }
 
 backend_tests!(

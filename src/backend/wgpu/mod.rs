@@ -89,6 +89,12 @@ const SUM_BLOCK: usize = 4096;
 
 const COMMON: &str = include_str!("../../../shaders/common.wgsl");
 
+/// llvmpipe (lavapipe) ends a shader invocation's loops once they have run this many iterations in all
+/// (its guard against endless shaders) and silently leaves the rest of the work undone; measured on Mesa
+/// 22.3 with two loops in a row, whose iterations count against one budget. On software adapters, kernels
+/// whose loops would run longer take another kernel, or the op refuses with a message that says so.
+const SOFTWARE_LOOP_BUDGET: usize = 65535;
+
 /// One op family: (name, WGSL source, [(entry point, number of storage bindings)]).
 type Family = (&'static str, &'static str, &'static [(&'static str, u32)]);
 
@@ -109,6 +115,9 @@ const FAMILIES: &[Family] = &[
             ("layernorm_forward", 6),
             ("layernorm_backward", 7),
             ("layernorm_backward_params", 8),
+            ("layernorm_forward_rows", 6),
+            ("layernorm_backward_rows", 7),
+            ("layernorm_backward_params_cols", 8),
         ],
     ),
     (
@@ -165,7 +174,12 @@ const FAMILIES: &[Family] = &[
     (
         "crossentropy",
         include_str!("../../../shaders/crossentropy.wgsl"),
-        &[("crossentropy_forward", 3), ("crossentropy_backward", 3)],
+        &[
+            ("crossentropy_forward", 3),
+            ("crossentropy_backward", 3),
+            ("crossentropy_forward_rows", 3),
+            ("crossentropy_backward_rows", 3),
+        ],
     ),
     ("adamw", include_str!("../../../shaders/adamw.wgsl"), &[("adamw", 4)]),
     (
@@ -350,6 +364,10 @@ pub struct WgpuBackend {
     tex_matmul: Option<tex_matmul::TexMatmul>,
     /// Dispatches of the texture-fed matmul so far (tests check which kernel ran).
     tex_matmul_dispatches: u64,
+    /// Layer norm and cross-entropy take their one-invocation-per-row kernels (`*_rows`, no barriers)
+    /// instead of one workgroup per row with tree reductions: on software adapters, where a barrier
+    /// costs more than the row's arithmetic.
+    row_kernels: bool,
     buffer_ids: BufferIds,
     bind_groups: BindGroupCache,
     /// Parameters of the dispatches recorded since the last submit.
@@ -483,6 +501,7 @@ impl WgpuBackend {
         let seg_elems = (ctx.limits.max_buffer_size.min(MAX_SEGMENT_BYTES) / 4) as usize / 64 * 64;
         let max_binding = ctx.limits.max_storage_buffer_binding_size.min(seg_elems as u64 * 4) / 4 * 4;
         let max_groups = ctx.limits.max_compute_workgroups_per_dimension;
+        let row_kernels = ctx.report.is_software;
         Ok(WgpuBackend {
             ctx,
             kernels,
@@ -495,6 +514,7 @@ impl WgpuBackend {
             embed_index: None,
             tex_matmul,
             tex_matmul_dispatches: 0,
+            row_kernels,
             buffer_ids,
             bind_groups: BindGroupCache::new(MAX_CACHED_BIND_GROUPS),
             uniforms,
@@ -508,6 +528,18 @@ impl WgpuBackend {
     /// The adapter this backend runs on.
     pub fn adapter(&self) -> &AdapterReport {
         &self.ctx.report
+    }
+
+    /// Chooses the one-invocation-per-row kernels of layer norm and cross-entropy (`true`, the default on
+    /// software adapters) or the workgroup-per-row ones (the default elsewhere). Tests run both on one
+    /// adapter.
+    pub fn set_row_kernels(&mut self, on: bool) {
+        self.row_kernels = on;
+    }
+
+    /// Whether layer norm and cross-entropy take the one-invocation-per-row kernels.
+    pub fn row_kernels(&self) -> bool {
+        self.row_kernels
     }
 
     /// Caps the storage binding size used for windows (never above the adapter's limit). Tests use it to
@@ -647,6 +679,39 @@ impl WgpuBackend {
 
     fn grid1d(&self, n: usize) -> (u32, u32) {
         self.grid(ceil_div(n, WG as usize))
+    }
+
+    /// Whether a kernel whose invocations run `iterations` loop iterations each computes everything on this
+    /// adapter ([`SOFTWARE_LOOP_BUDGET`]).
+    fn within_loop_budget(&self, iterations: usize) -> bool {
+        !self.ctx.report.is_software || iterations < SOFTWARE_LOOP_BUDGET
+    }
+
+    /// Panics with an explanation when a kernel's `iterations` per invocation exceed this adapter's loop
+    /// budget, instead of returning partial results.
+    fn require_loop_budget(&self, op: &str, iterations: usize) {
+        assert!(
+            self.within_loop_budget(iterations),
+            "{op} needs {iterations} loop iterations per shader invocation, and {} stops a shader's loops \
+             after {SOFTWARE_LOOP_BUDGET}; use --backend cpu for this shape",
+            self.ctx.report.name
+        );
+    }
+
+    /// Kernel and grid of a reduction over `n` rows (or columns): `serial`, one invocation each running
+    /// `serial_iterations` loop iterations, when [`Self::set_row_kernels`] is on and the loop budget allows
+    /// it, else `tree`, one workgroup per `per_group` of them.
+    fn per_row(
+        &self,
+        (tree, per_group): (&'static str, usize),
+        (serial, serial_iterations): (&'static str, usize),
+        n: usize,
+    ) -> (&'static str, (u32, u32)) {
+        if self.row_kernels && self.within_loop_budget(serial_iterations) {
+            (serial, self.grid1d(n))
+        } else {
+            (tree, self.grid(ceil_div(n, per_group)))
+        }
     }
 
     fn dispatch(&mut self, kernel: &str, wins: &[Win], params: Params, groups: (u32, u32)) {
@@ -1050,6 +1115,8 @@ impl WgpuBackend {
                     .u(1u32)
                     .u(wbias.off)
                     .u(flags);
+                // k / 4 steps, then 4 per store of the block's 64 accumulators.
+                self.require_loop_budget("matmul", g.k / 4 + 256);
                 if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone()) {
                     return;
                 }
@@ -1075,6 +1142,8 @@ impl WgpuBackend {
                 .u(wbias.off)
                 .u(flags);
             let groups = (ceil_div(g.n, MATMUL_TILE_N) as u32, ceil_div(g.m, MATMUL_TILE_M) as u32);
+            // k steps, then 4 per store of the block's 64 accumulators.
+            self.require_loop_budget("matmul", g.k + 256);
             self.dispatch("matmul", &[wc, wa, wb, wbias], p, groups);
             return;
         }
@@ -1405,8 +1474,8 @@ impl Backend for WgpuBackend {
             .u(w[5].off)
             .u(0u32)
             .u(0u32);
-        let groups = self.grid(n);
-        self.dispatch("layernorm_forward", &w, p, groups);
+        let (kernel, groups) = self.per_row(("layernorm_forward", 1), ("layernorm_forward_rows", 3 * c), n);
+        self.dispatch(kernel, &w, p, groups);
     }
 
     fn layernorm_backward(
@@ -1440,10 +1509,14 @@ impl Backend for WgpuBackend {
             .u(w[6].off)
             .u(w[7].off);
         // Both passes read the same parameter block: the input gradient by rows, then dweight/dbias by columns.
-        let groups = self.grid(n);
-        self.dispatch("layernorm_backward", &w[..7], p.clone(), groups);
-        let groups = self.grid(ceil_div(c, 16));
-        self.dispatch("layernorm_backward_params", &w, p, groups);
+        let (kernel, groups) = self.per_row(("layernorm_backward", 1), ("layernorm_backward_rows", 2 * c), n);
+        self.dispatch(kernel, &w[..7], p.clone(), groups);
+        let (kernel, groups) = self.per_row(
+            ("layernorm_backward_params", 16),
+            ("layernorm_backward_params_cols", n),
+            c,
+        );
+        self.dispatch(kernel, &w, p, groups);
     }
 
     fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
@@ -1571,6 +1644,9 @@ impl Backend for WgpuBackend {
         if b == 0 || t == 0 {
             return;
         }
+        // A probability row: t dot products of hs / 4 steps (and hs % 4), then three passes over t.
+        let hs = c / nh;
+        self.require_loop_budget("attention", t * (hs / 4 + hs % 4 + 1) + 3 * t);
         let whole = self.fits(att.offset, att.end()) && self.fits(qkv.offset, qkv.end());
         let per = if whole { b } else { 1 };
         for b0 in (0..b).step_by(per) {
@@ -1605,6 +1681,8 @@ impl Backend for WgpuBackend {
         if b == 0 || t == 0 {
             return;
         }
+        let hs = c / nh;
+        self.require_loop_budget("attention backward", t * (hs / 4 + hs % 4 + 1) + 3 * t);
         let whole = [att, datt, qkv, dqkv].iter().all(|v| self.fits(v.offset, v.end()));
         let per = if whole { b } else { 1 };
         for b0 in (0..b).step_by(per) {
@@ -1663,8 +1741,12 @@ impl Backend for WgpuBackend {
                 self.twin(targets.sub(r0, r1 - r0)),
             );
             let p = Params::default().u(r1 - r0).u(v).u(wl.off).u(wx.off).u(wt.off).f(0.0);
-            let groups = self.grid(r1 - r0);
-            self.dispatch("crossentropy_forward", &[wl, wx, wt], p, groups);
+            let (kernel, groups) = self.per_row(
+                ("crossentropy_forward", 1),
+                ("crossentropy_forward_rows", 2 * v),
+                r1 - r0,
+            );
+            self.dispatch(kernel, &[wl, wx, wt], p, groups);
             r0 = r1;
         }
     }
@@ -1691,9 +1773,13 @@ impl Backend for WgpuBackend {
                 self.twin(targets.sub(r0, r1 - r0)),
             );
             let p = Params::default().u(r1 - r0).u(v).u(0u32).u(wx.off).u(wt.off).f(dloss);
-            let groups = self.grid(r1 - r0);
+            let (kernel, groups) = self.per_row(
+                ("crossentropy_backward", 1),
+                ("crossentropy_backward_rows", 3 * v),
+                r1 - r0,
+            );
             let dummy = self.dummy_win();
-            self.dispatch("crossentropy_backward", &[dummy, wx, wt], p, groups);
+            self.dispatch(kernel, &[dummy, wx, wt], p, groups);
             r0 = r1;
         }
     }

@@ -7,7 +7,7 @@
 
 use super::{AdapterSelection, BindGroupStats, WgpuBackend, MAX_PENDING};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{AdamWStep, Backend, MatmulShape, TokenView, View, WeightLayout};
+use crate::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
 use crate::model::init::init_params;
 use crate::model::{Gpt2, ModelConfig, ParamLayout};
 
@@ -561,5 +561,57 @@ fn tiny_buffer_caps_still_leave_room_for_a_reduction_block() {
             "cap {bytes}: windows of {} elements",
             be.max_window_elems()
         );
+    }
+}
+
+/// GPT-2's own attention shape (T = 1024, 64-wide heads) needs about 20 K loop iterations per invocation,
+/// under the 65535 after which llvmpipe silently stops a shader's loops (one term per iteration needed
+/// 66 K, and the last rows came out wrong); forward and backward match the CPU. On a software adapter a
+/// shape past the budget is refused with a message instead of computed partly.
+#[test]
+fn attention_fits_the_software_loop_budget_at_gpt2_length() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let s = AttentionShape {
+        b: 1,
+        t: 1024,
+        c: 64,
+        nh: 1,
+    };
+    let (b, t, c, nh) = (s.b, s.t, s.c, s.nh);
+    // out, att, qkv | dqkv, datt, dout
+    let lens = [
+        b * t * c,
+        b * nh * t * t,
+        b * t * 3 * c,
+        b * t * 3 * c,
+        b * nh * t * t,
+        b * t * c,
+    ];
+    let op = move |be: &mut dyn Backend, v: &[View]| {
+        be.attention_forward(v[0], v[1], v[2], s);
+        be.attention_backward(v[3], v[4], v[5], v[2], v[1], s);
+    };
+    let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 3, &op);
+    let got = run(&mut be, &lens, 0, 3, &op);
+    assert_close("attention at T = 1024", &got, &want, 2e-5, 1e-4);
+
+    if be.adapter().is_software {
+        let long = AttentionShape {
+            b: 1,
+            t: 4096,
+            c: 64,
+            nh: 1,
+        };
+        let (out, att, qkv) = (
+            be.alloc(4096 * 64).unwrap(),
+            be.alloc(4096 * 4096).unwrap(),
+            be.alloc(4096 * 192).unwrap(),
+        );
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            be.attention_forward(out, att, qkv, long)
+        }));
+        let message = refused.expect_err("T = 4096 exceeds the loop budget");
+        let text = message.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(text.contains("stops a shader's loops"), "{text}");
     }
 }
