@@ -1380,6 +1380,8 @@ impl Backend for WgpuBackend {
         if n == 0 {
             return;
         }
+        // A token's invocation adds up to every position of the batch.
+        self.require_loop_budget("embedding backward", n);
         let wdout = self.win(dout);
         // dwpe: one invocation per (t, channel), summing the batch in order.
         let wdwpe = self.win(dwpe.sub(0, t * c));
