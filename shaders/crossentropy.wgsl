@@ -1,4 +1,5 @@
-// Softmax cross-entropy, one workgroup per row with fixed reduction trees (max, then sum of exp).
+// Softmax cross-entropy, one workgroup per row with fixed reduction trees (max, then sum of exp), or (the
+// `_rows` kernels, for software adapters) one invocation per row.
 
 struct Params {
     n: u32,
@@ -30,14 +31,34 @@ fn reduce(li: u32, x: f32, is_max: bool) -> f32 {
     return r;
 }
 
+// The row loops, shared by both kernel families: entries first, first + step, ... of the row from `x0`, in
+// that order; the tree kernels pass (li, WG), the row kernels (0, 1).
+fn row_max(x0: u32, first: u32, step: u32) -> f32 {
+    var m = -3.4028235e38;
+    for (var j = first; j < P.v; j += step) { m = max(m, logits[x0 + j]); }
+    return m;
+}
+
+fn row_sum_exp(x0: u32, first: u32, step: u32, mx: f32) -> f32 {
+    var s = 0.0;
+    for (var j = first; j < P.v; j += step) { s += exp(logits[x0 + j] - mx); }
+    return s;
+}
+
+// In place: logits[x0 + j] = dloss * (softmax_j - [j == tgt]).
+fn row_write_grad(x0: u32, first: u32, step: u32, lse: f32, tgt: u32) {
+    for (var j = first; j < P.v; j += step) {
+        let p = exp(logits[x0 + j] - lse);
+        var ind = 0.0;
+        if (j == tgt) { ind = 1.0; }
+        logits[x0 + j] = P.dloss * (p - ind);
+    }
+}
+
 // logsumexp of row `x0 .. x0 + v` of `logits`.
 fn row_lse(li: u32, x0: u32) -> f32 {
-    var m = -3.4028235e38;
-    for (var j = li; j < P.v; j += WG) { m = max(m, logits[x0 + j]); }
-    let mx = reduce(li, m, true);
-    var s = 0.0;
-    for (var j = li; j < P.v; j += WG) { s += exp(logits[x0 + j] - mx); }
-    return mx + log(reduce(li, s, false));
+    let mx = reduce(li, row_max(x0, li, WG), true);
+    return mx + log(reduce(li, row_sum_exp(x0, li, WG, mx), false));
 }
 
 @compute @workgroup_size(256)
@@ -61,13 +82,7 @@ fn crossentropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
     if (row >= P.n) { return; }
     let x0 = P.logits_off + row * P.v;
     let lse = row_lse(li, x0);
-    let tgt = targets[P.tgt_off + row];
-    for (var j = li; j < P.v; j += WG) {
-        let p = exp(logits[x0 + j] - lse);
-        var ind = 0.0;
-        if (j == tgt) { ind = 1.0; }
-        logits[x0 + j] = P.dloss * (p - ind);
-    }
+    row_write_grad(x0, li, WG, lse, targets[P.tgt_off + row]);
 }
 
 // ---- One invocation per row, in index order: for software adapters, where the barriers of the tree
@@ -75,11 +90,8 @@ fn crossentropy_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_work
 
 // logsumexp of row `x0 .. x0 + v` of `logits`, by one invocation.
 fn row_lse_serial(x0: u32) -> f32 {
-    var m = -3.4028235e38;
-    for (var j = 0u; j < P.v; j++) { m = max(m, logits[x0 + j]); }
-    var s = 0.0;
-    for (var j = 0u; j < P.v; j++) { s += exp(logits[x0 + j] - m); }
-    return m + log(s);
+    let mx = row_max(x0, 0u, 1u);
+    return mx + log(row_sum_exp(x0, 0u, 1u, mx));
 }
 
 @compute @workgroup_size(256)
@@ -98,12 +110,5 @@ fn crossentropy_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num
     let row = flat_index(wg, nwg, li);
     if (row >= P.n) { return; }
     let x0 = P.logits_off + row * P.v;
-    let lse = row_lse_serial(x0);
-    let tgt = targets[P.tgt_off + row];
-    for (var j = 0u; j < P.v; j++) {
-        let p = exp(logits[x0 + j] - lse);
-        var ind = 0.0;
-        if (j == tgt) { ind = 1.0; }
-        logits[x0 + j] = P.dloss * (p - ind);
-    }
+    row_write_grad(x0, 0u, 1u, row_lse_serial(x0), targets[P.tgt_off + row]);
 }

@@ -1,4 +1,5 @@
-// Layer norm over the last axis (eps 1e-5): one workgroup per row with a fixed reduction tree.
+// Layer norm over the last axis (eps 1e-5): one workgroup per row with a fixed reduction tree, or (the
+// `_rows` kernels, for software adapters) one invocation per row.
 
 struct Params {
     n: u32,
@@ -37,6 +38,55 @@ fn reduce_sum(li: u32, x: f32) -> f32 {
     return r;
 }
 
+// The row loops, shared by both kernel families: elements first, first + step, ... of one row, each
+// sum in that order. The tree kernels pass (li, WG) and add the lanes' partial sums by `reduce_sum`; the
+// row kernels pass (0, 1).
+fn row_sum(x0: u32, first: u32, step: u32) -> f32 {
+    var s = 0.0;
+    for (var i = first; i < P.c; i += step) { s += inp[x0 + i]; }
+    return s;
+}
+
+fn row_squared_deviation(x0: u32, first: u32, step: u32, mu: f32) -> f32 {
+    var s2 = 0.0;
+    for (var i = first; i < P.c; i += step) { let d = inp[x0 + i] - mu; s2 += d * d; }
+    return s2;
+}
+
+fn row_normalize(row: u32, first: u32, step: u32, mu: f32, r: f32) {
+    let x0 = P.inp_off + row * P.c;
+    for (var i = first; i < P.c; i += step) {
+        out[P.out_off + row * P.c + i] = (inp[x0 + i] - mu) * r * weight[P.w_off + i] + bias[P.b_off + i];
+    }
+}
+
+// (sum of dnorm, sum of dnorm * norm), dnorm = weight * dout.
+fn row_grad_sums(row: u32, first: u32, step: u32, mu: f32, r: f32) -> vec2<f32> {
+    let x0 = P.inp_off + row * P.c;
+    let d0 = P.dout_off + row * P.c;
+    var sa = 0.0;
+    var sb = 0.0;
+    for (var i = first; i < P.c; i += step) {
+        let norm = (inp[x0 + i] - mu) * r;
+        let dnorm = weight[P.w_off + i] * dout[d0 + i];
+        sa += dnorm;
+        sb += dnorm * norm;
+    }
+    return vec2<f32>(sa, sb);
+}
+
+// dinp += (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd.
+fn row_grad_apply(row: u32, first: u32, step: u32, mu: f32, r: f32, dnorm_mean: f32, dnorm_norm_mean: f32) {
+    let x0 = P.inp_off + row * P.c;
+    let d0 = P.dout_off + row * P.c;
+    for (var i = first; i < P.c; i += step) {
+        let norm = (inp[x0 + i] - mu) * r;
+        let dnorm = weight[P.w_off + i] * dout[d0 + i];
+        let o = P.out_off + row * P.c + i;
+        out[o] = out[o] + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+    }
+}
+
 @compute @workgroup_size(256)
 fn layernorm_forward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
                      @builtin(local_invocation_index) li: u32) {
@@ -44,16 +94,10 @@ fn layernorm_forward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgrou
     if (row >= P.n) { return; }
     let x0 = P.inp_off + row * P.c;
     let cf = f32(P.c);
-    var s = 0.0;
-    for (var i = li; i < P.c; i += WG) { s += inp[x0 + i]; }
-    let mu = reduce_sum(li, s) / cf;
-    var s2 = 0.0;
-    for (var i = li; i < P.c; i += WG) { let d = inp[x0 + i] - mu; s2 += d * d; }
-    let variance = reduce_sum(li, s2) / cf;
+    let mu = reduce_sum(li, row_sum(x0, li, WG)) / cf;
+    let variance = reduce_sum(li, row_squared_deviation(x0, li, WG, mu)) / cf;
     let r = 1.0 / sqrt(variance + 1e-5);
-    for (var i = li; i < P.c; i += WG) {
-        out[P.out_off + row * P.c + i] = (inp[x0 + i] - mu) * r * weight[P.w_off + i] + bias[P.b_off + i];
-    }
+    row_normalize(row, li, WG, mu, r);
     if (li == 0u) {
         mean[P.mean_off + row] = mu;
         rstd[P.rstd_off + row] = r;
@@ -66,27 +110,13 @@ fn layernorm_backward(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgro
                       @builtin(local_invocation_index) li: u32) {
     let row = group_index(wg, nwg);
     if (row >= P.n) { return; }
-    let x0 = P.inp_off + row * P.c;
-    let d0 = P.dout_off + row * P.c;
     let mu = mean[P.mean_off + row];
     let r = rstd[P.rstd_off + row];
-    var sa = 0.0;
-    var sb = 0.0;
-    for (var i = li; i < P.c; i += WG) {
-        let norm = (inp[x0 + i] - mu) * r;
-        let dnorm = weight[P.w_off + i] * dout[d0 + i];
-        sa += dnorm;
-        sb += dnorm * norm;
-    }
+    let sums = row_grad_sums(row, li, WG, mu, r);
     let cf = f32(P.c);
-    let dnorm_mean = reduce_sum(li, sa) / cf;
-    let dnorm_norm_mean = reduce_sum(li, sb) / cf;
-    for (var i = li; i < P.c; i += WG) {
-        let norm = (inp[x0 + i] - mu) * r;
-        let dnorm = weight[P.w_off + i] * dout[d0 + i];
-        let o = P.out_off + row * P.c + i;
-        out[o] = out[o] + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
-    }
+    let dnorm_mean = reduce_sum(li, sums.x) / cf;
+    let dnorm_norm_mean = reduce_sum(li, sums.y) / cf;
+    row_grad_apply(row, li, WG, mu, r, dnorm_mean, dnorm_norm_mean);
 }
 
 // dweight[i] += sum over rows of norm * dout, dbias[i] += sum over rows of dout. A workgroup owns 16 columns
@@ -138,16 +168,9 @@ fn layernorm_forward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wor
     if (row >= P.n) { return; }
     let x0 = P.inp_off + row * P.c;
     let cf = f32(P.c);
-    var s = 0.0;
-    for (var i = 0u; i < P.c; i++) { s += inp[x0 + i]; }
-    let mu = s / cf;
-    var s2 = 0.0;
-    for (var i = 0u; i < P.c; i++) { let d = inp[x0 + i] - mu; s2 += d * d; }
-    let r = 1.0 / sqrt(s2 / cf + 1e-5);
-    let o0 = P.out_off + row * P.c;
-    for (var i = 0u; i < P.c; i++) {
-        out[o0 + i] = (inp[x0 + i] - mu) * r * weight[P.w_off + i] + bias[P.b_off + i];
-    }
+    let mu = row_sum(x0, 0u, 1u) / cf;
+    let r = 1.0 / sqrt(row_squared_deviation(x0, 0u, 1u, mu) / cf + 1e-5);
+    row_normalize(row, 0u, 1u, mu, r);
     mean[P.mean_off + row] = mu;
     rstd[P.rstd_off + row] = r;
 }
@@ -157,27 +180,11 @@ fn layernorm_backward_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_wo
                            @builtin(local_invocation_index) li: u32) {
     let row = flat_index(wg, nwg, li);
     if (row >= P.n) { return; }
-    let x0 = P.inp_off + row * P.c;
-    let d0 = P.dout_off + row * P.c;
     let mu = mean[P.mean_off + row];
     let r = rstd[P.rstd_off + row];
-    var sa = 0.0;
-    var sb = 0.0;
-    for (var i = 0u; i < P.c; i++) {
-        let norm = (inp[x0 + i] - mu) * r;
-        let dnorm = weight[P.w_off + i] * dout[d0 + i];
-        sa += dnorm;
-        sb += dnorm * norm;
-    }
+    let sums = row_grad_sums(row, 0u, 1u, mu, r);
     let cf = f32(P.c);
-    let dnorm_mean = sa / cf;
-    let dnorm_norm_mean = sb / cf;
-    let o0 = P.out_off + row * P.c;
-    for (var i = 0u; i < P.c; i++) {
-        let norm = (inp[x0 + i] - mu) * r;
-        let dnorm = weight[P.w_off + i] * dout[d0 + i];
-        out[o0 + i] = out[o0 + i] + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
-    }
+    row_grad_apply(row, 0u, 1u, mu, r, sums.x / cf, sums.y / cf);
 }
 
 // dweight[i] += sum over rows of norm * dout, dbias[i] += sum over rows of dout: one invocation per column,
