@@ -127,9 +127,20 @@ fn wgpu_is_deterministic() {
 #[test]
 #[ignore = "GPT-2 124M: about 5 GiB of memory and a minute or more on a software adapter"]
 fn gpt2_124m_step() {
+    check_gpt2_step(1, 16);
+}
+
+/// The same at GPT-2's full context, T = 1024: the attention rows are 1024 long, which on lavapipe is near
+/// llvmpipe's per-invocation loop budget (ARCHITECTURE.md).
+#[test]
+#[ignore = "GPT-2 124M at T = 1024: about 10 GiB of memory and 10-15 minutes on a software adapter"]
+fn gpt2_124m_step_full_context() {
+    check_gpt2_step(1, 1024);
+}
+
+fn check_gpt2_step(b: usize, t: usize) {
     let Some(mut gpu) = wgpu_backend() else { return };
     let cfg = ModelConfig::gpt2();
-    let (b, t) = (1, 16);
     let init = init_params(&cfg, &ParamLayout::new(&cfg), 7);
     let (gl, gg, gp) = gpt2_step(&mut gpu, &cfg, &init, b, t);
     let (cl, cg, cp) = gpt2_step(&mut CpuBackend::<f32>::new(), &cfg, &init, b, t);

@@ -362,6 +362,8 @@ pub struct WgpuBackend {
     embed_index: Option<EmbedIndex>,
     /// The texture-fed matmul, on software adapters with 8-lane subgroups only (see `tex_matmul.rs`).
     tex_matmul: Option<tex_matmul::TexMatmul>,
+    /// The same with B^T in its texture (`x @ W^T`: the tied LM head and every input gradient).
+    tex_matmul_nt: Option<tex_matmul::TexMatmul>,
     /// Dispatches of the texture-fed matmul so far (tests check which kernel ran).
     tex_matmul_dispatches: u64,
     /// Layer norm and cross-entropy take their one-invocation-per-row kernels (`*_rows`, no barriers)
@@ -474,14 +476,15 @@ impl WgpuBackend {
             }
         }
         let eight_lanes = Some((tex_matmul::SUBGROUP_SIZE, tex_matmul::SUBGROUP_SIZE));
-        let tex_matmul = (ctx.report.is_software && ctx.report.subgroup_sizes == eight_lanes).then(|| {
-            let source = format!(
-                "{COMMON}\n{}{}",
-                include_str!("../../../shaders/matmul4_shared.wgsl"),
-                include_str!("../../../shaders/matmul4t.wgsl")
-            );
-            tex_matmul::TexMatmul::new(device, &source, ctx.limits.max_texture_dimension_2d)
-        });
+        let textured = ctx.report.is_software && ctx.report.subgroup_sizes == eight_lanes;
+        let make_tex_matmul = |kernel: &str, entry: &'static str| {
+            let shared = include_str!("../../../shaders/matmul4_shared.wgsl");
+            let source = format!("{COMMON}\n{shared}{kernel}");
+            tex_matmul::TexMatmul::new(device, &source, entry, ctx.limits.max_texture_dimension_2d)
+        };
+        let tex_matmul = textured.then(|| make_tex_matmul(include_str!("../../../shaders/matmul4t.wgsl"), "matmul4t"));
+        let tex_matmul_nt =
+            textured.then(|| make_tex_matmul(include_str!("../../../shaders/matmul4t_nt.wgsl"), "matmul4t_nt"));
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
         }
@@ -513,6 +516,7 @@ impl WgpuBackend {
             partials: None,
             embed_index: None,
             tex_matmul,
+            tex_matmul_nt,
             tex_matmul_dispatches: 0,
             row_kernels,
             buffer_ids,
@@ -752,11 +756,12 @@ impl WgpuBackend {
     }
 
     /// The vec4 matmul with A and B copied into textures, when this backend has it (software adapters with
-    /// 8-lane subgroups) and both operands can be copied (`TexMatmul::fits`). Returns false, recording
+    /// 8-lane subgroups) and both operands can be copied (`TexMatmul::fits`). With `nt`, B is given as its
+    /// row-major transpose (`g.b.rs == 1`) and the `matmul4t_nt` kernel runs. Returns false, recording
     /// nothing, otherwise.
-    fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params) -> bool {
+    fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params, nt: bool) -> bool {
         let [wc, wa, wb, wbias] = wins;
-        let Some(tm) = &self.tex_matmul else {
+        let Some(tm) = (if nt { &self.tex_matmul_nt } else { &self.tex_matmul }) else {
             return false;
         };
         fn source(w: &Win, rows: usize, cols: usize, rs: usize) -> tex_matmul::Source<'_> {
@@ -768,20 +773,35 @@ impl WgpuBackend {
                 cols,
             }
         }
-        let (sa, sb) = (source(wa, g.m, g.k, g.a.rs), source(wb, g.k, g.n, g.b.rs));
+        let sa = source(wa, g.m, g.k, g.a.rs);
+        // B^T [n, k] has B's column stride as its row stride.
+        let sb = if nt {
+            source(wb, g.n, g.k, g.b.cs)
+        } else {
+            source(wb, g.k, g.n, g.b.rs)
+        };
         // Temporary (gathered) windows are not copy sources.
         if wa.id.is_none() || wb.id.is_none() || !tm.fits(&sa) || !tm.fits(&sb) {
             return false;
         }
-        let uniform_offset = self.uniforms.push(&params.words("matmul4t"));
+        let kernel = if nt { "matmul4t_nt" } else { "matmul4t" };
+        let uniform_offset = self.uniforms.push(&params.words(kernel));
         let device = &self.ctx.device;
         let encoder = self
             .encoder
             .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
-        let tm = self.tex_matmul.as_mut().expect("checked above");
+        let tm = if nt {
+            &mut self.tex_matmul_nt
+        } else {
+            &mut self.tex_matmul
+        }
+        .as_mut()
+        .expect("checked above");
         let (ta, view_a) = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::A, &sa);
         let (tb, view_b) = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::B, &sb);
-        let tm = self.tex_matmul.as_ref().expect("checked above");
+        let tm = if nt { &self.tex_matmul_nt } else { &self.tex_matmul }
+            .as_ref()
+            .expect("checked above");
         let key = tex_matmul::TexMatmul::key(window_key(wc), ta, tb, window_key(wbias));
         let bind_group = self.bind_groups.get_or_make(key, || {
             tm.bind_group(
@@ -818,6 +838,7 @@ impl WgpuBackend {
     #[cfg(test)]
     pub(crate) fn without_tex_matmul(&mut self) {
         self.tex_matmul = None;
+        self.tex_matmul_nt = None;
     }
 
     /// The bind group of `kernel` over `wins`: from the cache, unless a window is over a temporary buffer.
@@ -1117,7 +1138,7 @@ impl WgpuBackend {
                     .u(flags);
                 // k / 4 steps, then 4 per store of the block's 64 accumulators.
                 self.require_loop_budget("matmul", g.k / 4 + 256);
-                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone()) {
+                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone(), false) {
                     return;
                 }
                 let groups = (
@@ -1126,6 +1147,37 @@ impl WgpuBackend {
                 );
                 self.dispatch("matmul4", &[wc, wa, wb, wbias], p, groups);
                 return;
+            }
+            // B given as a row-major transpose (`x @ W^T`): the texture-fed kernel reads W's rows.
+            if self.tex_matmul_nt.is_some()
+                && g.a.cs == 1
+                && g.b.rs == 1
+                && g.a.rs % 4 == 0
+                && g.b.cs % 4 == 0
+                && g.n % 4 == 0
+                && g.k % 4 == 0
+                && g.k > 0
+                && aligned(&wa)
+                && aligned(&wb)
+            {
+                let p = Params::default()
+                    .u(g.m)
+                    .u(g.n)
+                    .u(g.k)
+                    .u(wc.off)
+                    .u(g.c.rs)
+                    .u(wa.off / 4)
+                    .u(g.a.rs / 4)
+                    .u(1u32)
+                    .u(wb.off / 4)
+                    .u(g.b.cs / 4)
+                    .u(1u32)
+                    .u(wbias.off)
+                    .u(flags);
+                self.require_loop_budget("matmul", g.k / 4 + 256);
+                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p, true) {
+                    return;
+                }
             }
             let p = Params::default()
                 .u(g.m)

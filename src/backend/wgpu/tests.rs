@@ -148,40 +148,60 @@ fn vec4_kernels_match_cpu() {
     check_elementwise(&mut be);
 }
 
-/// On a software adapter with 8-lane subgroups, forward matmuls whose operands can be copied into textures
-/// take the texture-fed kernel, match the CPU, repeat bit for bit and give the storage-buffer kernel's
-/// bits; elsewhere that kernel does not exist. The shapes leave partial tiles, and fewer rows than a
-/// subgroup has lanes.
+/// On a software adapter with 8-lane subgroups, matmuls whose operands can be copied into textures take
+/// the texture-fed kernels (`matmul4t` for `x @ W`, `matmul4t_nt` for `x @ W^T`: the tied LM head's layout
+/// and the input gradient), match the CPU, repeat bit for bit and give the storage-buffer kernels' bits;
+/// elsewhere those kernels do not exist. The shapes leave partial tiles, and fewer rows than a subgroup has
+/// lanes.
 #[test]
 fn texture_matmul_runs_on_software_adapters() {
     let Some(mut be) = wgpu_or_skip(None) else { return };
     let report = be.adapter().clone();
     let textured = report.is_software && report.subgroup_sizes == Some((8, 8));
     assert_eq!(be.has_tex_matmul(), textured, "{report}");
-    let mut results = Vec::new();
+    type Op = Box<dyn Fn(&mut dyn Backend, &[View])>;
+    let mut results: Vec<(Vec<usize>, Op, Vec<Vec<f32>>)> = Vec::new();
     for (n, c, oc) in [(200, 128, 320), (5, 64, 128)] {
-        let s = MatmulShape {
-            n,
-            c,
-            oc,
-            layout: WeightLayout::InOut,
-        };
-        let lens = [n * oc, n * c, c * oc, oc];
-        let fwd = move |be: &mut dyn Backend, v: &[View]| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), s);
-        let before = be.tex_matmul_dispatches();
-        let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 1, &fwd);
-        let got = run(&mut be, &lens, 0, 1, &fwd);
-        let again = run(&mut be, &lens, 0, 1, &fwd);
-        let used = be.tex_matmul_dispatches() - before;
-        assert_eq!(used, if textured { 2 } else { 0 }, "texture-fed dispatches, {report}");
-        assert_close("texture matmul", &got, &want, 1e-5 * (c as f32).sqrt(), 1e-5);
-        assert_eq!(got, again, "run to run, the same bits");
-        results.push((lens, fwd, got));
+        let shape = |layout| MatmulShape { n, c, oc, layout };
+        let (nn, tn) = (shape(WeightLayout::InOut), shape(WeightLayout::OutIn));
+        let cases: [(&str, Vec<usize>, Op); 3] = [
+            (
+                "x @ W",
+                vec![n * oc, n * c, c * oc, oc],
+                Box::new(move |be, v| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), nn)),
+            ),
+            (
+                "x @ W^T",
+                vec![n * oc, n * c, c * oc, oc],
+                Box::new(move |be, v| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), tn)),
+            ),
+            (
+                "dinp = dout @ W^T",
+                vec![n * c, c * oc, n * oc, n * c, c * oc],
+                Box::new(move |be, v| be.matmul_backward(v[0], v[1], None, v[2], v[3], v[4], nn)),
+            ),
+        ];
+        for (what, lens, op) in cases {
+            let before = be.tex_matmul_dispatches();
+            let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 1, &*op);
+            let got = run(&mut be, &lens, 0, 1, &*op);
+            let again = run(&mut be, &lens, 0, 1, &*op);
+            let used = be.tex_matmul_dispatches() - before;
+            assert!(
+                !textured || used >= 2,
+                "{what}: texture-fed dispatches {used}, {report}"
+            );
+            assert!(textured || used == 0, "{what}: texture-fed dispatches {used}, {report}");
+            assert_close(what, &got, &want, 1e-5 * (c.max(oc) as f32).sqrt(), 1e-5);
+            assert_eq!(got, again, "{what}: run to run, the same bits");
+            results.push((lens, op, got));
+        }
     }
-    // Both kernels sum each output's k terms in the same order: the same bits.
+    // Each kernel sums each output's k terms in the same order as the storage-buffer kernel the same
+    // operands take without textures: the same bits.
     be.without_tex_matmul();
-    for (lens, fwd, got) in results {
-        let storage = run(&mut be, &lens, 0, 1, &fwd);
+    for (lens, op, got) in results {
+        let storage = run(&mut be, &lens, 0, 1, &*op);
         let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&got),

@@ -1,5 +1,6 @@
-//! The texture-fed vec4 matmul (`shaders/matmul4t.wgsl`), used on software adapters with 8-lane
-//! subgroups only.
+//! The texture-fed vec4 matmuls (`shaders/matmul4t.wgsl` for `A @ B`, `shaders/matmul4t_nt.wgsl` for
+//! `A @ W^T` with W row-major), used on software adapters with 8-lane subgroups only; one `TexMatmul` per
+//! kernel.
 //!
 //! llvmpipe compiles a storage-buffer load whose address differs between invocations into a loop over the
 //! SIMD lanes with a branch and a scalar access per lane, and an image load into one load per lane, so on
@@ -57,7 +58,8 @@ pub(super) struct Source<'a> {
 }
 
 impl TexMatmul {
-    pub fn new(device: &wgpu::Device, source: &str, max_dim: u32) -> Self {
+    /// `entry` is `matmul4t` (B as given) or `matmul4t_nt` (B's texture holds B^T).
+    pub fn new(device: &wgpu::Device, source: &str, entry: &'static str, max_dim: u32) -> Self {
         let texture = |binding| wgpu::BindGroupLayoutEntry {
             binding,
             visibility: wgpu::ShaderStages::COMPUTE,
@@ -76,7 +78,7 @@ impl TexMatmul {
             storage_entry(4),
         ];
         let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("matmul4t"),
+            label: Some(entry),
             entries: &entries,
         });
         let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
@@ -85,14 +87,14 @@ impl TexMatmul {
             immediate_size: 0,
         });
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("matmul4t"),
+            label: Some(entry),
             source: wgpu::ShaderSource::Wgsl(source.into()),
         });
         let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some("matmul4t"),
+            label: Some(entry),
             layout: Some(&pipeline_layout),
             module: &module,
-            entry_point: Some("matmul4t"),
+            entry_point: Some(entry),
             compilation_options: Default::default(),
             cache: None,
         });
