@@ -1570,6 +1570,10 @@ impl Backend for WgpuBackend {
             ("layernorm_backward_params_cols", n),
             c,
         );
+        if kernel == "layernorm_backward_params" {
+            // Each of 16 lanes per column sums every 16th row, then a 4-level tree.
+            self.require_loop_budget("layer norm parameter gradients", n / 16 + 8);
+        }
         self.dispatch(kernel, &w, p, groups);
     }
 
@@ -1685,6 +1689,8 @@ impl Backend for WgpuBackend {
                     .u(wd.off)
                     .u(s.oc);
                 let groups = self.grid(ceil_div(s.oc, 16));
+                // Each of 16 lanes per column sums every 16th row, then a 4-level tree.
+                self.require_loop_budget("matmul bias gradient", (r1 - r0) / 16 + 8);
                 self.dispatch("matmul_backward_bias", &[wdb, wd], p, groups);
                 r0 = r1;
             }
