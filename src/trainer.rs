@@ -177,6 +177,7 @@ impl<B: Backend> Trainer<B> {
         let (world, rank) = (comm.world(), comm.rank());
         let global = world * opts.batch_size * opts.grad_accum;
         let sampler = WindowSampler::for_tokens(data.train.len(), opts.seq_len, global, opts.shuffle, opts.seed)?;
+        be.check_step_shape(opts.batch_size, opts.seq_len, config.n_embd, config.n_head)?;
         let model = Gpt2::new(&mut be, config, &params)?;
         model.zero_grads(&mut be);
         let mut opt = AdamW::new(&mut be, opts.adamw, model.layout.total)?;

@@ -171,6 +171,14 @@ pub trait Backend {
     fn scale(&mut self, x: View, s: f32);
     /// One AdamW step (torch.optim.AdamW semantics) over equally long views.
     fn adamw(&mut self, params: View, grads: View, m: View, v: View, step: &AdamWStep);
+    /// Checks, before any work, that training steps on `b` sequences of `t` tokens of a model `c` wide with
+    /// `nh` heads stay within what this backend can compute, so that a limit gives a clear error at start
+    /// instead of a failure mid-step. The default accepts every shape.
+    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
+        let _ = (b, t, c, nh);
+        Ok(())
+    }
+
     /// Waits for queued work; a no-op on synchronous backends.
     fn synchronize(&mut self) -> Result<()> {
         Ok(())

@@ -691,15 +691,31 @@ impl WgpuBackend {
         !self.ctx.report.is_software || iterations < SOFTWARE_LOOP_BUDGET
     }
 
+    /// Why `op`, running `iterations` loop iterations per invocation, cannot run on this adapter; `None`
+    /// when it fits.
+    fn loop_budget_error(&self, op: &str, iterations: usize) -> Option<String> {
+        (!self.within_loop_budget(iterations)).then(|| {
+            format!(
+                "{op} needs {iterations} loop iterations per shader invocation, and {} stops a shader's loops \
+                 after {SOFTWARE_LOOP_BUDGET}; use --backend cpu for this shape",
+                self.ctx.report.name
+            )
+        })
+    }
+
     /// Panics with an explanation when a kernel's `iterations` per invocation exceed this adapter's loop
-    /// budget, instead of returning partial results.
+    /// budget, instead of returning partial results (`check_step_shape` refuses a training run's shapes
+    /// with an error before this can happen).
     fn require_loop_budget(&self, op: &str, iterations: usize) {
-        assert!(
-            self.within_loop_budget(iterations),
-            "{op} needs {iterations} loop iterations per shader invocation, and {} stops a shader's loops \
-             after {SOFTWARE_LOOP_BUDGET}; use --backend cpu for this shape",
-            self.ctx.report.name
-        );
+        if let Some(why) = self.loop_budget_error(op, iterations) {
+            panic!("{why}");
+        }
+    }
+
+    /// Attention's loop iterations per invocation for rows of `t` and heads `hs` wide: t dot products of
+    /// hs / 4 steps (and hs % 4), then three passes over t.
+    fn attention_iterations(t: usize, hs: usize) -> usize {
+        t * (hs / 4 + hs % 4 + 1) + 3 * t
     }
 
     /// Kernel and grid of a reduction over `n` rows (or columns): `serial`, one invocation each running
@@ -1274,6 +1290,22 @@ impl WgpuBackend {
 }
 
 impl Backend for WgpuBackend {
+    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
+        let tokens = b * t;
+        let checks = [
+            ("attention", Self::attention_iterations(t, c / nh.max(1))),
+            // The weight gradients sum over every token of the micro-batch (k = b * t, strided kernel).
+            ("the weight-gradient matmul", tokens + 256),
+            ("the embedding backward", tokens),
+        ];
+        for (op, iterations) in checks {
+            if let Some(why) = self.loop_budget_error(op, iterations) {
+                bail!("{why}, or a smaller --batch-size / --seq-len (now {b} x {t} tokens per rank)");
+            }
+        }
+        Ok(())
+    }
+
     fn name(&self) -> String {
         let r = &self.ctx.report;
         format!("wgpu ({}, {}, {})", r.name, r.backend, r.device_type)
@@ -1704,9 +1736,7 @@ impl Backend for WgpuBackend {
         if b == 0 || t == 0 {
             return;
         }
-        // A probability row: t dot products of hs / 4 steps (and hs % 4), then three passes over t.
-        let hs = c / nh;
-        self.require_loop_budget("attention", t * (hs / 4 + hs % 4 + 1) + 3 * t);
+        self.require_loop_budget("attention", Self::attention_iterations(t, c / nh));
         let whole = self.fits(att.offset, att.end()) && self.fits(qkv.offset, qkv.end());
         let per = if whole { b } else { 1 };
         for b0 in (0..b).step_by(per) {
@@ -1741,8 +1771,7 @@ impl Backend for WgpuBackend {
         if b == 0 || t == 0 {
             return;
         }
-        let hs = c / nh;
-        self.require_loop_budget("attention backward", t * (hs / 4 + hs % 4 + 1) + 3 * t);
+        self.require_loop_budget("attention backward", Self::attention_iterations(t, c / nh));
         let whole = [att, datt, qkv, dqkv].iter().all(|v| self.fits(v.offset, v.end()));
         let per = if whole { b } else { 1 };
         for b0 in (0..b).step_by(per) {

@@ -635,3 +635,21 @@ fn attention_fits_the_software_loop_budget_at_gpt2_length() {
         assert!(text.contains("stops a shader's loops"), "{text}");
     }
 }
+
+/// A training run whose shapes exceed llvmpipe's loop budget is refused before any work, with the limit
+/// named; GPT-2's own shapes at a modest batch are accepted. Hardware adapters accept both.
+#[test]
+fn step_shapes_past_the_software_loop_budget_are_refused_up_front() {
+    let Some(be) = wgpu_or_skip(None) else { return };
+    be.check_step_shape(8, 1024, 768, 12).expect("GPT-2 at 8 x 1024 tokens");
+    let big = be.check_step_shape(128, 1024, 768, 12);
+    if be.adapter().is_software {
+        let text = format!("{:#}", big.expect_err("128 x 1024 tokens exceed the budget"));
+        assert!(
+            text.contains("stops a shader's loops") && text.contains("128 x 1024"),
+            "{text}"
+        );
+    } else {
+        big.expect("hardware adapters have no loop budget");
+    }
+}
