@@ -5,9 +5,12 @@ spill to memory).
 
     python3 scripts/gen_matmul4t.py 32 2 > shaders/matmul4t.wgsl
     python3 scripts/gen_matmul4t.py 32 2 nt > shaders/matmul4t_nt.wgsl
+    python3 scripts/gen_matmul4t.py 32 2 tn > shaders/matmul4t_tn.wgsl
 
 With `nt` the kernel (`matmul4t_nt`) takes B transposed: its texture holds B^T [n, k], as for `x @ W^T`
-with W [n, k] row-major (the tied LM head, and the input gradient of every matmul).
+with W [n, k] row-major (the tied LM head, and the input gradient of every matmul). With `tn`
+(`matmul4t_tn`, R = 32 only) A is transposed: its texture holds A^T [k, m], as for `X^T @ dY` (every weight
+gradient).
 
 R must be a multiple of 8 (rows are fetched 8 at a time, one per subgroup lane). The tile is 8R x 32C;
 update TILE_M / TILE_N in src/backend/wgpu/tex_matmul.rs to match. bench/wgpu/RESULTS.md has the
@@ -43,29 +46,40 @@ const TN: u32 = @@TN@@u;
 """
 
 def main():
-    R=int(sys.argv[1]); C=int(sys.argv[2]); nt = sys.argv[3:] == ['nt']
-    assert R % 8 == 0
+    R=int(sys.argv[1]); C=int(sys.argv[2]); variant = sys.argv[3] if len(sys.argv) > 3 else ''
+    assert variant in ('', 'nt', 'tn')
+    nt, tn = variant == 'nt', variant == 'tn'
+    assert R % 8 == 0 and (not tn or R == 32), 'tn shares 8 texels of 4 rows: R must be 32'
     TM=8*R; TN=32*C
     hdr=HEADER
     nt_note = ('// This is the `nt` variant: Bt holds B^T [n, k] (texel (x, y) = column y of B, k = 4x .. 4x + 3).\n'
                '// Each lane fetches the texels of its 4 columns of a vec4 and regroups them by k, which in\n'
                '// llvmpipe\'s one-register-per-component code costs no instruction. Its test compares its bits with\n'
                '// matmul.wgsl, the strided kernel that B^T operands take otherwise.\n//\n') if nt else ''
-    hdr = hdr.replace('@@NT@@', nt_note).replace('@@NTARG@@', ' nt' if nt else '')
+    if tn:
+        nt_note = ('// This is the `tn` variant: At holds A^T [k, m] (texel (x, y) = rows 4x .. 4x + 3 of A at k = y),\n'
+                   '// as for `X^T @ dY`. An invocation\'s rows are consecutive (not 8 apart), so lane l fetches the\n'
+                   '// texel of its subgroup\'s rows 4l .. 4l + 3 at each k and broadcasts it. Its test compares its\n'
+                   '// bits with matmul.wgsl, the strided kernel that A^T operands take otherwise.\n//\n')
+    hdr = hdr.replace('@@NT@@', nt_note).replace('@@NTARG@@', f' {variant}' if variant else '')
     o=[hdr.replace('@@TM@@',str(TM)).replace('@@TN@@',str(TN)).replace('@@R@@',str(R)).replace('@@C@@',str(C))]
     o.append('@compute @workgroup_size(64)')
-    o.append(f'fn matmul4t{"_nt" if nt else ""}(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,')
+    o.append(f'fn matmul4t{"_" + variant if variant else ""}(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32,')
     o.append('            @builtin(subgroup_invocation_id) lane: u32) {')
     o.append('    let tx = li % 8u;')
     o.append('    let ty = li / 8u;')
-    o.append('    let r0 = wg.y * TM + ty;')
+    o.append(f'    let r0 = wg.y * TM + ty{" * " + str(R) + "u" if tn else ""};')
     o.append('    let v0 = wg.x * (TN / 4u) + tx;')
     o.append('    let mlast = P.m - 1u;')
     if not nt:
         o.append('    let vlast = P.n / 4u - 1u;')
-    for f in range(R//8):
-        o.append(f'    // Row r0 + 8 * ({8*f}u + lane): this lane fetches it for the whole subgroup.')
-        o.append(f'    let ar{f} = i32(min(r0 + 8u * ({8*f}u + lane), mlast));')
+    if tn:
+        o.append('    // Rows r0 + 4 * lane .. + 3: this lane fetches their texel for the whole subgroup.')
+        o.append('    let ax = i32(min(r0 / 4u + lane, P.m / 4u - 1u));')
+    else:
+        for f in range(R//8):
+            o.append(f'    // Row r0 + 8 * ({8*f}u + lane): this lane fetches it for the whole subgroup.')
+            o.append(f'    let ar{f} = i32(min(r0 + 8u * ({8*f}u + lane), mlast));')
     if nt:
         o.append('    let nlast = P.n - 1u;')
         for c in range(C):
@@ -92,16 +106,27 @@ def main():
         for j in range(4):
             for c in range(C):
                 o.append(f'        let b{j}_{c} = textureLoad(Bt, vec2<i32>(b{c}, bk + {j}));')
-    for f in range(R//8):
-        o.append(f'        let fa{f} = textureLoad(At, vec2<i32>(i32(kv), ar{f}));')
+    if tn:
+        for kk in range(4):
+            o.append(f'        let fa{kk} = textureLoad(At, vec2<i32>(ax, bk + {kk}));')
+        for g in range(R // 4):
+            for kk in range(4):
+                o.append(f'        let g{g}_{kk} = subgroupBroadcast(fa{kk}, {g}u);')
+    else:
+        for f in range(R//8):
+            o.append(f'        let fa{f} = textureLoad(At, vec2<i32>(i32(kv), ar{f}));')
     for r in range(R):
-        o.append(f'        let av{r} = subgroupBroadcast(fa{r//8}, {r%8}u);')
+        if tn:
+            x = 'xyzw'[r % 4]
+            o.append(f'        let av{r} = vec4<f32>(g{r//4}_0.{x}, g{r//4}_1.{x}, g{r//4}_2.{x}, g{r//4}_3.{x});')
+        else:
+            o.append(f'        let av{r} = subgroupBroadcast(fa{r//8}, {r%8}u);')
         for c in range(C):
             o.append(f'        acc{r}_{c} = acc{r}_{c} + av{r}.x * b0_{c} + av{r}.y * b1_{c} + av{r}.z * b2_{c} + av{r}.w * b3_{c};')
     o.append('    }')
     for r in range(R):
         for c in range(C):
-            o.append(f'    store4(r0 + {8*r}u, 4u * (v0 + {8*c}u), acc{r}_{c});')
+            o.append(f'    store4(r0 + {r if tn else 8*r}u, 4u * (v0 + {8*c}u), acc{r}_{c});')
     o.append('}')
     print('\n'.join(o))
 

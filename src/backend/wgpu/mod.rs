@@ -361,9 +361,9 @@ pub struct WgpuBackend {
     /// rewritten by each call, so its bind groups are cached like any other.
     embed_index: Option<EmbedIndex>,
     /// The texture-fed matmul, on software adapters with 8-lane subgroups only (see `tex_matmul.rs`).
-    tex_matmul: Option<tex_matmul::TexMatmul>,
-    /// The same with B^T in its texture (`x @ W^T`: the tied LM head and every input gradient).
-    tex_matmul_nt: Option<tex_matmul::TexMatmul>,
+    /// One kernel per `tex_matmul::Variant`: `x @ W`, `x @ W^T` (the tied LM head and every input
+    /// gradient) and `X^T @ dY` (every weight gradient).
+    tex_matmul: Option<Vec<tex_matmul::TexMatmul>>,
     /// Dispatches of the texture-fed matmul so far (tests check which kernel ran).
     tex_matmul_dispatches: u64,
     /// Layer norm and cross-entropy take their one-invocation-per-row kernels (`*_rows`, no barriers)
@@ -477,14 +477,14 @@ impl WgpuBackend {
         }
         let eight_lanes = Some((tex_matmul::SUBGROUP_SIZE, tex_matmul::SUBGROUP_SIZE));
         let textured = ctx.report.is_software && ctx.report.subgroup_sizes == eight_lanes;
-        let make_tex_matmul = |kernel: &str, entry: &'static str| {
+        let tex_matmul = textured.then(|| {
             let shared = include_str!("../../../shaders/matmul4_shared.wgsl");
-            let source = format!("{COMMON}\n{shared}{kernel}");
-            tex_matmul::TexMatmul::new(device, &source, entry, ctx.limits.max_texture_dimension_2d)
-        };
-        let tex_matmul = textured.then(|| make_tex_matmul(include_str!("../../../shaders/matmul4t.wgsl"), "matmul4t"));
-        let tex_matmul_nt =
-            textured.then(|| make_tex_matmul(include_str!("../../../shaders/matmul4t_nt.wgsl"), "matmul4t_nt"));
+            let make = |v: tex_matmul::Variant| {
+                let source = format!("{COMMON}\n{shared}{}", v.source());
+                tex_matmul::TexMatmul::new(device, &source, v.entry(), ctx.limits.max_texture_dimension_2d)
+            };
+            tex_matmul::Variant::ALL.map(make).into()
+        });
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
         }
@@ -516,7 +516,6 @@ impl WgpuBackend {
             partials: None,
             embed_index: None,
             tex_matmul,
-            tex_matmul_nt,
             tex_matmul_dispatches: 0,
             row_kernels,
             buffer_ids,
@@ -772,12 +771,13 @@ impl WgpuBackend {
     }
 
     /// The vec4 matmul with A and B copied into textures, when this backend has it (software adapters with
-    /// 8-lane subgroups) and both operands can be copied (`TexMatmul::fits`). With `nt`, B is given as its
-    /// row-major transpose (`g.b.rs == 1`) and the `matmul4t_nt` kernel runs. Returns false, recording
-    /// nothing, otherwise.
-    fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params, nt: bool) -> bool {
+    /// 8-lane subgroups) and both operands can be copied (`TexMatmul::fits`). `variant` says which
+    /// operand is given as the row-major transpose (`g.b.rs == 1` or `g.a.rs == 1`). Returns false,
+    /// recording nothing, otherwise.
+    fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params, variant: tex_matmul::Variant) -> bool {
+        use tex_matmul::Variant;
         let [wc, wa, wb, wbias] = wins;
-        let Some(tm) = (if nt { &self.tex_matmul_nt } else { &self.tex_matmul }) else {
+        let Some(tm) = self.tex_matmul.as_ref().map(|t| &t[variant as usize]) else {
             return false;
         };
         fn source(w: &Win, rows: usize, cols: usize, rs: usize) -> tex_matmul::Source<'_> {
@@ -789,35 +789,26 @@ impl WgpuBackend {
                 cols,
             }
         }
-        let sa = source(wa, g.m, g.k, g.a.rs);
-        // B^T [n, k] has B's column stride as its row stride.
-        let sb = if nt {
-            source(wb, g.n, g.k, g.b.cs)
-        } else {
-            source(wb, g.k, g.n, g.b.rs)
+        // A transposed operand's texture holds its row-major transpose, whose rows are the operand's
+        // column stride apart.
+        let (sa, sb) = match variant {
+            Variant::Plain => (source(wa, g.m, g.k, g.a.rs), source(wb, g.k, g.n, g.b.rs)),
+            Variant::TransposedB => (source(wa, g.m, g.k, g.a.rs), source(wb, g.n, g.k, g.b.cs)),
+            Variant::TransposedA => (source(wa, g.k, g.m, g.a.cs), source(wb, g.k, g.n, g.b.rs)),
         };
         // Temporary (gathered) windows are not copy sources.
         if wa.id.is_none() || wb.id.is_none() || !tm.fits(&sa) || !tm.fits(&sb) {
             return false;
         }
-        let kernel = if nt { "matmul4t_nt" } else { "matmul4t" };
-        let uniform_offset = self.uniforms.push(&params.words(kernel));
+        let uniform_offset = self.uniforms.push(&params.words(variant.entry()));
         let device = &self.ctx.device;
         let encoder = self
             .encoder
             .get_or_insert_with(|| device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
-        let tm = if nt {
-            &mut self.tex_matmul_nt
-        } else {
-            &mut self.tex_matmul
-        }
-        .as_mut()
-        .expect("checked above");
+        let tm = &mut self.tex_matmul.as_mut().expect("checked above")[variant as usize];
         let (ta, view_a) = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::A, &sa);
         let (tb, view_b) = tm.fill(device, &mut self.buffer_ids, encoder, tex_matmul::Operand::B, &sb);
-        let tm = if nt { &self.tex_matmul_nt } else { &self.tex_matmul }
-            .as_ref()
-            .expect("checked above");
+        let tm = &self.tex_matmul.as_ref().expect("checked above")[variant as usize];
         let key = tex_matmul::TexMatmul::key(window_key(wc), ta, tb, window_key(wbias));
         let bind_group = self.bind_groups.get_or_make(key, || {
             tm.bind_group(
@@ -854,7 +845,6 @@ impl WgpuBackend {
     #[cfg(test)]
     pub(crate) fn without_tex_matmul(&mut self) {
         self.tex_matmul = None;
-        self.tex_matmul_nt = None;
     }
 
     /// The bind group of `kernel` over `wins`: from the cache, unless a window is over a temporary buffer.
@@ -1154,7 +1144,7 @@ impl WgpuBackend {
                     .u(flags);
                 // k / 4 steps, then 4 per store of the block's 64 accumulators.
                 self.require_loop_budget("matmul", g.k / 4 + 256);
-                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone(), false) {
+                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone(), tex_matmul::Variant::Plain) {
                     return;
                 }
                 let groups = (
@@ -1165,7 +1155,7 @@ impl WgpuBackend {
                 return;
             }
             // B given as a row-major transpose (`x @ W^T`): the texture-fed kernel reads W's rows.
-            if self.tex_matmul_nt.is_some()
+            if self.tex_matmul.is_some()
                 && g.a.cs == 1
                 && g.b.rs == 1
                 && g.a.rs % 4 == 0
@@ -1191,7 +1181,39 @@ impl WgpuBackend {
                     .u(wbias.off)
                     .u(flags);
                 self.require_loop_budget("matmul", g.k / 4 + 256);
-                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p, true) {
+                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p, tex_matmul::Variant::TransposedB) {
+                    return;
+                }
+            }
+            // A given as a row-major transpose (`X^T @ dY`, the weight gradients): the texture holds X.
+            if self.tex_matmul.is_some()
+                && g.a.rs == 1
+                && g.b.cs == 1
+                && g.a.cs % 4 == 0
+                && g.b.rs % 4 == 0
+                && g.m % 4 == 0
+                && g.n % 4 == 0
+                && g.k % 4 == 0
+                && g.k > 0
+                && aligned(&wa)
+                && aligned(&wb)
+            {
+                let p = Params::default()
+                    .u(g.m)
+                    .u(g.n)
+                    .u(g.k)
+                    .u(wc.off)
+                    .u(g.c.rs)
+                    .u(wa.off / 4)
+                    .u(g.a.cs / 4)
+                    .u(1u32)
+                    .u(wb.off / 4)
+                    .u(g.b.rs / 4)
+                    .u(1u32)
+                    .u(wbias.off)
+                    .u(flags);
+                self.require_loop_budget("matmul", g.k / 4 + 256);
+                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p, tex_matmul::Variant::TransposedA) {
                     return;
                 }
             }

@@ -1,6 +1,6 @@
-//! The texture-fed vec4 matmuls (`shaders/matmul4t.wgsl` for `A @ B`, `shaders/matmul4t_nt.wgsl` for
-//! `A @ W^T` with W row-major), used on software adapters with 8-lane subgroups only; one `TexMatmul` per
-//! kernel.
+//! The texture-fed vec4 matmuls (`shaders/matmul4t.wgsl` for `A @ B`, `matmul4t_nt.wgsl` for `A @ W^T`
+//! and `matmul4t_tn.wgsl` for `X^T @ B`, W and X row-major), used on software adapters with 8-lane
+//! subgroups only; one `TexMatmul` per kernel ([`Variant`]).
 //!
 //! llvmpipe compiles a storage-buffer load whose address differs between invocations into a loop over the
 //! SIMD lanes with a branch and a scalar access per lane, and an image load into one load per lane, so on
@@ -25,6 +25,37 @@ pub(super) const TILE_N: usize = 64;
 /// `layout` of the bind-group cache keys of this kernel; the storage-only layouts use their binding count
 /// (at most a handful), so keys can never collide.
 const KEY_LAYOUT: u32 = 0x7e47;
+
+/// Which operand each texture-fed kernel takes transposed; the kernels are built in this order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Variant {
+    /// `A @ B` (`matmul4t`).
+    Plain = 0,
+    /// `A @ W^T`, W row-major (`matmul4t_nt`): B's texture holds B^T.
+    TransposedB = 1,
+    /// `X^T @ B`, X row-major (`matmul4t_tn`): A's texture holds A^T.
+    TransposedA = 2,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 3] = [Variant::Plain, Variant::TransposedB, Variant::TransposedA];
+
+    pub fn entry(self) -> &'static str {
+        match self {
+            Variant::Plain => "matmul4t",
+            Variant::TransposedB => "matmul4t_nt",
+            Variant::TransposedA => "matmul4t_tn",
+        }
+    }
+
+    pub fn source(self) -> &'static str {
+        match self {
+            Variant::Plain => include_str!("../../../shaders/matmul4t.wgsl"),
+            Variant::TransposedB => include_str!("../../../shaders/matmul4t_nt.wgsl"),
+            Variant::TransposedA => include_str!("../../../shaders/matmul4t_tn.wgsl"),
+        }
+    }
+}
 
 /// Which operand a pooled texture holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,7 +89,7 @@ pub(super) struct Source<'a> {
 }
 
 impl TexMatmul {
-    /// `entry` is `matmul4t` (B as given) or `matmul4t_nt` (B's texture holds B^T).
+    /// `source` is the WGSL of the kernel named `entry` (see [`Variant`]) with its shared snippets.
     pub fn new(device: &wgpu::Device, source: &str, entry: &'static str, max_dim: u32) -> Self {
         let texture = |binding| wgpu::BindGroupLayoutEntry {
             binding,
