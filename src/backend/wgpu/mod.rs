@@ -305,6 +305,13 @@ impl Params {
     }
 }
 
+/// For the vec4 kernels: how far apart `m`'s rows lie (row-major, `cs == 1`) or, with `transposed`, its
+/// transpose's rows (`rs == 1`), when that is a multiple of 4 elements.
+fn vec4_rows(m: &Mat, transposed: bool) -> Option<usize> {
+    let (unit, rows) = if transposed { (m.rs, m.cs) } else { (m.cs, m.rs) };
+    (unit == 1 && rows % 4 == 0).then_some(rows)
+}
+
 /// One strided matrix operand: element `(r, c)` is at `off + r * rs + c * cs` of buffer `buf`.
 #[derive(Clone, Copy, Debug)]
 struct Mat {
@@ -1115,106 +1122,58 @@ impl WgpuBackend {
                 None => self.dummy_win(),
             };
             let flags = g.accumulate as u32 | (g.bias.is_some() as u32) << 1;
-            // Row-major A and B whose windows start 16-byte aligned, with n, k and row strides multiples of
-            // 4: the vec4 kernel.
+            // Windows starting 16-byte aligned, with n and k multiples of 4, and each operand row-major or
+            // (texture-fed kernels only) its row-major transpose, with rows a multiple of 4 apart: the vec4
+            // kernels. Their parameters: A's and B's (texture) rows apart, in vec4s.
             let aligned = |w: &Win| w.off % 4 == 0 && w.start % 16 == 0;
-            if g.a.cs == 1
-                && g.b.cs == 1
-                && g.a.rs % 4 == 0
-                && g.b.rs % 4 == 0
-                && g.n % 4 == 0
-                && g.k % 4 == 0
-                && g.k > 0
-                && aligned(&wa)
-                && aligned(&wb)
-            {
-                let p = Params::default()
+            let vec4_params = |a_rows: usize, b_rows: usize| {
+                Params::default()
                     .u(g.m)
                     .u(g.n)
                     .u(g.k)
                     .u(wc.off)
                     .u(g.c.rs)
                     .u(wa.off / 4)
-                    .u(g.a.rs / 4)
+                    .u(a_rows / 4)
                     .u(1u32)
                     .u(wb.off / 4)
-                    .u(g.b.rs / 4)
+                    .u(b_rows / 4)
                     .u(1u32)
                     .u(wbias.off)
-                    .u(flags);
+                    .u(flags)
+            };
+            if g.n % 4 == 0 && g.k % 4 == 0 && g.k > 0 && aligned(&wa) && aligned(&wb) {
                 // k / 4 steps, then 4 per store of the block's 64 accumulators.
-                self.require_loop_budget("matmul", g.k / 4 + 256);
-                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone(), tex_matmul::Variant::Plain) {
+                let iterations = g.k / 4 + 256;
+                if let (Some(a_rows), Some(b_rows)) = (vec4_rows(&g.a, false), vec4_rows(&g.b, false)) {
+                    let p = vec4_params(a_rows, b_rows);
+                    self.require_loop_budget("matmul", iterations);
+                    if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p.clone(), tex_matmul::Variant::Plain) {
+                        return;
+                    }
+                    let groups = (
+                        ceil_div(g.n, MATMUL4_TILE_N) as u32,
+                        ceil_div(g.m, MATMUL4_TILE_M) as u32,
+                    );
+                    self.dispatch("matmul4", &[wc, wa, wb, wbias], p, groups);
                     return;
                 }
-                let groups = (
-                    ceil_div(g.n, MATMUL4_TILE_N) as u32,
-                    ceil_div(g.m, MATMUL4_TILE_M) as u32,
-                );
-                self.dispatch("matmul4", &[wc, wa, wb, wbias], p, groups);
-                return;
-            }
-            // B given as a row-major transpose (`x @ W^T`): the texture-fed kernel reads W's rows.
-            if self.tex_matmul.is_some()
-                && g.a.cs == 1
-                && g.b.rs == 1
-                && g.a.rs % 4 == 0
-                && g.b.cs % 4 == 0
-                && g.n % 4 == 0
-                && g.k % 4 == 0
-                && g.k > 0
-                && aligned(&wa)
-                && aligned(&wb)
-            {
-                let p = Params::default()
-                    .u(g.m)
-                    .u(g.n)
-                    .u(g.k)
-                    .u(wc.off)
-                    .u(g.c.rs)
-                    .u(wa.off / 4)
-                    .u(g.a.rs / 4)
-                    .u(1u32)
-                    .u(wb.off / 4)
-                    .u(g.b.cs / 4)
-                    .u(1u32)
-                    .u(wbias.off)
-                    .u(flags);
-                self.require_loop_budget("matmul", g.k / 4 + 256);
-                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p, tex_matmul::Variant::TransposedB) {
-                    return;
-                }
-            }
-            // A given as a row-major transpose (`X^T @ dY`, the weight gradients): the texture holds X.
-            if self.tex_matmul.is_some()
-                && g.a.rs == 1
-                && g.b.cs == 1
-                && g.a.cs % 4 == 0
-                && g.b.rs % 4 == 0
-                && g.m % 4 == 0
-                && g.n % 4 == 0
-                && g.k % 4 == 0
-                && g.k > 0
-                && aligned(&wa)
-                && aligned(&wb)
-            {
-                let p = Params::default()
-                    .u(g.m)
-                    .u(g.n)
-                    .u(g.k)
-                    .u(wc.off)
-                    .u(g.c.rs)
-                    .u(wa.off / 4)
-                    .u(g.a.cs / 4)
-                    .u(1u32)
-                    .u(wb.off / 4)
-                    .u(g.b.rs / 4)
-                    .u(1u32)
-                    .u(wbias.off)
-                    .u(flags);
-                self.require_loop_budget("matmul", g.k / 4 + 256);
-                if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], p, tex_matmul::Variant::TransposedA) {
-                    return;
+                // `x @ W^T` (B transposed: the texture holds W) and `X^T @ dY` (A transposed, m a multiple of
+                // 4 too: the texture holds X), on software adapters only.
+                for (variant, a_t, b_t) in [
+                    (tex_matmul::Variant::TransposedB, false, true),
+                    (tex_matmul::Variant::TransposedA, true, false),
+                ] {
+                    let (Some(a_rows), Some(b_rows)) = (vec4_rows(&g.a, a_t), vec4_rows(&g.b, b_t)) else {
+                        continue;
+                    };
+                    if self.tex_matmul.is_none() || (a_t && g.m % 4 != 0) {
+                        continue;
+                    }
+                    self.require_loop_budget("matmul", iterations);
+                    if self.try_tex_matmul(&g, [&wc, &wa, &wb, &wbias], vec4_params(a_rows, b_rows), variant) {
+                        return;
+                    }
                 }
             }
             let p = Params::default()
