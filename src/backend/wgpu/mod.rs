@@ -370,7 +370,7 @@ pub struct WgpuBackend {
     /// The texture-fed matmul, on software adapters with 8-lane subgroups only (see `tex_matmul.rs`).
     /// One kernel per `tex_matmul::Variant`: `x @ W`, `x @ W^T` (the tied LM head and every input
     /// gradient) and `X^T @ dY` (every weight gradient).
-    tex_matmul: Option<Vec<tex_matmul::TexMatmul>>,
+    tex_matmul: Option<[tex_matmul::TexMatmul; 3]>,
     /// Dispatches of the texture-fed matmul so far (tests check which kernel ran).
     tex_matmul_dispatches: u64,
     /// Layer norm and cross-entropy take their one-invocation-per-row kernels (`*_rows`, no barriers)
@@ -490,7 +490,7 @@ impl WgpuBackend {
                 let source = format!("{COMMON}\n{shared}{}", v.source());
                 tex_matmul::TexMatmul::new(device, &source, v.entry(), ctx.limits.max_texture_dimension_2d)
             };
-            tex_matmul::Variant::ALL.map(make).into()
+            tex_matmul::Variant::ALL.map(make)
         });
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
@@ -724,20 +724,33 @@ impl WgpuBackend {
         t * (hs / 4 + hs % 4 + 1) + 3 * t
     }
 
+    /// A matmul's loop iterations per invocation over `k` terms: k steps (k / 4 for the vec4 and
+    /// texture-fed kernels), then 4 per store of the block's 64 accumulators.
+    fn matmul_iterations(k: usize, vec4: bool) -> usize {
+        (if vec4 { k / 4 } else { k }) + 256
+    }
+
+    /// A tree reduction's loop iterations per invocation: `passes` strided loops over `len` elements
+    /// (`stride` apart per invocation), then `trees` reductions of `levels` levels each.
+    fn tree_iterations(len: usize, stride: usize, passes: usize, trees: usize, levels: usize) -> usize {
+        passes * ceil_div(len, stride) + trees * levels
+    }
+
     /// Kernel and grid of a reduction over `n` rows (or columns): `serial`, one invocation each running
     /// `serial_iterations` loop iterations, when [`Self::set_row_kernels`] is on and the loop budget allows
-    /// it, else `tree`, one workgroup per `per_group` of them.
+    /// it, else `tree`, one workgroup per `per_group` of them, whose invocations run `tree_iterations`
+    /// (refused past the budget like any kernel).
     fn per_row(
         &self,
-        (tree, per_group): (&'static str, usize),
+        (tree, per_group, tree_iterations): (&'static str, usize, usize),
         (serial, serial_iterations): (&'static str, usize),
         n: usize,
     ) -> (&'static str, (u32, u32)) {
         if self.row_kernels && self.within_loop_budget(serial_iterations) {
-            (serial, self.grid1d(n))
-        } else {
-            (tree, self.grid(ceil_div(n, per_group)))
+            return (serial, self.grid1d(n));
         }
+        self.require_loop_budget(tree, tree_iterations);
+        (tree, self.grid(ceil_div(n, per_group)))
     }
 
     fn dispatch(&mut self, kernel: &str, wins: &[Win], params: Params, groups: (u32, u32)) {
@@ -1143,8 +1156,7 @@ impl WgpuBackend {
                     .u(flags)
             };
             if g.n % 4 == 0 && g.k % 4 == 0 && g.k > 0 && aligned(&wa) && aligned(&wb) {
-                // k / 4 steps, then 4 per store of the block's 64 accumulators.
-                let iterations = g.k / 4 + 256;
+                let iterations = Self::matmul_iterations(g.k, true);
                 if let (Some(a_rows), Some(b_rows)) = (vec4_rows(&g.a, false), vec4_rows(&g.b, false)) {
                     let p = vec4_params(a_rows, b_rows);
                     self.require_loop_budget("matmul", iterations);
@@ -1191,8 +1203,7 @@ impl WgpuBackend {
                 .u(wbias.off)
                 .u(flags);
             let groups = (ceil_div(g.n, MATMUL_TILE_N) as u32, ceil_div(g.m, MATMUL_TILE_M) as u32);
-            // k steps, then 4 per store of the block's 64 accumulators.
-            self.require_loop_budget("matmul", g.k + 256);
+            self.require_loop_budget("matmul", Self::matmul_iterations(g.k, false));
             self.dispatch("matmul", &[wc, wa, wb, wbias], p, groups);
             return;
         }
@@ -1275,8 +1286,9 @@ impl Backend for WgpuBackend {
         let tokens = b * t;
         let checks = [
             ("attention", Self::attention_iterations(t, c / nh.max(1))),
-            // The weight gradients sum over every token of the micro-batch (k = b * t, strided kernel).
-            ("the weight-gradient matmul", tokens + 256),
+            // The weight gradients sum over every token of the micro-batch (k = b * t; the strided kernel
+            // where the texture-fed one does not apply).
+            ("the weight-gradient matmul", Self::matmul_iterations(tokens, false)),
             ("the embedding backward", tokens),
         ];
         for (op, iterations) in checks {
@@ -1541,7 +1553,11 @@ impl Backend for WgpuBackend {
             .u(w[5].off)
             .u(0u32)
             .u(0u32);
-        let (kernel, groups) = self.per_row(("layernorm_forward", 1), ("layernorm_forward_rows", 3 * c), n);
+        let (kernel, groups) = self.per_row(
+            ("layernorm_forward", 1, Self::tree_iterations(c, WG as usize, 3, 2, 8)),
+            ("layernorm_forward_rows", 3 * c),
+            n,
+        );
         self.dispatch(kernel, &w, p, groups);
     }
 
@@ -1576,17 +1592,18 @@ impl Backend for WgpuBackend {
             .u(w[6].off)
             .u(w[7].off);
         // Both passes read the same parameter block: the input gradient by rows, then dweight/dbias by columns.
-        let (kernel, groups) = self.per_row(("layernorm_backward", 1), ("layernorm_backward_rows", 2 * c), n);
-        self.dispatch(kernel, &w[..7], p.clone(), groups);
         let (kernel, groups) = self.per_row(
-            ("layernorm_backward_params", 16),
+            ("layernorm_backward", 1, Self::tree_iterations(c, WG as usize, 2, 2, 8)),
+            ("layernorm_backward_rows", 2 * c),
+            n,
+        );
+        self.dispatch(kernel, &w[..7], p.clone(), groups);
+        // Tree: each of 16 lanes per column sums every 16th row, then a 4-level tree (counted as 8).
+        let (kernel, groups) = self.per_row(
+            ("layernorm_backward_params", 16, Self::tree_iterations(n, 16, 1, 1, 8)),
             ("layernorm_backward_params_cols", n),
             c,
         );
-        if kernel == "layernorm_backward_params" {
-            // Each of 16 lanes per column sums every 16th row, then a 4-level tree.
-            self.require_loop_budget("layer norm parameter gradients", n / 16 + 8);
-        }
         self.dispatch(kernel, &w, p, groups);
     }
 
@@ -1702,8 +1719,8 @@ impl Backend for WgpuBackend {
                     .u(wd.off)
                     .u(s.oc);
                 let groups = self.grid(ceil_div(s.oc, 16));
-                // Each of 16 lanes per column sums every 16th row, then a 4-level tree.
-                self.require_loop_budget("matmul bias gradient", (r1 - r0) / 16 + 8);
+                // Each of 16 lanes per column sums every 16th row, then a 4-level tree (counted as 8).
+                self.require_loop_budget("matmul bias gradient", Self::tree_iterations(r1 - r0, 16, 1, 1, 8));
                 self.dispatch("matmul_backward_bias", &[wdb, wd], p, groups);
                 r0 = r1;
             }
@@ -1812,7 +1829,11 @@ impl Backend for WgpuBackend {
             );
             let p = Params::default().u(r1 - r0).u(v).u(wl.off).u(wx.off).u(wt.off).f(0.0);
             let (kernel, groups) = self.per_row(
-                ("crossentropy_forward", 1),
+                (
+                    "crossentropy_forward",
+                    1,
+                    Self::tree_iterations(v, WG as usize, 2, 2, 8),
+                ),
                 ("crossentropy_forward_rows", 2 * v),
                 r1 - r0,
             );
@@ -1844,7 +1865,11 @@ impl Backend for WgpuBackend {
             );
             let p = Params::default().u(r1 - r0).u(v).u(0u32).u(wx.off).u(wt.off).f(dloss);
             let (kernel, groups) = self.per_row(
-                ("crossentropy_backward", 1),
+                (
+                    "crossentropy_backward",
+                    1,
+                    Self::tree_iterations(v, WG as usize, 3, 2, 8),
+                ),
                 ("crossentropy_backward_rows", 3 * v),
                 r1 - r0,
             );
