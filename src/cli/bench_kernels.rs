@@ -30,7 +30,8 @@ pub fn run_bench_kernels(backend: &str, sizes: &[usize], iters: usize) -> Result
     }
 }
 
-/// Timed rounds per matmul size when the CPU backend's matmul is measured alongside (alternating).
+/// Timed rounds, each alternating the backend with its reference: the CPU backend's matmul (per size, for
+/// a non-CPU backend) and the native element-wise loop.
 const REFERENCE_ROUNDS: usize = 3;
 
 fn bench_all<B: Backend>(mut be: B, with_cpu_reference: bool, sizes: &[usize], iters: usize) -> Result<()> {
