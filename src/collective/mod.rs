@@ -17,6 +17,7 @@ pub mod frame;
 pub mod le_pieces;
 pub mod mem;
 pub mod quic;
+pub mod rank_runtime;
 pub mod ring;
 
 use std::ops::Range;

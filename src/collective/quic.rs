@@ -42,6 +42,7 @@ use tokio::time::Instant;
 use super::buffer_pool::{BufferPool, PooledLeF32};
 use super::frame::{self, FrameError, Header, Kind, SequenceGuard, HEADER_LEN, PROTOCOL_VERSION};
 use super::le_pieces::LePieces;
+use super::rank_runtime::RankRuntime;
 use super::ring::Engine;
 use super::{Collective, CollectiveError, Result};
 use crate::dist::{Control, Hello};
@@ -197,8 +198,6 @@ struct Tuning {
     /// Size the flow-control windows from the receive buffer the kernel granted ([`flow_window_for`])
     /// instead of the fixed 16 MiB stream / 64 MiB connection windows.
     window_from_socket: bool,
-    /// Tokio worker threads per rank.
-    workers: usize,
 }
 
 /// First datagram size on loopback. macOS refuses UDP datagrams over `net.inet.udp.maxdgram` (9216 bytes
@@ -216,7 +215,6 @@ impl Tuning {
                 gso: false,
                 sock_buf: 4 << 20,
                 window_from_socket: true,
-                workers: 2,
             }
         } else {
             Tuning {
@@ -226,7 +224,6 @@ impl Tuning {
                 gso: true,
                 sock_buf: 4 << 20,
                 window_from_socket: false,
-                workers: 2,
             }
         }
     }
@@ -720,7 +717,7 @@ enum ControlPlane {
 
 /// One rank of a QUIC ring.
 pub struct QuicCollective {
-    rt: Option<tokio::runtime::Runtime>,
+    rt: Option<RankRuntime>,
     cfg: QuicConfig,
     endpoint: Endpoint,
     shared: Arc<Shared>,
@@ -798,11 +795,7 @@ impl QuicCollective {
         if cfg.secret.is_none() && !bind.ip().is_loopback() {
             return Err(no_secret_refusal(bind));
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(Tuning::for_link(bind.ip().is_loopback()).workers)
-            .thread_name(format!("ringtrain-quic-{}", cfg.rank))
-            .enable_all()
-            .build()
+        let rt = RankRuntime::new(format!("ringtrain-quic-{}", cfg.rank))
             .map_err(|e| local(format!("cannot start the async runtime: {e}")))?;
         let (poison, poison_rx) = watch::channel(None);
         let shared = Arc::new(Shared {
@@ -815,7 +808,7 @@ impl QuicCollective {
         let s = match setup {
             Ok(s) => s,
             Err(e) => {
-                rt.shutdown_background();
+                rt.shutdown();
                 return Err(e);
             }
         };
@@ -849,7 +842,7 @@ impl QuicCollective {
         self.endpoint.local_addr().ok()
     }
 
-    fn rt(&self) -> &tokio::runtime::Runtime {
+    fn rt(&self) -> &RankRuntime {
         self.rt.as_ref().expect("runtime present until drop")
     }
 
@@ -1437,7 +1430,7 @@ impl Drop for QuicCollective {
             if !self.crashed {
                 rt.block_on(self.goodbye());
             }
-            rt.shutdown_background();
+            rt.shutdown();
         }
     }
 }
