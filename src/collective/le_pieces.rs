@@ -56,7 +56,20 @@ impl LePieces {
     pub fn sum_into(&self, own: &[f32], out: &mut [f32]) {
         self.for_each_run(|first, bytes| {
             let end = first + bytes.len() / 4;
-            add_le(&mut out[first..end], bytes, &own[first..end]);
+            fold_le(&mut out[first..end], bytes, &own[first..end], |sum| sum);
+        });
+    }
+
+    /// The last step of a sum in one pass: `out = (values + own) / divisor` (no division for `None`), and
+    /// `own = out` too. The bits equal a sum, then a division, then a copy, done one after the other.
+    pub fn finish_into(&self, own: &mut [f32], out: &mut [f32], divisor: Option<f32>) {
+        self.for_each_run(|first, bytes| {
+            let end = first + bytes.len() / 4;
+            let (own, out) = (&mut own[first..end], &mut out[first..end]);
+            match divisor {
+                Some(k) => finish_le(out, bytes, own, |sum| sum / k),
+                None => finish_le(out, bytes, own, |sum| sum),
+            }
         });
     }
 
@@ -128,10 +141,21 @@ fn decode_le(dst: &mut [f32], bytes: &[u8]) {
     }
 }
 
-/// `out[i] = f32::from_le_bytes(bytes[4i..4i + 4]) + own[i]`.
-fn add_le(out: &mut [f32], bytes: &[u8], own: &[f32]) {
+/// `out[i] = finish(f32::from_le_bytes(bytes[4i..4i + 4]) + own[i])`.
+#[inline(always)]
+fn fold_le(out: &mut [f32], bytes: &[u8], own: &[f32], finish: impl Fn(f32) -> f32) {
     for ((o, c), d) in out.iter_mut().zip(bytes.chunks_exact(4)).zip(own) {
-        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + *d;
+        *o = finish(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + *d);
+    }
+}
+
+/// `own[i] = out[i] = finish(f32::from_le_bytes(bytes[4i..4i + 4]) + own[i])`.
+#[inline(always)]
+fn finish_le(out: &mut [f32], bytes: &[u8], own: &mut [f32], finish: impl Fn(f32) -> f32) {
+    for ((o, c), d) in out.iter_mut().zip(bytes.chunks_exact(4)).zip(own.iter_mut()) {
+        let v = finish(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + *d);
+        *o = v;
+        *d = v;
     }
 }
 
@@ -168,6 +192,14 @@ mod tests {
             p.sum_into(&own, &mut out);
             let want: Vec<f32> = values.iter().zip(&own).map(|(a, b)| a + b).collect();
             prop_assert_eq!(bits(&out), bits(&want));
+            for divisor in [None, Some(3.0f32)] {
+                let mut mine = own.clone();
+                let mut out = vec![f32::NAN; values.len()];
+                p.finish_into(&mut mine, &mut out, divisor);
+                let want: Vec<f32> = want.iter().map(|&s| divisor.map_or(s, |k| s / k)).collect();
+                prop_assert_eq!(bits(&out), bits(&want));
+                prop_assert_eq!(bits(&mine), bits(&want));
+            }
             prop_assert_eq!(&p, &LePieces::from_f32(&values));
         }
     }

@@ -128,6 +128,26 @@ impl Incoming {
         }
     }
 
+    /// The last step of a sum: `(values + own) / divisor` (no division for `None`) into `own` and into the
+    /// returned buffer (the received allocation when there is one), in one pass.
+    fn finish(self, own: &mut [f32], divisor: Option<f32>) -> Vec<f32> {
+        match self {
+            Incoming::Owned(mut v) => {
+                for (s, d) in v.iter_mut().zip(own.iter_mut()) {
+                    let sum = *s + *d;
+                    *s = divisor.map_or(sum, |k| sum / k);
+                    *d = *s;
+                }
+                v
+            }
+            Incoming::Pieces(p) => {
+                let mut out = p.scratch(own.len());
+                p.finish_into(own, &mut out, divisor);
+                out
+            }
+        }
+    }
+
     fn into_payload(self) -> Payload {
         match self {
             Incoming::Owned(v) => Payload::F32(v),
@@ -434,22 +454,18 @@ impl Engine for RingEngine<'_> {
         }
         // Received partial (ranks c+1 .. r-1 folded left to right) plus our own contribution. IEEE addition
         // is commutative, so `partial + own` and `own + partial` give the same bits.
-        let mut data = incoming.plus(dst);
-        // In reduce-scatter phase N-2 the received chunk is this rank's own: the sum completes here.
+        // In reduce-scatter phase N-2 the received chunk is this rank's own: the sum completes here, and a
+        // mean divides it by N once, on the owner only. The finished sum is stored; in an all-reduce a
+        // partial sum is not, since the all-gather overwrites it later (a reduce-scatter keeps its partials,
+        // documented).
         let last_rs = phase == n - 2;
-        if last_rs && mean {
-            // chunk == rank: the sum is complete here; one division by N, on the owner only.
-            let k = n as f32;
-            for s in data.iter_mut() {
-                *s /= k;
-            }
-        }
-        // In an all-reduce, a partial sum that is not final is overwritten by the all-gather later, so only
-        // the finished sum is stored; a reduce-scatter keeps its partials (documented).
-        let partial_overwritten_later = matches!(self.op, RingOp::AllReduce(_)) && !last_rs;
-        if !partial_overwritten_later {
-            dst.copy_from_slice(&data);
-        }
+        let data = if last_rs {
+            incoming.finish(dst, mean.then_some(n as f32))
+        } else if matches!(self.op, RingOp::AllReduce(_)) {
+            incoming.plus(dst)
+        } else {
+            incoming.finish(dst, None)
+        };
         if forward {
             // The chunk we send in phase p+1 is the one we just received in phase p; the payload is what
             // this rank computed for it.
