@@ -229,7 +229,22 @@ pub struct RingEngine<'a> {
     /// Received flags per `(phase, sub)`; the chunk of a phase is implied.
     seen: Vec<Vec<bool>>,
     remaining: usize,
-    outbox: std::collections::VecDeque<Msg>,
+    outbox: std::collections::VecDeque<Outgoing>,
+}
+
+/// A message waiting to be sent.
+enum Outgoing {
+    Ready(Msg),
+    /// Sub-chunk `sub` of `phase`'s send chunk, copied out of the caller's buffer only when the transport
+    /// takes it: the copy is then still in cache when the transport reads it, and a large phase 0 does not
+    /// hold a second copy of the whole chunk before its first byte leaves. The region is not written before
+    /// that: only phase 0 sends from the buffer, the chunk a rank sends in phase 0 is never one it receives
+    /// in the reduce-scatter, and the finished sum of a sub-chunk it gets back in the all-gather includes
+    /// this very contribution, so it can only arrive after the copy was sent.
+    FromBuffer {
+        phase: usize,
+        sub: usize,
+    },
 }
 
 impl<'a> RingEngine<'a> {
@@ -326,11 +341,9 @@ impl<'a> RingEngine<'a> {
         s..(s + self.sub_chunk).min(r.end)
     }
 
-    /// Queues sub-chunk `sub` of this phase's send chunk, copied from the buffer.
+    /// Queues sub-chunk `sub` of this phase's send chunk, to be copied from the buffer when it is sent.
     fn queue(&mut self, phase: usize, sub: usize) {
-        let range = self.sub_range(self.send_chunk(phase), sub);
-        let data = self.buf[range].to_vec();
-        self.queue_owned(phase, sub, data);
+        self.outbox.push_back(Outgoing::FromBuffer { phase, sub });
     }
 
     /// Queues sub-chunk `sub` of this phase's send chunk with `data` as its payload.
@@ -341,14 +354,19 @@ impl<'a> RingEngine<'a> {
     /// Queues sub-chunk `sub` of this phase's send chunk. Forwarding reuses what a message arrived in (its
     /// allocation, or its received pieces), so no payload is copied or allocated again for it.
     fn queue_payload(&mut self, phase: usize, sub: usize, payload: Payload) {
+        let msg = self.msg(phase, sub, payload);
+        self.outbox.push_back(Outgoing::Ready(msg));
+    }
+
+    fn msg(&self, phase: usize, sub: usize, payload: Payload) -> Msg {
         let c = self.send_chunk(phase);
         debug_assert_eq!(payload.len_bytes(), 4 * self.sub_range(c, sub).len());
-        self.outbox.push_back(Msg {
+        Msg {
             phase: phase as u32,
             chunk: c as u32,
             sub: sub as u32,
             payload,
-        });
+        }
     }
 
     fn start(&mut self) {
@@ -382,7 +400,13 @@ impl<'a> RingEngine<'a> {
 
 impl Engine for RingEngine<'_> {
     fn poll_transmit(&mut self) -> Option<Msg> {
-        self.outbox.pop_front()
+        match self.outbox.pop_front()? {
+            Outgoing::Ready(m) => Some(m),
+            Outgoing::FromBuffer { phase, sub } => {
+                let data = self.buf[self.sub_range(self.send_chunk(phase), sub)].to_vec();
+                Some(self.msg(phase, sub, Payload::F32(data)))
+            }
+        }
     }
 
     fn handle(&mut self, msg: Msg) -> Result<(), RingError> {
