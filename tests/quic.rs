@@ -391,3 +391,42 @@ fn all_reduce_larger_than_reader_queue_and_window() {
         assert!(r.unwrap() == want, "sum differs");
     }
 }
+
+/// Between collectives nobody calls into the transport (the trainer computes), yet keep-alives and
+/// acknowledgements must still flow: ranks that pause for several idle timeouts, one rank much longer than
+/// the others, still complete the next collectives.
+#[test]
+fn links_survive_pauses_longer_than_the_idle_timeout() {
+    let world = 3;
+    let (sock, master) = master_socket();
+    let cfgs = (0..world)
+        .map(|r| {
+            let mut c = cfg(r, world, master);
+            // Long enough that a loaded CI machine does not starve the keep-alives past it.
+            c.idle_timeout = Duration::from_millis(1000);
+            c
+        })
+        .collect();
+    let res = run_ranks(cfgs, sock, |c| {
+        let mut sums = Vec::new();
+        for round in 0..2u64 {
+            // Rank 1 pauses longest, so the others wait for it inside the collective meanwhile.
+            let pause = if c.rank() == 1 { 3500 } else { 2500 };
+            std::thread::sleep(Duration::from_millis(pause));
+            c.set_step(round);
+            let mut b = input(c.rank(), 1000);
+            c.all_reduce_sum(&mut b).map_err(|e| e.to_string())?;
+            sums.push(b);
+        }
+        Ok::<_, String>(sums)
+    });
+    let want: Vec<f32> = (0..1000).map(|i| (0..world).map(|r| input(r, 1000)[i]).sum()).collect();
+    for (r, res) in res.into_iter().enumerate() {
+        let sums = res
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"))
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        for s in sums {
+            assert_eq!(s, want, "rank {r}");
+        }
+    }
+}
