@@ -1,6 +1,6 @@
 //! How fast a 2-rank ring all-reduce (mean) of 64 MiB of f32 over QUIC could be if each rank drove
-//! `quinn-proto` itself on one thread: received datagrams go to quinn-proto without a copy (recvmmsg into a
-//! shared buffer, split per datagram), and there is no async runtime.
+//! `quinn-proto` itself on one thread: received datagrams go to quinn-proto without a copy (recvfrom into a
+//! shared buffer's unused capacity, split per datagram), and there is no async runtime.
 //!
 //! A measuring prototype, not a transport: two threads in one process on loopback, one uni stream per
 //! direction carrying raw f32 (no frame headers, no authentication exchange, no failure handling), and the
@@ -11,7 +11,6 @@
 use bytes::{Bytes, BytesMut};
 use quinn_proto as qp;
 use std::collections::{HashMap, VecDeque};
-use std::io::IoSliceMut;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +21,6 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const FLOATS: usize = 16 << 20; // 64 MiB
 const HALF: usize = FLOATS / 2;
 const SUB_BYTES: usize = 256 << 10;
-const BATCH: usize = 8;
 const SLOT: usize = 65536;
 
 #[derive(Debug)]
@@ -148,55 +146,75 @@ impl Side {
         }
     }
 
+    /// Receives one datagram straight into the arena's unused capacity: the kernel writes the bytes and only
+    /// those are marked initialised, so nothing is zeroed or copied in user space. The arena is split per
+    /// datagram; quinn-proto keeps the pieces it needs, and the allocation is freed when they are dropped.
+    fn recv_one(&mut self) -> std::io::Result<(BytesMut, SocketAddr)> {
+        use std::os::fd::AsRawFd;
+        if self.arena.capacity() - self.arena.len() < SLOT {
+            self.arena = BytesMut::with_capacity(64 * SLOT);
+        }
+        let spare = self.arena.spare_capacity_mut();
+        // SAFETY: all-zero bytes are a valid sockaddr_storage.
+        let mut addr: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut addr_len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        // SAFETY: the buffer pointer and length describe the arena's spare capacity, which the kernel may
+        // write; the address buffer is a sockaddr_storage with its size.
+        let n = unsafe {
+            libc::recvfrom(
+                self.sock.as_raw_fd(),
+                spare.as_mut_ptr().cast(),
+                SLOT,
+                0,
+                (&mut addr as *mut libc::sockaddr_storage).cast(),
+                &mut addr_len,
+            )
+        };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the kernel initialised the first `n` bytes of the spare capacity.
+        unsafe { self.arena.set_len(n as usize) };
+        let from = match addr.ss_family as i32 {
+            libc::AF_INET => {
+                // SAFETY: the family says this is a sockaddr_in.
+                let a = unsafe { *(&addr as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+                SocketAddr::from((u32::from_be(a.sin_addr.s_addr).to_be_bytes(), u16::from_be(a.sin_port)))
+            }
+            f => panic!("unexpected address family {f}"),
+        };
+        Ok((self.arena.split(), from))
+    }
+
     fn recv_all(&mut self, now: Instant) -> bool {
         let mut any = false;
+        let mut resp = Vec::new();
         loop {
-            if self.arena.len() < BATCH * SLOT {
-                let mut a = BytesMut::with_capacity(64 * SLOT);
-                // SAFETY (prototype): the kernel writes what is read; bytes past each datagram are never read.
-                unsafe { a.set_len(64 * SLOT) };
-                self.arena = a;
-            }
-            let mut metas = [quinn_udp::RecvMeta::default(); BATCH];
-            let n = {
-                let mut slices: Vec<IoSliceMut> = self.arena[..BATCH * SLOT]
-                    .chunks_mut(SLOT)
-                    .map(IoSliceMut::new)
-                    .collect();
-                match self.st.recv((&self.sock).into(), &mut slices, &mut metas) {
-                    Ok(n) => n,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return any,
-                    Err(e) => panic!("recv: {e}"),
-                }
+            let (d, from) = match self.recv_one() {
+                Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return any,
+                Err(e) => panic!("recv: {e}"),
             };
             any = true;
-            let mut resp = Vec::new();
-            for meta in metas.iter().take(n) {
-                let mut slot = self.arena.split_to(SLOT);
-                slot.truncate(meta.len);
-                while !slot.is_empty() {
-                    let d = slot.split_to(meta.stride.min(slot.len()));
-                    match self.ep.handle(now, meta.addr, meta.dst_ip, None, d, &mut resp) {
-                        Some(qp::DatagramEvent::ConnectionEvent(ch, ev)) => {
-                            if let Some(c) = self.conns.get_mut(&ch) {
-                                c.handle_event(ev)
-                            }
-                        }
-                        Some(qp::DatagramEvent::NewConnection(inc)) => {
-                            let mut b = Vec::new();
-                            let (ch, c) = self.ep.accept(inc, now, &mut b, None).expect("accept");
-                            self.conns.insert(ch, c);
-                            self.left = Some(ch);
-                        }
-                        Some(qp::DatagramEvent::Response(t)) => {
-                            let d = resp[..t.size].to_vec();
-                            self.send_raw(t.destination, &d);
-                        }
-                        None => {}
+            match self.ep.handle(now, from, None, None, d, &mut resp) {
+                Some(qp::DatagramEvent::ConnectionEvent(ch, ev)) => {
+                    if let Some(c) = self.conns.get_mut(&ch) {
+                        c.handle_event(ev)
                     }
-                    resp.clear();
                 }
+                Some(qp::DatagramEvent::NewConnection(inc)) => {
+                    let mut b = Vec::new();
+                    let (ch, c) = self.ep.accept(inc, now, &mut b, None).expect("accept");
+                    self.conns.insert(ch, c);
+                    self.left = Some(ch);
+                }
+                Some(qp::DatagramEvent::Response(t)) => {
+                    let d = resp[..t.size].to_vec();
+                    self.send_raw(t.destination, &d);
+                }
+                None => {}
             }
+            resp.clear();
         }
     }
 
@@ -393,6 +411,22 @@ fn main() {
             std::thread::spawn(move || {
                 sock.set_nonblocking(true).unwrap();
                 let st = quinn_udp::UdpSocketState::new((&sock).into()).unwrap();
+                // `recv_one` reads one datagram per call and no control messages: turn off the receive
+                // coalescing quinn-udp enables.
+                {
+                    use std::os::fd::AsRawFd;
+                    let off: libc::c_int = 0;
+                    // SAFETY: a valid socket and an int option value with its size.
+                    unsafe {
+                        libc::setsockopt(
+                            sock.as_raw_fd(),
+                            libc::SOL_UDP,
+                            libc::UDP_GRO,
+                            (&off as *const libc::c_int).cast(),
+                            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                        )
+                    };
+                }
                 let _ = st.set_recv_buffer_size((&sock).into(), 4 << 20);
                 let _ = st.set_send_buffer_size((&sock).into(), 4 << 20);
                 let granted = st.recv_buffer_size((&sock).into()).unwrap();
