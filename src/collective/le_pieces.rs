@@ -56,7 +56,7 @@ impl LePieces {
     pub fn sum_into(&self, own: &[f32], out: &mut [f32]) {
         self.for_each_run(|first, bytes| {
             let end = first + bytes.len() / 4;
-            fold_le(&mut out[first..end], bytes, &own[first..end], |sum| sum);
+            add_le(&mut out[first..end], bytes, &own[first..end]);
         });
     }
 
@@ -141,11 +141,10 @@ fn decode_le(dst: &mut [f32], bytes: &[u8]) {
     }
 }
 
-/// `out[i] = finish(f32::from_le_bytes(bytes[4i..4i + 4]) + own[i])`.
-#[inline(always)]
-fn fold_le(out: &mut [f32], bytes: &[u8], own: &[f32], finish: impl Fn(f32) -> f32) {
+/// `out[i] = f32::from_le_bytes(bytes[4i..4i + 4]) + own[i]`.
+fn add_le(out: &mut [f32], bytes: &[u8], own: &[f32]) {
     for ((o, c), d) in out.iter_mut().zip(bytes.chunks_exact(4)).zip(own) {
-        *o = finish(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + *d);
+        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + *d;
     }
 }
 

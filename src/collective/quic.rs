@@ -812,7 +812,7 @@ impl QuicCollective {
         let s = match setup {
             Ok(s) => s,
             Err(e) => {
-                rt.shutdown();
+                drop(rt);
                 return Err(e);
             }
         };
@@ -1434,7 +1434,7 @@ impl Drop for QuicCollective {
             if !self.crashed {
                 rt.block_on(self.goodbye());
             }
-            rt.shutdown();
+            drop(rt);
         }
     }
 }

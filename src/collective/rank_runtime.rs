@@ -92,7 +92,7 @@ impl RankRuntime {
     }
 
     fn runtime(&self) -> &Runtime {
-        self.rt.as_ref().expect("runtime present until shutdown")
+        self.rt.as_ref().expect("runtime present until drop")
     }
 
     /// Runs `f` to completion on the calling thread, which drives the runtime (its spawned tasks and I/O)
@@ -102,18 +102,6 @@ impl RankRuntime {
         let _leave = Foreground(&self.idle);
         self.idle.release.notify_one();
         self.runtime().block_on(f)
-    }
-
-    /// Stops the idle thread and the runtime; tasks still pending are dropped without being polled again.
-    pub fn shutdown(mut self) {
-        self.stop_idle_thread();
-        if let Some(rt) = self.rt.take() {
-            match Arc::try_unwrap(rt) {
-                Ok(rt) => rt.shutdown_background(),
-                // Only the idle thread held another reference, and it has been joined.
-                Err(_) => unreachable!("the idle thread has been joined"),
-            }
-        }
     }
 
     fn stop_idle_thread(&mut self) {
@@ -126,10 +114,12 @@ impl RankRuntime {
     }
 }
 
+/// Stops the idle thread, then the runtime: tasks still pending are dropped without being polled again.
 impl Drop for RankRuntime {
     fn drop(&mut self) {
         self.stop_idle_thread();
         if let Some(rt) = self.rt.take() {
+            // Only the idle thread held another reference, and it has been joined.
             if let Ok(rt) = Arc::try_unwrap(rt) {
                 rt.shutdown_background();
             }
@@ -175,6 +165,5 @@ mod tests {
             t.elapsed()
         });
         assert!(slept >= Duration::from_millis(20));
-        rr.shutdown();
     }
 }
