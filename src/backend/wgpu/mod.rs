@@ -736,6 +736,13 @@ impl WgpuBackend {
         passes * ceil_div(len, stride) + trees * levels
     }
 
+    /// Loop iterations per invocation of the column-sum kernels (layer-norm parameter gradients, matmul bias
+    /// gradient) over `rows` rows: each of 16 lanes per column sums every 16th row, then a 4-level tree
+    /// (counted as 8).
+    fn column_sum_iterations(rows: usize) -> usize {
+        Self::tree_iterations(rows, 16, 1, 1, 8)
+    }
+
     /// Kernel and grid of a reduction over `n` rows (or columns): `serial`, one invocation each running
     /// `serial_iterations` loop iterations, when [`Self::set_row_kernels`] is on and the loop budget allows
     /// it, else `tree`, one workgroup per `per_group` of them, whose invocations run `tree_iterations`
@@ -1598,9 +1605,8 @@ impl Backend for WgpuBackend {
             n,
         );
         self.dispatch(kernel, &w[..7], p.clone(), groups);
-        // Tree: each of 16 lanes per column sums every 16th row, then a 4-level tree (counted as 8).
         let (kernel, groups) = self.per_row(
-            ("layernorm_backward_params", 16, Self::tree_iterations(n, 16, 1, 1, 8)),
+            ("layernorm_backward_params", 16, Self::column_sum_iterations(n)),
             ("layernorm_backward_params_cols", n),
             c,
         );
@@ -1719,8 +1725,7 @@ impl Backend for WgpuBackend {
                     .u(wd.off)
                     .u(s.oc);
                 let groups = self.grid(ceil_div(s.oc, 16));
-                // Each of 16 lanes per column sums every 16th row, then a 4-level tree (counted as 8).
-                self.require_loop_budget("matmul bias gradient", Self::tree_iterations(r1 - r0, 16, 1, 1, 8));
+                self.require_loop_budget("matmul bias gradient", Self::column_sum_iterations(r1 - r0));
                 self.dispatch("matmul_backward_bias", &[wdb, wd], p, groups);
                 r0 = r1;
             }
