@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::{BufWriter, Write};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ringtrain::model::checkpoint::{
     config_from_hf_json, hf_config_json, load_model, load_trainer_state, resolve_checkpoint_dir, save_checkpoint,
@@ -13,6 +13,8 @@ use ringtrain::model::checkpoint::{
 use ringtrain::model::{ModelConfig, ParamLayout};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
+
+mod common;
 
 // ---------------------------------------------------------------------------------------------------------
 // Helpers
@@ -122,16 +124,6 @@ fn patch_bytes(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
         out[at..at + to.len()].copy_from_slice(to.as_bytes());
     }
     out
-}
-
-fn reference_dir() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/reference/gpt2-tiny/model");
-    if dir.is_dir() {
-        Some(dir)
-    } else {
-        eprintln!("skipping: {} is absent (reference data not available)", dir.display());
-        None
-    }
 }
 
 fn dir_names(dir: &Path) -> Vec<String> {
@@ -304,7 +296,7 @@ fn to_f16(x: f32) -> u16 {
 
 #[test]
 fn the_pytorch_reference_checkpoint_loads() {
-    let Some(dir) = reference_dir() else { return };
+    let dir = common::pytorch_reference_dir().join("model");
     let (cfg, params) = load_model(&dir).unwrap();
     assert_eq!(cfg, ModelConfig::tiny());
     let layout = ParamLayout::new(&cfg);

@@ -1,5 +1,6 @@
-//! The whole model against PyTorch + Hugging Face: `../shared/reference/gpt2-tiny` holds the init
-//! checkpoint, a batch, and the logits, loss, gradients and one AdamW step that PyTorch computed.
+//! The whole model against PyTorch + Hugging Face: `tests/fixtures/gpt2-tiny-pytorch` holds the init
+//! checkpoint, a batch, and the logits, loss, gradients and one AdamW step that PyTorch computed
+//! (`scripts/make_reference.py` writes it).
 //! Tolerances (fp32): logits 1e-5 abs, loss 1e-5 abs, gradients 1e-6 abs + 1e-4 rel, updated parameters
 //! 1e-4 = 0.1 * lr (measured: logits 3e-7, loss 9e-8, updated 7.4e-6).
 
@@ -8,20 +9,8 @@ use ringtrain::model::checkpoint::load_model;
 use ringtrain::model::{Gpt2, ParamLayout};
 use ringtrain::optim::{AdamW, AdamWConfig};
 use safetensors::SafeTensors;
-use std::path::PathBuf;
 
-fn reference_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/reference/gpt2-tiny");
-    if dir.join("expected.safetensors").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "SKIP: {} not found (a plain clone without the shared reference)",
-            dir.display()
-        );
-        None
-    }
-}
+mod common;
 
 fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
     let t = st.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -46,7 +35,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn tiny_step_matches_pytorch() {
-    let Some(dir) = reference_dir() else { return };
+    let dir = common::pytorch_reference_dir();
     let (cfg, init) = load_model(&dir.join("model")).unwrap();
     let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();

@@ -22,6 +22,8 @@ use ringtrain::optim::adamw::clip_coefficient;
 use ringtrain::optim::{AdamW, AdamWConfig};
 use std::time::Instant;
 
+mod common;
+
 /// Largest allowed |loss_wgpu - loss_cpu| at any of the 50 steps.
 const LOSS_TOL: f64 = 5e-4;
 
@@ -174,18 +176,14 @@ fn gpt2_step<B: Backend>(be: &mut B, cfg: &ModelConfig, init: &[f32], b: usize, 
     (loss, grads, params)
 }
 
-/// The whole model on wgpu against PyTorch + Hugging Face (`../shared/reference/gpt2-tiny`, as
+/// The whole model on wgpu against PyTorch + Hugging Face (`tests/fixtures/gpt2-tiny-pytorch`, as
 /// `tests/reference.rs` does for the CPU backend): logits within 1e-5 abs, loss 1e-5, every gradient within
 /// 1e-6 abs + 1e-4 rel, the parameters after one AdamW step (lr 1e-3) within 0.1 * lr.
 #[test]
 fn tiny_matches_pytorch_reference() {
     use ringtrain::model::checkpoint::load_model;
     use safetensors::SafeTensors;
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/reference/gpt2-tiny");
-    if !dir.join("expected.safetensors").exists() {
-        eprintln!("SKIP: {} not found", dir.display());
-        return;
-    }
+    let dir = common::pytorch_reference_dir();
     let Some(mut be) = wgpu_backend() else { return };
     let (cfg, init) = load_model(&dir.join("model")).unwrap();
     let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
