@@ -1,6 +1,10 @@
-//! Every op of every backend against the CPU reference (`CpuBackend<f32>`).
+//! Every op of every backend against the CPU reference (`CpuBackend<f32>`), and the CPU reference itself
+//! against its f64 instance.
 //!
-//! `backend_tests!` expands each test body once per backend (`cpu::*`, `wgpu::*`). A case places all of its
+//! `backend_tests!` expands each test body once per backend (`cpu::*`, `wgpu::*`). The `cpu` arm checks
+//! `CpuBackend<f32>` against `CpuBackend<f64>`: the same readable ops, but with f64 arithmetic and the f64
+//! GEMM, so an f32-only path (the single-precision GEMM, a rounding or an overflow in f32) that goes wrong
+//! turns it red. A case places all of its
 //! f32 operands in ONE buffer, each after a gap of [`GAP`] elements (odd offsets, so views never start on
 //! a binding alignment, and several operands share a buffer as the model's activations do), runs the op on
 //! the backend under test and on the reference, then compares the WHOLE buffer: outputs, inputs that must
@@ -78,6 +82,9 @@ impl Case {
 type Op<'a> = &'a dyn Fn(&mut dyn Backend, &[View], &[TokenView]);
 
 thread_local! {
+    /// When set, `check` compares against `CpuBackend<f64>` instead of the f32 reference (the `cpu` arm,
+    /// whose backend under test is the f32 reference itself).
+    static F64_REFERENCE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// When non-zero, `run` places every operand across a multiple of this many elements (the segment size
     /// of the `wgpu_segmented` backend), so that each view straddles two wgpu buffers.
     static STRADDLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -129,8 +136,11 @@ fn run(be: &mut dyn Backend, case: &Case, op: Op) -> Vec<f32> {
 
 /// Runs `op` on `be` and on the reference and compares the whole buffers.
 fn check(be: &mut dyn Backend, name: &str, case: &Case, tol: Tol, op: Op) {
-    let mut reference = CpuBackend::<f32>::new();
-    let want = run(&mut reference, case, op);
+    let want = if F64_REFERENCE.with(|f| f.get()) {
+        run(&mut CpuBackend::<f64>::new(), case, op)
+    } else {
+        run(&mut CpuBackend::<f32>::new(), case, op)
+    };
     let got = run(be, case, op);
     let mut worst = 0f32;
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -478,6 +488,7 @@ macro_rules! backend_tests {
                 #[test]
                 fn $name() {
                     let mut be = ringtrain::backend::cpu::CpuBackend::<f32>::new();
+                    super::F64_REFERENCE.with(|f| f.set(true));
                     super::$name(&mut be);
                 }
             )*
