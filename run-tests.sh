@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, with its set-up: installs the system packages the tests need when they are missing
-# (Debian/Ubuntu, as root), then builds every feature and runs every test of the workspace.
+# (Debian/Ubuntu, as root), checks formatting and clippy, then builds every feature and runs every test of the
+# workspace.
 # With CI=true, GPU-path tests fail instead of skipping when no wgpu adapter is found.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -29,7 +30,16 @@ if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
   trap 'rm -rf "$XDG_RUNTIME_DIR"' EXIT
 fi
 
-# One build of the test profile serves both steps: the tests, then the `cuda` feature's library and
-# binary, which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
+# Habits first, since they fail in seconds: formatting, then clippy on every crate of the workspace (the
+# fuzz targets included) with and without the `cuda` feature, warnings as errors.
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --profile test -- -D warnings
+cargo clippy --workspace --all-targets --profile test --features ringtrain/cuda -- -D warnings
+
+# One build of the test profile serves the rest: the tests, then the `cuda` feature's library and binary,
+# which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
 cargo test --workspace
 cargo build --profile test -p ringtrain --features cuda --lib --bins
+
+# The benchmark harness that lives outside the workspace (its own lock file) must keep building too.
+(cd bench/allreduce/nexar && CARGO_TARGET_DIR=../../../target/bench-nexar cargo check --locked --quiet)
