@@ -18,8 +18,8 @@ use crate::collective::{CollectiveError, Result};
 
 /// Data frames the left link's reader holds for the engine. Past that it stops reading, and QUIC flow
 /// control holds the sender back, so a rank buffers at most this many sub-chunks (retained at most 4x, see
-/// `MIN_ZERO_COPY_PIECE`) whatever its neighbour sends. The ring cannot deadlock on it: `drive` keeps
-/// taking frames while its own writes wait.
+/// `framing::MIN_ZERO_COPY_PIECE`) whatever its neighbour sends. The ring cannot deadlock on it: the
+/// collective loop keeps taking frames while its own writes wait (`driver`).
 const MAX_QUEUED_FRAMES: usize = 32;
 
 /// The link to the right neighbour: its connection and the data stream this rank writes.

@@ -38,6 +38,18 @@
 //! control plane (`control`), and connect the ring links (`links`). Each collective then runs in `driver`;
 //! `framing` reads and writes the frames on quinn's streams.
 
+mod auth;
+mod control;
+mod driver;
+mod endpoint;
+mod framing;
+mod links;
+mod listener;
+mod messages;
+mod rendezvous;
+
+pub use messages::{Control, Hello};
+
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -55,18 +67,6 @@ use super::{Collective, CollectiveError, Result};
 use control::ControlPlane;
 use links::{LeftLink, RightLink, RingLinks};
 use listener::Listener;
-
-mod auth;
-mod control;
-mod driver;
-mod endpoint;
-mod framing;
-mod links;
-mod listener;
-mod messages;
-mod rendezvous;
-
-pub use messages::{Control, Hello};
 
 /// Largest byte-gather blob (hashes, scalars) accepted on a data link.
 pub const MAX_GATHER_BLOB: usize = 1 << 20;
