@@ -3,7 +3,7 @@
 //! - [`ring`]: the sans-IO engines (no sockets, clocks or threads); the reduction order is documented there.
 //! - [`mem`]: N ranks in one process over channels, with fault injection (tests, simulator).
 //! - [`frame`]: the bounded, versioned wire format.
-//! - [`quic`]: the QUIC transport (quinn), with rendezvous in [`crate::dist`]; [`buffer_pool`] recycles
+//! - [`quic`]: the QUIC transport (quinn), rendezvous and control plane included; [`buffer_pool`] recycles
 //!   its message buffers.
 //! - [`bench`](mod@bench): the all-reduce benchmark behind `ringtrain bench allreduce`.
 //!

@@ -5,10 +5,8 @@
 //! whether a hello matches this job.
 
 pub mod env;
-pub mod rendezvous;
 
 pub use env::{detect_launch, generate_secret, load_secret, resolve_master, LaunchEnv, LaunchFlags, LaunchSource};
-pub use rendezvous::{Control, Hello};
 
 use std::time::Duration;
 

@@ -1,6 +1,7 @@
-//! Rendezvous messages. Rank 0 hosts the rendezvous; every other rank sends a [`Hello`], and rank 0 answers
-//! [`Control::Welcome`] with the ring of listen addresses once all ranks have joined, or
-//! [`Control::Refused`] with a message naming the field that does not match.
+//! Control messages (JSON in `Kind::Control` frames). Rank 0 hosts the rendezvous; every other rank sends a
+//! [`Hello`], and rank 0 answers [`Control::Welcome`] with the ring of listen addresses once all ranks have
+//! joined, or [`Control::Refused`] with a message naming the field that does not match. A ring link opens
+//! with [`Control::PeerHello`], and a rank leaving cleanly tells rank 0 [`Control::Bye`].
 
 use std::net::SocketAddr;
 

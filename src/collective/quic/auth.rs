@@ -1,0 +1,152 @@
+//! Authentication of every connection (protocol in the [module doc](super)): the key derived from the
+//! cluster secret, the exporter-bound tokens and the frames that carry them, both sides of the exchange,
+//! and the certificate verifier that leaves identity to the tokens.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use quinn::{Connection, Endpoint, RecvStream, SendStream};
+
+use super::endpoint::SERVER_NAME;
+use super::framing::{read_frame, ReadFail};
+use crate::collective::frame::{self, Header, Kind};
+
+const EXPORTER_LABEL: &[u8] = b"EXPORTER-ringtrain-auth-v1";
+
+/// Length of a token (a BLAKE3 hash): the most this side reads from a peer not yet authenticated.
+const TOKEN_LEN: usize = 32;
+
+/// The MAC key: derived from the cluster secret, or the fixed well-known loopback key without one.
+pub(super) fn auth_key(secret: Option<&[u8]>) -> [u8; 32] {
+    match secret {
+        Some(s) => blake3::derive_key("ringtrain 2026-11 cluster secret v1", s),
+        None => blake3::derive_key("ringtrain 2026-11 loopback without secret v1", b""),
+    }
+}
+
+/// `MAC(key, role || exporter)` for this connection's TLS session; `role` is `b'C'` (connecting side) or
+/// `b'S'` (accepting side).
+fn auth_token(key: &[u8; 32], conn: &Connection, role: u8) -> Result<blake3::Hash, String> {
+    let mut ekm = [0u8; 32];
+    conn.export_keying_material(&mut ekm, EXPORTER_LABEL, b"")
+        .map_err(|_| "TLS exporter unavailable".to_string())?;
+    let mut m = [0u8; 33];
+    m[0] = role;
+    m[1..].copy_from_slice(&ekm);
+    Ok(blake3::keyed_hash(key, &m))
+}
+
+/// The frame that carries one side's authentication token.
+fn auth_frame(token: &blake3::Hash) -> Vec<u8> {
+    let h = Header {
+        kind: Kind::Auth,
+        job: 0,
+        step: 0,
+        seq: 0,
+        phase: 0,
+        chunk: 0,
+        sub: 0,
+        len: 0,
+    };
+    frame::encode_frame(h, token.as_bytes())
+}
+
+/// Whether a received frame is an authentication frame holding exactly `want` (compared in constant time
+/// by `blake3::Hash`'s `PartialEq`).
+fn is_auth_token(h: &Header, payload: &[u8], want: &blake3::Hash) -> bool {
+    h.kind == Kind::Auth && <[u8; 32]>::try_from(payload).is_ok_and(|bytes| blake3::Hash::from_bytes(bytes) == *want)
+}
+
+/// Connects to `addr` and runs the client side of the authentication exchange.
+pub(super) async fn dial(
+    ep: &Endpoint,
+    addr: SocketAddr,
+    key: &[u8; 32],
+) -> Result<(Connection, SendStream, RecvStream), String> {
+    let conn = ep
+        .connect(addr, SERVER_NAME)
+        .map_err(|e| format!("cannot connect to {addr}: {e}"))?
+        .await
+        .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+    let (mut send, mut recv) = conn
+        .open_bi()
+        .await
+        .map_err(|e| format!("cannot open stream to {addr}: {e}"))?;
+    let tok = auth_token(key, &conn, b'C')?;
+    send.write_all(&auth_frame(&tok))
+        .await
+        .map_err(|e| format!("send to {addr}: {e}"))?;
+    let (h, p) = read_frame(&mut recv, TOKEN_LEN).await.map_err(|e| match e {
+        ReadFail::Closed(s) => format!("authentication with {addr} failed (wrong cluster secret?): {s}"),
+        ReadFail::Bad(b) => format!("authentication with {addr} failed: {b}"),
+    })?;
+    let want = auth_token(key, &conn, b'S')?;
+    if !is_auth_token(&h, &p, &want) {
+        conn.close(1u32.into(), b"authentication failed");
+        return Err(format!(
+            "{addr} failed to authenticate (it does not know the cluster secret)"
+        ));
+    }
+    Ok((conn, send, recv))
+}
+
+/// Accepts an incoming connection and runs the server side of the authentication exchange: the client's
+/// token is checked before this side says anything.
+pub(super) async fn accept(
+    incoming: quinn::Incoming,
+    key: &[u8; 32],
+) -> Result<(Connection, SendStream, RecvStream), String> {
+    let conn = incoming.await.map_err(|e| e.to_string())?;
+    let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
+    let res = read_frame(&mut recv, TOKEN_LEN).await;
+    let ok = match &res {
+        Ok((h, p)) => is_auth_token(h, p, &auth_token(key, &conn, b'C')?),
+        Err(_) => false,
+    };
+    if !ok {
+        conn.close(1u32.into(), b"authentication failed: wrong cluster secret");
+        return Err("authentication failed".to_string());
+    }
+    let tok = auth_token(key, &conn, b'S')?;
+    send.write_all(&auth_frame(&tok)).await.map_err(|e| e.to_string())?;
+    Ok((conn, send, recv))
+}
+
+/// Accepts any certificate but checks the handshake signatures; identity comes from the exporter-bound MAC.
+#[derive(Debug)]
+pub(super) struct ExporterBound(pub(super) Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for ExporterBound {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}

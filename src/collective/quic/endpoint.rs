@@ -1,0 +1,307 @@
+//! This rank's UDP socket and quinn endpoint: which address to bind, the TLS configuration (one cipher suite,
+//! a fresh self-signed certificate), and the transport tuning per link type (datagram size, MTU discovery,
+//! congestion and flow-control windows, socket buffers).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::Endpoint;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use super::auth::ExporterBound;
+use super::{local, QuicConfig};
+use crate::collective::Result;
+
+const ALPN: &[u8] = b"ringtrain/1";
+/// The name every certificate is issued for and every connection asks for (certificates prove nothing here).
+pub(super) const SERVER_NAME: &str = "ringtrain";
+
+/// Binds this rank's UDP socket, unless one is given: rank 0 binds the master address, the others an
+/// ephemeral port. A non-loopback address without a cluster secret is refused. Rank 0 bound to port 0
+/// learns its master address here.
+pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Result<UdpSocket> {
+    let bind = bind_addr(cfg);
+    let no_secret_refusal = |addr: SocketAddr| {
+        local(format!(
+            "refusing to bind non-loopback address {addr} without a cluster secret: set RINGTRAIN_SECRET or \
+             --secret-file"
+        ))
+    };
+    if cfg.secret.is_none() && socket.is_none() && !bind.ip().is_loopback() {
+        return Err(no_secret_refusal(bind));
+    }
+    let socket = match socket {
+        Some(s) => s,
+        None => UdpSocket::bind(bind).map_err(|e| local(format!("cannot bind {bind}: {e}")))?,
+    };
+    let bind = socket.local_addr().map_err(|e| local(format!("socket address: {e}")))?;
+    if cfg.rank == 0 && cfg.master.port() == 0 {
+        cfg.master = bind;
+    }
+    if cfg.secret.is_none() && !bind.ip().is_loopback() {
+        return Err(no_secret_refusal(bind));
+    }
+    Ok(socket)
+}
+
+/// The address this rank binds when it is not given a socket (see [`QuicConfig::bind_ip`]).
+fn bind_addr(cfg: &QuicConfig) -> SocketAddr {
+    if cfg.rank == 0 {
+        return cfg.master;
+    }
+    let ip = cfg.bind_ip.unwrap_or(match cfg.master.ip() {
+        ip if ip.is_loopback() => ip,
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    });
+    SocketAddr::new(ip, 0)
+}
+
+/// Transport tuning, chosen per link type and measured with `bench/allreduce/run.sh` (see BENCHMARKS.md).
+///
+/// On loopback, datagrams start at 16000 bytes (8000 on macOS; no 1200-byte start) and MTU discovery
+/// raises them to 65000 once the handshake is done; the congestion window starts at 1 MiB. Large datagrams
+/// are what pays here: quinn's default 1452-byte datagrams cost a syscall, a packet header and a kernel
+/// buffer per 1.4 KiB.
+/// Three limits shape the numbers:
+/// - a long-header (handshake) packet encodes its length in a 2-byte varint, so it must stay under 16384
+///   bytes; only short-header packets, sent after the handshake, can be larger, hence the discovery step;
+/// - quinn's default initial window (14720 bytes) is below two such datagrams, so the first flight would
+///   wait on the congestion controller forever; the window has to grow with the datagram size;
+/// - the ceiling stays below IPv4's largest UDP payload (65507 bytes), so discovery's probes are sendable.
+///
+/// The 65000-byte ceiling took 5-20% less CPU per 64 MiB all-reduce than the 32000 used before, in
+/// alternating runs (BENCHMARKS.md): half the datagrams, so half the per-packet work in quinn and the kernel.
+///
+/// Segmentation offload stays off: it gave no gain at any datagram size we measured, and without a cap on
+/// the batch (quinn offers none) batches over 64 KiB are refused by the kernel.
+/// Other links keep quinn's defaults (1200-byte start, MTU discovery, GSO), which are safe on any path.
+#[derive(Clone, Copy, Debug)]
+struct Tuning {
+    /// UDP payload size used from the first packet (0 = quinn's default with MTU discovery).
+    mtu: u16,
+    /// Upper bound for MTU discovery once the handshake is done (0 = no discovery past `mtu`).
+    mtu_ceiling: u16,
+    /// Initial congestion window in bytes (0 = quinn's default).
+    initial_window: u64,
+    gso: bool,
+    /// Requested UDP socket buffer sizes (the kernel caps them at rmem_max / wmem_max).
+    sock_buf: usize,
+    /// Size the flow-control windows from the receive buffer the kernel granted ([`flow_window_for`])
+    /// instead of the fixed 16 MiB stream / 64 MiB connection windows.
+    window_from_socket: bool,
+}
+
+/// First datagram size on loopback. macOS refuses UDP datagrams over `net.inet.udp.maxdgram` (9216 bytes
+/// by default) and its loopback MTU is 16384, so it keeps the 8000 bytes used before; discovery may still
+/// raise it where the system allows.
+const LOOPBACK_START_MTU: u16 = if cfg!(target_os = "macos") { 8000 } else { 16000 };
+
+impl Tuning {
+    fn for_link(loopback: bool) -> Self {
+        if loopback {
+            Tuning {
+                mtu: LOOPBACK_START_MTU,
+                mtu_ceiling: 65000,
+                initial_window: 1 << 20,
+                gso: false,
+                sock_buf: 4 << 20,
+                window_from_socket: true,
+            }
+        } else {
+            Tuning {
+                mtu: 0,
+                mtu_ceiling: 0,
+                initial_window: 0,
+                gso: true,
+                sock_buf: 4 << 20,
+                window_from_socket: false,
+            }
+        }
+    }
+}
+
+/// Flow-control window (per stream and per connection) for a link whose receive socket buffer is reported
+/// as `reported_rcvbuf` bytes. A sender may have a whole window in flight; when that exceeds what the
+/// receiving socket can queue while its rank is off the CPU, the kernel drops datagrams (1-2% of them in
+/// a 64 MiB all-reduce here with the 16 MiB window and 4 MiB buffers, 7-9% with Linux's default 208 KiB
+/// `rmem_max`; BENCHMARKS.md), and every drop costs a retransmission and a congestion-window cut. The kernel charges each
+/// queued datagram's full buffer size (payload plus a few percent of bookkeeping) against the limit it
+/// reports (on Linux twice the size asked for), so three quarters of the reported size leaves room for the
+/// bookkeeping and for the acknowledgements of the other direction. On loopback the round trip is tens of
+/// microseconds, so even the smallest window here keeps the link busy (measured in BENCHMARKS.md).
+fn flow_window_for(reported_rcvbuf: usize) -> u32 {
+    (reported_rcvbuf / 4 * 3).clamp(128 << 10, 16 << 20) as u32
+}
+
+/// Starts the QUIC endpoint on `socket` (server and client side), tuned for loopback when the socket is
+/// bound to a loopback address.
+pub(super) fn start(socket: UdpSocket, idle: Duration) -> std::result::Result<Endpoint, String> {
+    let loopback = socket.local_addr().map(|a| a.ip().is_loopback()).unwrap_or(false);
+    make_endpoint(socket, idle, Tuning::for_link(loopback))
+}
+
+fn make_endpoint(socket: UdpSocket, idle: Duration, tuning: Tuning) -> std::result::Result<Endpoint, String> {
+    let provider = crypto_provider();
+    let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| e.to_string())?;
+    let cert_der = CertificateDer::from(cert.cert.der().to_vec());
+    let key_der = PrivateKeyDer::Pkcs8(cert.key_pair.serialize_der().into());
+
+    let granted_rcvbuf = size_socket_buffers(&socket, tuning);
+    let transport = Arc::new(transport_config(idle, tuning, granted_rcvbuf)?);
+    let ep_cfg = endpoint_config(tuning)?;
+    let server = server_config(provider.clone(), cert_der, key_der, transport.clone())?;
+    let client = client_config(provider, transport)?;
+
+    let runtime = quinn::default_runtime().ok_or("no async runtime for quinn")?;
+    let mut ep = Endpoint::new(ep_cfg, Some(server), socket, runtime)
+        .map_err(|e| format!("cannot start the QUIC endpoint: {e}"))?;
+    ep.set_default_client_config(client);
+    Ok(ep)
+}
+
+/// AES-128-GCM only: QUIC's mandatory suite, with 10 AES rounds instead of AES-256's 14 (packet protection
+/// was 12-20% of a large all-reduce's CPU time in the profiles in BENCHMARKS.md). aws-lc-rs rather than
+/// ring: its AVX-512 AES-GCM took about 30% less of the profile than ring's AVX2 code.
+fn crypto_provider() -> Arc<CryptoProvider> {
+    Arc::new(CryptoProvider {
+        cipher_suites: vec![rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_128_GCM_SHA256],
+        ..rustls::crypto::aws_lc_rs::default_provider()
+    })
+}
+
+/// Asks for `tuning.sock_buf` bytes of socket buffer in each direction; returns the receive buffer size the
+/// kernel reports, if it could be read.
+fn size_socket_buffers(socket: &UdpSocket, tuning: Tuning) -> Option<usize> {
+    if tuning.sock_buf == 0 {
+        return None;
+    }
+    let state = quinn::udp::UdpSocketState::new(socket.into()).ok()?;
+    let _ = state.set_recv_buffer_size(socket.into(), tuning.sock_buf);
+    let _ = state.set_send_buffer_size(socket.into(), tuning.sock_buf);
+    state.recv_buffer_size(socket.into()).ok()
+}
+
+/// Keep-alives, flow-control windows, datagram sizes and the initial congestion window of every connection.
+fn transport_config(
+    idle: Duration,
+    tuning: Tuning,
+    granted_rcvbuf: Option<usize>,
+) -> std::result::Result<quinn::TransportConfig, String> {
+    let (stream_window, conn_window) = match granted_rcvbuf {
+        // One data stream per link: the connection window only needs to cover it.
+        Some(b) if tuning.window_from_socket => (flow_window_for(b), flow_window_for(b)),
+        _ => (16 << 20, 64 << 20),
+    };
+    let mut transport = quinn::TransportConfig::default();
+    transport
+        .max_idle_timeout(Some(quinn::IdleTimeout::try_from(idle).map_err(|e| e.to_string())?))
+        .keep_alive_interval(Some(idle / 3))
+        .stream_receive_window(quinn::VarInt::from_u32(stream_window))
+        .receive_window(quinn::VarInt::from_u32(conn_window))
+        .send_window(64 << 20)
+        .enable_segmentation_offload(tuning.gso);
+    if tuning.mtu > 0 {
+        let discovery = (tuning.mtu_ceiling > tuning.mtu).then(|| {
+            let mut d = quinn::MtuDiscoveryConfig::default();
+            d.upper_bound(tuning.mtu_ceiling);
+            d
+        });
+        transport
+            .initial_mtu(tuning.mtu)
+            .min_mtu(tuning.mtu)
+            .mtu_discovery_config(discovery);
+    }
+    if tuning.initial_window > 0 {
+        let mut cubic = quinn::congestion::CubicConfig::default();
+        cubic.initial_window(tuning.initial_window);
+        transport.congestion_controller_factory(Arc::new(cubic));
+    }
+    Ok(transport)
+}
+
+fn endpoint_config(tuning: Tuning) -> std::result::Result<quinn::EndpointConfig, String> {
+    let mut ep_cfg = quinn::EndpointConfig::default();
+    if tuning.mtu > 0 {
+        // What this endpoint accepts, announced to the peer: the discovery ceiling bounds its datagrams.
+        ep_cfg
+            .max_udp_payload_size(tuning.mtu.max(tuning.mtu_ceiling))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(ep_cfg)
+}
+
+/// TLS 1.3 with this endpoint's certificate, no client certificates (the token exchange authenticates).
+fn server_config(
+    provider: Arc<CryptoProvider>,
+    cert_der: CertificateDer<'static>,
+    key_der: PrivateKeyDer<'static>,
+    transport: Arc<quinn::TransportConfig>,
+) -> std::result::Result<quinn::ServerConfig, String> {
+    let mut server_tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(vec![cert_der], key_der)
+        .map_err(|e| e.to_string())?;
+    server_tls.alpn_protocols = vec![ALPN.to_vec()];
+    let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls).map_err(|e| e.to_string())?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+    server.transport_config(transport);
+    Ok(server)
+}
+
+/// TLS 1.3 accepting any server certificate ([`ExporterBound`]).
+fn client_config(
+    provider: Arc<CryptoProvider>,
+    transport: Arc<quinn::TransportConfig>,
+) -> std::result::Result<quinn::ClientConfig, String> {
+    let mut client_tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(ExporterBound(provider)))
+        .with_no_client_auth();
+    client_tls.alpn_protocols = vec![ALPN.to_vec()];
+    let client_crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client_tls).map_err(|e| e.to_string())?;
+    let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
+    client.transport_config(transport);
+    Ok(client)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Largest packet a QUIC long header can describe (its length field is a 2-byte varint).
+    const MAX_LONG_HEADER_PACKET: u16 = (1 << 14) - 1;
+
+    #[test]
+    fn flow_window_fits_the_granted_receive_buffer() {
+        // Linux's default rmem_max (208 KiB) and the 4 MiB the loopback tuning asks for, both reported doubled.
+        assert_eq!(flow_window_for(2 * 212_992), 319_488);
+        assert_eq!(flow_window_for(2 * (4 << 20)), 6 << 20);
+        // Never below a couple of the largest datagrams, never above the fixed window of other links.
+        let largest = Tuning::for_link(true).mtu_ceiling as u32;
+        assert!(flow_window_for(0) >= 2 * largest);
+        assert_eq!(flow_window_for(usize::MAX), 16 << 20);
+    }
+
+    /// The limits in [`Tuning`]'s comment: a handshake packet must fit a long header, and the first
+    /// congestion window must hold several of the largest datagrams, or the first flight never leaves.
+    #[test]
+    fn loopback_tuning_respects_quic_packet_limits() {
+        for loopback in [true, false] {
+            let t = Tuning::for_link(loopback);
+            assert!(t.mtu <= MAX_LONG_HEADER_PACKET, "{t:?}");
+            if t.mtu > 0 {
+                assert!(t.mtu >= 1200, "QUIC requires at least 1200-byte datagrams: {t:?}");
+                let largest = t.mtu.max(t.mtu_ceiling) as u64;
+                assert!(t.initial_window >= 4 * largest, "{t:?}");
+                assert!(largest <= 65507, "past IPv4's largest UDP payload: {t:?}");
+            }
+        }
+    }
+}

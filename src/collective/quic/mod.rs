@@ -1,0 +1,404 @@
+//! QUIC transport (quinn + tokio) for the ring collectives.
+//!
+//! # Topology
+//! Rank 0 hosts the rendezvous on `MASTER_ADDR:MASTER_PORT`. Every other rank connects to it from its own
+//! endpoint and says [`Hello`] (protocol version, job id, rank, world size, config hash); rank 0 refuses a
+//! mismatch with a message naming the field. Once all ranks have joined, rank 0 sends every rank the ring of
+//! listen addresses (the address it saw each hello come from, which is that rank's own endpoint), and each
+//! rank opens a link to its right neighbour. The rendezvous connections stay open as the control plane:
+//! aborts and deaths are reported to rank 0, which tells everyone else.
+//!
+//! # Authentication (TLS-exporter-bound HMAC)
+//! Every endpoint presents a fresh self-signed certificate; the certificate itself proves nothing. Right
+//! after the TLS 1.3 handshake, the connecting side sends `MAC(key, "C" || exporter)` and the accepting side
+//! checks it before answering with `MAC(key, "S" || exporter)`, which the connecting side checks in turn.
+//! `exporter` is 32 bytes of TLS keying material (RFC 5705/8446 exporter, label
+//! `EXPORTER-ringtrain-auth-v1`), unique to this TLS session, so a token cannot be replayed on another
+//! connection and a man in the middle (who necessarily runs two sessions with different exporters) cannot
+//! relay it. `key = BLAKE3-derive_key(context, secret)` and `MAC` is keyed BLAKE3; comparison is constant
+//! time. Nothing but the token is read from an unauthenticated peer, and its frame is bounded to 32 bytes.
+//! There is no switch that turns this off.
+//!
+//! The secret is [`QuicConfig::secret`], which the launcher reads from `RINGTRAIN_SECRET` or `--secret-file`
+//! (`dist::load_secret`). Without one, binding a non-loopback address is refused; on loopback a fixed
+//! well-known key is used (so any local user could join, as with torchrun's standalone mode; `ringtrain
+//! launch` passes a random secret instead).
+//!
+//! # Failure handling
+//! Connections send keep-alives and time out after `idle_timeout`. Every collective has a deadline
+//! (`timeout`). A rank whose collective fails for a local reason sends an abort to rank 0, which forwards it;
+//! a connection that drops without a goodbye makes rank 0 report that rank dead to everyone. A rank that
+//! loses its link to the left waits briefly for rank 0's verdict, so the error names the rank that really
+//! died, and otherwise names the neighbour. Losing rank 0 names rank 0.
+//!
+//! # Layout
+//! [`QuicCollective::connect`] runs setup as a sequence of steps, each owned by one submodule: bind the
+//! socket and start the tuned endpoint (`endpoint`), accept authenticated connections (`auth`, `listener`),
+//! rendezvous as rank 0 or as a joining rank (`rendezvous`, with the messages in `messages`), start the
+//! control plane (`control`), and connect the ring links (`links`). Each collective then runs in `driver`;
+//! `framing` reads and writes the frames on quinn's streams.
+
+mod auth;
+mod control;
+mod driver;
+mod endpoint;
+mod framing;
+mod links;
+mod listener;
+mod messages;
+mod rendezvous;
+
+pub use messages::{Control, Hello};
+
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::{Endpoint, SendStream};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::buffer_pool::BufferPool;
+use super::frame::{self, SequenceGuard};
+use super::rank_runtime::RankRuntime;
+use super::ring::Engine;
+use super::{Collective, CollectiveError, Result};
+use control::ControlPlane;
+use links::{LeftLink, RightLink, RingLinks};
+use listener::Listener;
+
+/// Largest byte-gather blob (hashes, scalars) accepted on a data link.
+pub const MAX_GATHER_BLOB: usize = 1 << 20;
+/// Idle message buffers a rank keeps for reuse (see [`BufferPool`]).
+const POOL_MAX_BYTES: usize = 64 << 20;
+
+/// Settings of one rank.
+#[derive(Clone, Debug)]
+pub struct QuicConfig {
+    pub rank: usize,
+    pub world: usize,
+    /// Rendezvous address; rank 0 binds it.
+    pub master: SocketAddr,
+    /// Address other ranks bind (port 0 = ephemeral). Default: 127.0.0.1 when the master is loopback, else
+    /// the unspecified address of the master's family.
+    pub bind_ip: Option<IpAddr>,
+    pub job_id: u64,
+    pub config_hash: u64,
+    /// Cluster secret; `None` is allowed on loopback only.
+    pub secret: Option<Vec<u8>>,
+    /// Per-collective deadline.
+    pub timeout: Duration,
+    /// How long rendezvous may take (all ranks must start within it).
+    pub rendezvous_timeout: Duration,
+    /// Connection idle timeout (keep-alives are sent at a third of it); capped at `timeout`.
+    pub idle_timeout: Duration,
+    /// Pipelining granularity in f32 elements.
+    pub sub_chunk: usize,
+    /// Fault injection for tests: crash (close everything without goodbye) after sending this many data
+    /// messages.
+    pub crash_after_msgs: Option<usize>,
+    /// Fault injection for tests: send data message number `k` (0-based, over this rank's lifetime) twice.
+    pub duplicate_msg: Option<usize>,
+}
+
+impl QuicConfig {
+    pub fn new(rank: usize, world: usize, master: SocketAddr) -> Self {
+        QuicConfig {
+            rank,
+            world,
+            master,
+            bind_ip: None,
+            job_id: 0,
+            config_hash: 0,
+            secret: None,
+            timeout: Duration::from_secs(300),
+            rendezvous_timeout: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(10),
+            sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
+            crash_after_msgs: None,
+            duplicate_msg: None,
+        }
+    }
+}
+
+fn local(msg: impl Into<String>) -> CollectiveError {
+    CollectiveError::Local(msg.into())
+}
+
+/// State shared by a rank's collective loop and its background tasks (control plane, link readers).
+struct Shared {
+    /// First fatal error reported by the control plane or a link.
+    poison: watch::Sender<Option<CollectiveError>>,
+    /// Set when this rank is leaving: losses seen after this are expected.
+    closing: AtomicBool,
+    /// Set when this rank crashes on purpose (tests): its own connections drop, nobody else's fault.
+    crashed: AtomicBool,
+    /// Message buffers recycled between the sending side and the left link's reader.
+    pool: Arc<BufferPool>,
+}
+
+impl Shared {
+    fn poison(&self, e: CollectiveError) {
+        if self.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        self.poison.send_if_modified(|p| {
+            if p.is_none() {
+                *p = Some(e);
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+/// One rank of a QUIC ring.
+pub struct QuicCollective {
+    rt: Option<RankRuntime>,
+    cfg: QuicConfig,
+    endpoint: Endpoint,
+    shared: Arc<Shared>,
+    poison_rx: watch::Receiver<Option<CollectiveError>>,
+    right: Option<RightLink>,
+    left: Option<LeftLink>,
+    control: ControlPlane,
+    guard: SequenceGuard,
+    seq: u64,
+    step: u64,
+    sent_msgs: usize,
+    crashed: bool,
+    failed: Option<CollectiveError>,
+    _keep: Vec<SendStream>,
+}
+
+impl QuicCollective {
+    /// Joins the job: rendezvous through rank 0, then links to the ring neighbours. Blocks until every rank
+    /// has joined or `rendezvous_timeout` passes.
+    pub fn connect(cfg: QuicConfig) -> Result<Self> {
+        Self::connect_inner(cfg, None)
+    }
+
+    /// Like [`connect`](Self::connect), on an already bound UDP socket (rank 0 can bind port 0 first and
+    /// tell the others the port, without a race).
+    pub fn connect_with_socket(cfg: QuicConfig, socket: UdpSocket) -> Result<Self> {
+        Self::connect_inner(cfg, Some(socket))
+    }
+
+    /// Checks the settings, binds the socket, starts the rank's runtime and runs [`setup`] on it.
+    fn connect_inner(mut cfg: QuicConfig, socket: Option<UdpSocket>) -> Result<Self> {
+        validate(&mut cfg)?;
+        let socket = endpoint::bind_socket(&mut cfg, socket)?;
+        let rt = RankRuntime::new(format!("ringtrain-quic-{}", cfg.rank))
+            .map_err(|e| local(format!("cannot start the async runtime: {e}")))?;
+        let (poison, poison_rx) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            poison,
+            closing: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
+            pool: BufferPool::new(POOL_MAX_BYTES),
+        });
+        let s = match rt.block_on(setup(&cfg, socket, shared.clone())) {
+            Ok(s) => s,
+            Err(e) => {
+                drop(rt);
+                return Err(e);
+            }
+        };
+        let ring_error = s.ring_error;
+        let q = QuicCollective {
+            rt: Some(rt),
+            guard: SequenceGuard::new(cfg.job_id),
+            cfg,
+            endpoint: s.endpoint,
+            shared,
+            poison_rx,
+            right: s.links.right,
+            left: s.links.left,
+            control: s.control,
+            seq: 0,
+            step: 0,
+            sent_msgs: 0,
+            crashed: false,
+            failed: ring_error.clone(),
+            _keep: s.links.keep,
+        };
+        match ring_error {
+            // Dropping says goodbye: rank 0 stays up until the others have heard why.
+            Some(e) => Err(e),
+            None => Ok(q),
+        }
+    }
+
+    /// This rank's endpoint address.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.endpoint.local_addr().ok()
+    }
+
+    fn rt(&self) -> &RankRuntime {
+        self.rt.as_ref().expect("runtime present until drop")
+    }
+
+    /// Fault injection: closes everything without a goodbye.
+    fn crash(&mut self) {
+        self.crashed = true;
+        self.shared.crashed.store(true, Ordering::SeqCst);
+        self.shared.closing.store(true, Ordering::SeqCst);
+        self.endpoint.close(2u32.into(), b"crashed");
+    }
+
+    fn current_poison(&self) -> Option<CollectiveError> {
+        self.poison_rx.borrow().clone()
+    }
+
+    /// Leaves the job: flushes the right link, leaves the control plane, closes the endpoint.
+    async fn goodbye(&mut self) {
+        let wait = self.cfg.timeout.min(Duration::from_secs(10));
+        let failed = self.failed.is_some();
+        // Make sure the right neighbour has everything we sent (pointless after a failure).
+        if let Some((_, send)) = self.right.as_mut() {
+            let _ = send.finish();
+            if !failed {
+                let _ = tokio::time::timeout(wait, send.stopped()).await;
+            }
+        }
+        // Even after a failure, flush the control stream (it carries our abort report) before closing.
+        let control_wait = if failed { wait.min(Duration::from_secs(2)) } else { wait };
+        self.shared.closing.store(true, Ordering::SeqCst);
+        self.control.leave(self.cfg.job_id, wait, control_wait).await;
+        self.endpoint.close(0u32.into(), b"bye");
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.endpoint.wait_idle()).await;
+    }
+}
+
+/// Refuses settings no ring can run with, and caps the idle timeout at the collective deadline.
+fn validate(cfg: &mut QuicConfig) -> Result<()> {
+    if cfg.world == 0 || cfg.rank >= cfg.world {
+        return Err(local(format!(
+            "rank {} is out of range for world size {}",
+            cfg.rank, cfg.world
+        )));
+    }
+    if cfg.sub_chunk == 0 || cfg.sub_chunk * 4 > frame::ABSOLUTE_MAX_PAYLOAD {
+        return Err(local(format!(
+            "sub_chunk {} out of range (1..={} elements)",
+            cfg.sub_chunk,
+            frame::ABSOLUTE_MAX_PAYLOAD / 4
+        )));
+    }
+    if cfg.secret.as_ref().is_some_and(|s| s.is_empty()) {
+        return Err(local("the cluster secret is empty"));
+    }
+    cfg.idle_timeout = cfg.idle_timeout.min(cfg.timeout).max(Duration::from_millis(300));
+    Ok(())
+}
+
+/// What setup leaves for the collective loop.
+struct Setup {
+    endpoint: Endpoint,
+    links: RingLinks,
+    control: ControlPlane,
+    /// Why the ring links could not be connected, if they could not: the control plane is up by then, so the
+    /// rank can still say goodbye before failing.
+    ring_error: Option<CollectiveError>,
+}
+
+/// Connects a bound rank to the job: start the endpoint and accept connections, rendezvous (as rank 0 or
+/// as a joining rank), start the control plane, connect the ring links, then keep refusing late arrivals.
+async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Result<Setup> {
+    let key = auth::auth_key(cfg.secret.as_deref());
+    let endpoint = endpoint::start(socket, cfg.idle_timeout).map_err(local)?;
+    let mut listener = Listener::start(&endpoint, key);
+    let deadline = Instant::now() + cfg.rendezvous_timeout;
+    let (addrs, control) = if cfg.world == 1 {
+        (vec![cfg.master], ControlPlane::Alone)
+    } else if cfg.rank == 0 {
+        let (addrs, joined) = rendezvous::host(cfg, &mut listener, deadline).await?;
+        (addrs, ControlPlane::start_host(cfg.job_id, cfg.world, joined, &shared))
+    } else {
+        let (addrs, host) = rendezvous::join(cfg, &endpoint, &key, deadline).await?;
+        (addrs, ControlPlane::start_client(host, &shared))
+    };
+    let (links, ring_error) = match links::connect(cfg, &endpoint, &key, &addrs, &mut listener, &shared, deadline).await
+    {
+        Ok(links) => (links, None),
+        Err(e) => (RingLinks::default(), Some(e)),
+    };
+    listener.refuse_late();
+    Ok(Setup {
+        endpoint,
+        links,
+        control,
+        ring_error,
+    })
+}
+
+impl Collective for QuicCollective {
+    fn rank(&self) -> usize {
+        self.cfg.rank
+    }
+
+    fn world(&self) -> usize {
+        self.cfg.world
+    }
+
+    fn sub_chunk(&self) -> usize {
+        self.cfg.sub_chunk
+    }
+
+    fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let rt = self.rt.take().expect("runtime present until drop");
+        let res = rt.block_on(self.drive(engine));
+        self.rt = Some(rt);
+        self.seq += 1;
+        if let Err(e) = &res {
+            // Tell everyone what this rank found (unless it came from the control plane already), so they fail
+            // now rather than at their own deadline.
+            if !self.crashed && self.current_poison().as_ref() != Some(e) {
+                let me = self.cfg.rank;
+                let (rank, dead, reason) = match e {
+                    CollectiveError::PeerDead { rank, reason } => {
+                        (*rank, true, format!("rank {me} lost its link to it: {reason}"))
+                    }
+                    other => (me, false, other.to_string()),
+                };
+                let rt = self.rt.take().expect("runtime");
+                rt.block_on(self.control.send_abort(self.cfg.job_id, rank, dead, &reason));
+                self.rt = Some(rt);
+            }
+            self.failed = Some(e.clone());
+        }
+        res
+    }
+
+    fn abort(&mut self, reason: &str) {
+        if self.crashed {
+            return;
+        }
+        let rank = self.cfg.rank;
+        self.rt()
+            .block_on(self.control.send_abort(self.cfg.job_id, rank, false, reason));
+        if self.failed.is_none() {
+            self.failed = Some(local(format!("this rank aborted: {reason}")));
+        }
+    }
+}
+
+impl Drop for QuicCollective {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            if !self.crashed {
+                rt.block_on(self.goodbye());
+            }
+            drop(rt);
+        }
+    }
+}

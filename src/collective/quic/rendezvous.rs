@@ -1,0 +1,172 @@
+//! The rendezvous: rank 0 waits for every other rank's [`Hello`], refuses one that does not match its own,
+//! and once all have joined sends each the ring of listen addresses ([`Control::Welcome`]). The other ranks
+//! dial rank 0 until it is up, say hello and wait for the welcome. Either way the connections to rank 0 stay
+//! open afterwards as the control plane.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use quinn::{Connection, Endpoint, RecvStream, SendStream};
+use tokio::time::Instant;
+
+use super::auth::dial;
+use super::framing::{control_frame, read_control};
+use super::listener::{Joined, Listener};
+use super::messages::{Control, Hello};
+use super::{local, QuicConfig};
+use crate::collective::frame::PROTOCOL_VERSION;
+use crate::collective::Result;
+
+/// This rank's hello.
+fn hello(cfg: &QuicConfig) -> Hello {
+    Hello {
+        version: PROTOCOL_VERSION,
+        job_id: cfg.job_id,
+        rank: cfg.rank,
+        world: cfg.world,
+        config_hash: cfg.config_hash,
+    }
+}
+
+/// Rank 0: waits until every other rank has joined, then welcomes them all. Returns the ring of listen
+/// addresses and the joined ranks' connections (entry `r - 1` is rank `r`'s).
+pub(super) async fn host(
+    cfg: &QuicConfig,
+    listener: &mut Listener,
+    deadline: Instant,
+) -> Result<(Vec<SocketAddr>, Vec<Joined>)> {
+    let slots = collect_hellos(cfg, listener, deadline).await?;
+    let mut joined: Vec<Joined> = slots.into_iter().skip(1).map(|s| s.expect("all joined")).collect();
+    let mut addrs = vec![cfg.master];
+    // The address each hello came from is that rank's own endpoint.
+    addrs.extend(joined.iter().map(|j| j.conn.remote_address()));
+    let welcome = control_frame(cfg.job_id, &Control::Welcome { addrs: addrs.clone() });
+    for j in &mut joined {
+        j.send
+            .write_all(&welcome)
+            .await
+            .map_err(|e| local(format!("rendezvous: {e}")))?;
+    }
+    Ok((addrs, joined))
+}
+
+/// Rank 0: takes hellos until ranks 1..world have each joined with a matching one (`slots[r]` is rank
+/// `r`'s connection), refusing the others. Peer hellos that arrive meanwhile are kept for the ring stage.
+async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Instant) -> Result<Vec<Option<Joined>>> {
+    let n = cfg.world;
+    let me = hello(cfg);
+    let mut slots: Vec<Option<Joined>> = (0..n).map(|_| None).collect();
+    let mut joined = 0;
+    while joined < n - 1 {
+        let j = tokio::select! {
+            j = listener.next() => j.ok_or_else(|| local("rendezvous listener stopped"))?,
+            _ = tokio::time::sleep_until(deadline) => {
+                let missing: Vec<usize> = (1..n).filter(|&r| slots[r].is_none()).collect();
+                return Err(local(format!("rendezvous timed out after {:?}: ranks {missing:?} did not join",
+                    cfg.rendezvous_timeout)));
+            }
+        };
+        let hello = match &j.msg {
+            Control::Hello(h) => h.clone(),
+            Control::PeerHello { .. } => {
+                listener.early_peers.push(j);
+                continue;
+            }
+            _ => continue,
+        };
+        let verdict = hello.check_against(&me).and_then(|_| {
+            if slots[hello.rank].is_some() {
+                Err(format!("rank {} has already joined", hello.rank))
+            } else {
+                Ok(())
+            }
+        });
+        match verdict {
+            Ok(()) => {
+                slots[hello.rank] = Some(j);
+                joined += 1;
+            }
+            Err(reason) => refuse(cfg.job_id, j, reason),
+        }
+    }
+    Ok(slots)
+}
+
+/// Tells a rank why it cannot join, then closes its connection once the answer is through (or after 2 s).
+fn refuse(job: u64, mut j: Joined, reason: String) {
+    tracing::warn!("rendezvous refused a rank: {reason}");
+    let bytes = control_frame(job, &Control::Refused { reason });
+    tokio::spawn(async move {
+        let _ = j.send.write_all(&bytes).await;
+        let _ = j.send.finish();
+        let _ = tokio::time::timeout(Duration::from_secs(2), j.send.stopped()).await;
+        j.conn.close(3u32.into(), b"refused");
+    });
+}
+
+/// The connection to rank 0 that a joining rank keeps as its control plane.
+pub(super) struct HostLink {
+    pub(super) conn: Connection,
+    pub(super) send: SendStream,
+    pub(super) recv: RecvStream,
+}
+
+/// Ranks 1..world: dials rank 0, says hello and waits for the welcome. Returns the ring of listen addresses
+/// and the connection to rank 0.
+pub(super) async fn join(
+    cfg: &QuicConfig,
+    endpoint: &Endpoint,
+    key: &[u8; 32],
+    deadline: Instant,
+) -> Result<(Vec<SocketAddr>, HostLink)> {
+    let (conn, mut send, mut recv) = dial_host(cfg, endpoint, key, deadline).await?;
+    send.write_all(&control_frame(cfg.job_id, &Control::Hello(hello(cfg))))
+        .await
+        .map_err(|e| local(format!("rendezvous: {e}")))?;
+    let reply = tokio::time::timeout_at(deadline, read_control(&mut recv, None))
+        .await
+        .map_err(|_| local("rendezvous timed out waiting for the other ranks"))?
+        .map_err(|e| local(format!("rendezvous with rank 0: {e}")))?;
+    let addrs = welcomed_addrs(reply, cfg.world)?;
+    Ok((addrs, HostLink { conn, send, recv }))
+}
+
+/// Dials rank 0, retrying every 200 ms until it answers (it may not be up yet) or the deadline passes. A
+/// failed authentication is final.
+async fn dial_host(
+    cfg: &QuicConfig,
+    endpoint: &Endpoint,
+    key: &[u8; 32],
+    deadline: Instant,
+) -> Result<(Connection, SendStream, RecvStream)> {
+    loop {
+        let attempt = tokio::time::timeout_at(deadline, dial(endpoint, cfg.master, key)).await;
+        match attempt {
+            Err(_) => return Err(local(format!("rendezvous with rank 0 at {} timed out", cfg.master))),
+            Ok(Ok(c)) => return Ok(c),
+            Ok(Err(e)) if e.contains("authentication") || e.contains("authenticate") => {
+                return Err(local(format!("rendezvous with rank 0: {e}")))
+            }
+            Ok(Err(e)) => {
+                tracing::debug!("rendezvous attempt failed, retrying: {e}");
+                if Instant::now() + Duration::from_millis(200) >= deadline {
+                    return Err(local(format!("rendezvous with rank 0 at {} failed: {e}", cfg.master)));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// The ring of listen addresses from rank 0's reply, or why there is none.
+fn welcomed_addrs(reply: Control, world: usize) -> Result<Vec<SocketAddr>> {
+    match reply {
+        Control::Welcome { addrs } if addrs.len() == world => Ok(addrs),
+        Control::Welcome { addrs } => Err(local(format!(
+            "rendezvous: rank 0 sent {} addresses for world size {world}",
+            addrs.len()
+        ))),
+        Control::Refused { reason } => Err(local(format!("rendezvous refused by rank 0: {reason}"))),
+        other => Err(local(format!("rendezvous: unexpected reply {other:?}"))),
+    }
+}
