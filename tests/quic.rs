@@ -266,7 +266,7 @@ fn abort_reaches_everyone() {
 
 #[test]
 fn allreduce_bench_table() {
-    let t = ringtrain::collective::bench::run_allreduce_bench(3, &[4096, 1 << 20], 3).unwrap();
+    let t = ringtrain::collective::bench::run_allreduce_bench(3, &[4096, 1 << 20], 3, b"bench secret").unwrap();
     eprintln!("{t}");
     let lines: Vec<&str> = t.lines().collect();
     assert_eq!(lines.len(), 4, "{t}");
@@ -329,7 +329,7 @@ fn join_from_launch_env() {
 #[ignore]
 fn allreduce_bench_large() {
     for n in [2, 4] {
-        let t = ringtrain::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5).unwrap();
+        let t = ringtrain::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5, b"bench secret").unwrap();
         eprintln!("{t}");
     }
 }

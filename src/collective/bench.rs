@@ -150,18 +150,17 @@ pub fn format_table(world: usize, transport: &str, rows: &[BenchRow]) -> String 
     s
 }
 
-/// Runs the whole benchmark in this process: `nproc` ranks as threads over QUIC on 127.0.0.1 with a fresh
-/// random secret. Returns the table.
-pub fn run_allreduce_bench(nproc: usize, sizes: &[usize], iters: usize) -> anyhow::Result<String> {
+/// Runs the whole benchmark in this process: `nproc` ranks as threads over QUIC on 127.0.0.1, authenticated
+/// with `secret`. Returns the table.
+pub fn run_allreduce_bench(nproc: usize, sizes: &[usize], iters: usize, secret: &[u8]) -> anyhow::Result<String> {
     anyhow::ensure!(nproc >= 1, "--nproc must be at least 1");
     let sock = std::net::UdpSocket::bind("127.0.0.1:0")?;
     let master = sock.local_addr()?;
-    let secret = crate::dist::env::generate_secret().into_bytes();
     let mut sock = Some(sock);
     let results: Vec<Result<Vec<BenchRow>, CollectiveError>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..nproc)
             .map(|rank| {
-                let secret = secret.clone();
+                let secret = secret.to_vec();
                 let sock = if rank == 0 { sock.take() } else { None };
                 s.spawn(move || {
                     let mut cfg = QuicConfig::new(rank, nproc, master);
