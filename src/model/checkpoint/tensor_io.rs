@@ -42,10 +42,7 @@ impl View for F32View<'_> {
 /// The little-endian bytes of `data`: borrowed where the machine is little-endian (no copy).
 #[cfg(target_endian = "little")]
 fn f32_bytes(data: &[f32]) -> Cow<'_, [u8]> {
-    // SAFETY: f32 has no padding and every bit pattern is a valid u8 sequence; u8 needs alignment 1; the
-    // length in bytes is exactly size_of_val(data), and the borrow keeps `data` alive.
-    let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) };
-    Cow::Borrowed(bytes)
+    Cow::Borrowed(bytemuck::cast_slice(data))
 }
 
 #[cfg(not(target_endian = "little"))]
