@@ -147,7 +147,7 @@ fn make_endpoint(socket: UdpSocket, idle: Duration, tuning: Tuning) -> std::resu
     let provider = crypto_provider();
     let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| e.to_string())?;
     let cert_der = CertificateDer::from(cert.cert.der().to_vec());
-    let key_der = PrivateKeyDer::Pkcs8(cert.key_pair.serialize_der().into());
+    let key_der = PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
 
     let granted_rcvbuf = size_socket_buffers(&socket, tuning);
     let transport = Arc::new(transport_config(idle, tuning, granted_rcvbuf)?);
