@@ -329,7 +329,9 @@ fn join_from_launch_env() {
 #[ignore]
 fn allreduce_bench_large() {
     for n in [2, 4] {
-        let t = ringtrain::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5, b"bench secret").unwrap();
+        let t =
+            ringtrain::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5, b"bench secret")
+                .unwrap();
         eprintln!("{t}");
     }
 }
