@@ -5,6 +5,7 @@ pub mod cli;
 pub mod collective;
 pub mod data;
 pub mod dist;
+pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod trainer;

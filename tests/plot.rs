@@ -3,9 +3,9 @@
 use std::io::Write;
 use std::path::Path;
 
-use ringtrain::cli::metrics::{read_metrics, MetricsWriter, StepMetrics};
 use ringtrain::cli::plot::{plot_file, plot_metrics, PLOT_HEIGHT, PLOT_WIDTH};
 use ringtrain::cli::progress::{format_step_line, should_log};
+use ringtrain::metrics::{read_metrics, MetricsWriter, StepMetrics};
 
 const PNG_MAGIC: [u8; 8] = [0x89, b'P', b'N', b'G', b'\r', b'\n', 0x1a, b'\n'];
 

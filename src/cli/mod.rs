@@ -6,7 +6,6 @@ pub mod bench_kernels;
 pub mod eval;
 pub mod info;
 pub mod launch;
-pub mod metrics;
 pub mod plot;
 pub mod progress;
 pub mod sample;

@@ -11,7 +11,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use plotters::prelude::*;
 
-use super::metrics::{read_metrics, StepMetrics};
+use crate::metrics::{read_metrics, StepMetrics};
 
 /// Width of the image in pixels.
 pub const PLOT_WIDTH: u32 = 1200;

@@ -2,17 +2,16 @@
 //! with progress, metrics, evaluation and checkpoints.
 
 use super::args::TrainArgs;
-use super::metrics::{MetricsWriter, StepMetrics};
 use super::progress::Progress;
 use super::select::{select_backend, BackendKind};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::wgpu::WgpuBackend;
 use crate::backend::Backend;
-use crate::collective::quic::{QuicCollective, QuicConfig};
 use crate::collective::Collective;
 use crate::data::{load_splits, DataSplits};
-use crate::dist::env::{detect_launch, load_secret, resolve_master, LaunchEnv, LaunchFlags};
-use crate::trainer::{single_process, ModelSource, TrainOptions, Trainer};
+use crate::dist::{detect_launch, join, load_secret, JoinOptions, LaunchEnv, LaunchFlags};
+use crate::metrics::{MetricsWriter, StepMetrics};
+use crate::trainer::{ModelSource, TrainOptions, Trainer};
 use anyhow::{ensure, Context, Result};
 use std::time::Duration;
 
@@ -71,7 +70,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let data_spec = args.data.clone().unwrap_or_else(|| "synthetic".into());
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
     let (backend, backend_reason) = select_backend(args.backend.as_deref().unwrap_or("auto"), launch.local_rank)?;
-    let job_hash = job_hash(&model, &opts, launch.world_size);
+    let job_hash = opts.job_hash(&model, launch.world_size);
     Ok(RunSetup {
         source,
         data,
@@ -86,50 +85,18 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     })
 }
 
-/// What every rank must agree on, hashed: the model shape, the batch layout, the schedule of collectives.
-fn job_hash(model: &crate::model::ModelConfig, o: &TrainOptions, world: usize) -> u64 {
-    // Everything that decides which collectives run (verification, checkpoint gathers) is included, so a
-    // rank started with different flags is refused at rendezvous instead of hanging a collective.
-    let text = format!(
-        "{}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}",
-        model.hash_hex(),
-        o.batch_size,
-        o.seq_len,
-        o.grad_accum,
-        o.steps,
-        o.seed,
-        o.update.as_str(),
-        o.shuffle,
-        o.verify_every,
-        o.save.is_some(),
-        o.save_every
-    );
-    let digest = blake3::hash(text.as_bytes());
-    u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
-}
-
 /// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise.
 fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
-    let l = &s.launch;
-    if l.world_size == 1 {
-        return Ok(single_process());
-    }
-    let master = resolve_master(&l.master_addr, l.master_port).map_err(anyhow::Error::msg)?;
-    let secret = load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
-    let mut cfg = QuicConfig::new(l.rank, l.world_size, master);
-    cfg.secret = secret;
-    cfg.timeout = s.timeout;
-    cfg.config_hash = s.job_hash;
-    cfg.job_id = match std::env::var("RINGTRAIN_JOB_ID") {
-        Ok(id) => id
-            .trim()
-            .parse()
-            .with_context(|| format!("RINGTRAIN_JOB_ID={id:?} is not a number"))?,
-        Err(_) => s.job_hash,
+    let secret = match s.launch.world_size {
+        1 => None,
+        _ => load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?,
     };
-    let comm = QuicCollective::connect(cfg)
-        .with_context(|| format!("rank {} of {}: joining the ring at {master}", l.rank, l.world_size))?;
-    Ok(Box::new(comm))
+    let opts = JoinOptions {
+        config_hash: s.job_hash,
+        secret,
+        timeout: s.timeout,
+    };
+    join(&s.launch, &opts)
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
