@@ -1,7 +1,6 @@
 //! ringtrain: a data-parallel GPT-2 trainer. See ARCHITECTURE.md for the map of the crate.
 
 pub mod backend;
-pub mod cli;
 pub mod collective;
 pub mod data;
 pub mod dist;

@@ -1,13 +1,13 @@
 //! `ringtrain train` flags, the TOML config file that can hold any of them, and their resolution into
 //! validated [`TrainOptions`]. Flags override the file; the file overrides the defaults.
 
-use crate::data::TokenizerKind;
-use crate::model::ModelConfig;
-use crate::optim::schedule::{LrScaling, ScheduleKind};
-use crate::optim::{AdamWConfig, LrSchedule};
-use crate::trainer::{bucket_elems, OnDivergence, OnNonFinite, TrainOptions, UpdateMode};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
+use ringtrain::data::TokenizerKind;
+use ringtrain::model::ModelConfig;
+use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
+use ringtrain::optim::{AdamWConfig, LrSchedule};
+use ringtrain::trainer::{bucket_elems, OnDivergence, OnNonFinite, TrainOptions, UpdateMode};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -314,4 +314,124 @@ fn non_negative(name: &str, v: f64) -> Result<f64> {
 fn unit_interval(name: &str, v: f64) -> Result<f64> {
     ensure!((0.0..1.0).contains(&v), "{name} {v} must be in [0, 1)");
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No flags: the trainer's defaults, which are the values the command line has always resolved.
+    #[test]
+    fn no_flags_resolve_to_the_trainer_defaults() {
+        let tiny = ModelConfig::tiny();
+        let args = TrainArgs::default();
+        let opts = args.resolve(&tiny, 2).unwrap();
+        assert_eq!(
+            opts,
+            TrainOptions {
+                args_json: serde_json::to_string(&args).unwrap(),
+                ..TrainOptions::for_model(&tiny)
+            }
+        );
+        let schedule = LrSchedule {
+            kind: ScheduleKind::Cosine,
+            lr: 3e-3,
+            warmup: 0,
+            min_lr: 3e-3 / 10.0,
+            total_steps: 200,
+        };
+        assert_eq!(
+            (
+                opts.batch_size,
+                opts.seq_len,
+                opts.grad_accum,
+                opts.steps,
+                opts.schedule
+            ),
+            (8, 64, 1, 200, schedule)
+        );
+        assert_eq!(opts.adamw, AdamWConfig::default());
+        assert_eq!((opts.grad_clip, opts.seed, opts.shuffle), (1.0, 1337, true));
+        assert_eq!(
+            (opts.eval_every, opts.eval_batches, opts.save_every, opts.verify_every),
+            (100, 16, 0, 0)
+        );
+        assert_eq!(
+            (opts.on_nonfinite, opts.update, opts.on_divergence),
+            (OnNonFinite::Skip, UpdateMode::Sharded, OnDivergence::Abort)
+        );
+        assert_eq!(opts.bucket_elems, 25 * 1024 * 1024 / 4);
+        // A wide model gets GPT-2's rate, and the sequence is capped at 1024.
+        let gpt2 = args.resolve(&ModelConfig::gpt2(), 1).unwrap();
+        assert_eq!((gpt2.schedule.lr, gpt2.seq_len), (6e-4, 1024));
+    }
+
+    #[test]
+    fn flags_override_the_defaults() {
+        let args = TrainArgs {
+            batch_size: Some(3),
+            steps: Some(12),
+            lr: Some(1e-3),
+            lr_schedule: Some("constant".into()),
+            lr_scaling: Some("linear".into()),
+            warmup: Some(2),
+            update: Some("replicated".into()),
+            bucket_mb: Some(1.0),
+            ..TrainArgs::default()
+        };
+        let opts = args.resolve(&ModelConfig::tiny(), 4).unwrap();
+        // Linear scaling: global batch 12 over the base batch 3.
+        let lr = 1e-3 * 4.0;
+        let schedule = LrSchedule {
+            kind: ScheduleKind::Constant,
+            lr,
+            warmup: 2,
+            min_lr: lr / 10.0,
+            total_steps: 12,
+        };
+        assert_eq!((opts.batch_size, opts.steps, opts.schedule), (3, 12, schedule));
+        assert_eq!((opts.update, opts.bucket_elems), (UpdateMode::Replicated, 262_144));
+        let bad = TrainArgs {
+            update: Some("both".into()),
+            ..TrainArgs::default()
+        };
+        let err = bad.resolve(&ModelConfig::tiny(), 1).unwrap_err().to_string();
+        assert!(err.contains("--update"), "{err}");
+    }
+
+    /// The sim and the integration tests build their options in code; these are the same values the flags
+    /// they used to pass resolve to.
+    #[test]
+    fn options_built_in_code_match_the_flags() {
+        let model = ModelConfig {
+            n_layer: 1,
+            ..ModelConfig::tiny()
+        };
+        let flags = TrainArgs {
+            batch_size: Some(2),
+            seq_len: Some(16),
+            grad_accum: Some(2),
+            steps: Some(12),
+            lr_schedule: Some("cosine".into()),
+            warmup: Some(2),
+            update: Some("replicated".into()),
+            eval_every: Some(0),
+            verify_every: Some(1),
+            ..TrainArgs::default()
+        };
+        let mut built = TrainOptions {
+            batch_size: 2,
+            seq_len: 16,
+            grad_accum: 2,
+            update: UpdateMode::Replicated,
+            eval_every: 0,
+            verify_every: 1,
+            args_json: serde_json::to_string(&flags).unwrap(),
+            ..TrainOptions::for_model(&model).with_steps(12)
+        };
+        built.schedule.warmup = 2;
+        for world in [1, 3] {
+            assert_eq!(flags.resolve(&model, world).unwrap(), built, "world {world}");
+        }
+    }
 }

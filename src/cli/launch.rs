@@ -4,8 +4,8 @@
 //! RINGTRAIN_SECRET is already set) and a job id. If one child fails, the others are told by the ring and
 //! exit on their own; any still running after the grace period are killed.
 
-use crate::dist::{generate_secret, JOB_ID_VAR};
 use anyhow::{bail, ensure, Context, Result};
+use ringtrain::dist::{generate_secret, JOB_ID_VAR};
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 

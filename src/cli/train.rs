@@ -2,17 +2,16 @@
 //! with progress, metrics, evaluation and checkpoints.
 
 use super::args::TrainArgs;
+use super::backend::{open_backend, parse_backend};
 use super::progress::Progress;
-use super::select::{select_backend, BackendKind};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::wgpu::WgpuBackend;
-use crate::backend::Backend;
-use crate::collective::Collective;
-use crate::data::{load_splits, DataSplits};
-use crate::dist::{detect_launch, join, load_secret, JoinOptions, LaunchEnv, LaunchFlags};
-use crate::metrics::{MetricsWriter, StepMetrics};
-use crate::trainer::{ModelSource, TrainOptions, Trainer};
 use anyhow::{ensure, Context, Result};
+use ringtrain::backend::factory::BackendChoice;
+use ringtrain::backend::Backend;
+use ringtrain::collective::Collective;
+use ringtrain::data::{load_splits, DataSplits};
+use ringtrain::dist::{detect_launch, join, load_secret, JoinOptions, LaunchEnv, LaunchFlags};
+use ringtrain::metrics::{MetricsWriter, StepMetrics};
+use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
 
 /// Everything a run needs, resolved from flags, the TOML file and the launch environment.
@@ -20,8 +19,8 @@ struct RunSetup {
     source: ModelSource,
     data: DataSplits,
     opts: TrainOptions,
-    backend: BackendKind,
-    backend_reason: String,
+    /// Opened after everything else is resolved.
+    backend: BackendChoice,
     metrics_path: Option<std::path::PathBuf>,
     launch: LaunchEnv,
     secret_file: Option<std::path::PathBuf>,
@@ -54,11 +53,11 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         "--init and --resume both given: --resume already restores the parameters"
     );
     let (source, model) = if let Some(dir) = &args.resume {
-        let dir = crate::model::checkpoint::resolve_checkpoint_dir(dir)?;
-        let cfg = crate::model::checkpoint::load_model(&dir)?.0;
-        (crate::trainer::ModelSource::Resume(dir), cfg)
+        let dir = ringtrain::model::checkpoint::resolve_checkpoint_dir(dir)?;
+        let cfg = ringtrain::model::checkpoint::load_model(&dir)?.0;
+        (ringtrain::trainer::ModelSource::Resume(dir), cfg)
     } else if let Some(dir) = &args.init {
-        let cfg = crate::model::checkpoint::load_model(dir)
+        let cfg = ringtrain::model::checkpoint::load_model(dir)
             .with_context(|| format!("--init {}", dir.display()))?
             .0;
         (ModelSource::Init(dir.clone()), cfg)
@@ -69,14 +68,13 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let opts = args.resolve(&model, launch.world_size)?;
     let data_spec = args.data.clone().unwrap_or_else(|| "synthetic".into());
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
-    let (backend, backend_reason) = select_backend(args.backend.as_deref().unwrap_or("auto"), launch.local_rank)?;
+    let backend = parse_backend(args.backend.as_deref())?;
     let job_hash = opts.job_hash(&model, launch.world_size);
     Ok(RunSetup {
         source,
         data,
         opts,
         backend,
-        backend_reason,
         metrics_path: args.metrics.clone(),
         launch,
         secret_file: args.secret_file.clone(),
@@ -101,13 +99,7 @@ fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let s = setup(args)?;
-    match s.backend {
-        BackendKind::Cpu => train_loop(CpuBackend::<f32>::new(), s),
-        BackendKind::Wgpu(selection) => train_loop(WgpuBackend::new(selection)?, s),
-    }
-}
-
-fn train_loop<B: Backend>(be: B, s: RunSetup) -> Result<()> {
+    let (be, selection) = open_backend(s.backend, s.launch.local_rank)?;
     let resuming = matches!(s.source, ModelSource::Resume(_));
     let comm = connect(&s)?;
     let is_rank0 = s.launch.rank == 0;
@@ -117,7 +109,7 @@ fn train_loop<B: Backend>(be: B, s: RunSetup) -> Result<()> {
         s.metrics_path.as_deref(),
         resuming,
         is_rank0,
-        &s.backend_reason,
+        &selection.reason,
     );
     if let Err(e) = &result {
         trainer.abort(&format!("{e:#}"));
@@ -213,13 +205,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     args.eval_every = Some(0);
     args.save = None;
     let s = setup(args)?;
-    match s.backend {
-        BackendKind::Cpu => bench_loop(CpuBackend::<f32>::new(), s, warmup, timed),
-        BackendKind::Wgpu(selection) => bench_loop(WgpuBackend::new(selection)?, s, warmup, timed),
-    }
-}
-
-fn bench_loop<B: Backend>(be: B, s: RunSetup, warmup: u64, timed: u64) -> Result<()> {
+    let (be, _) = open_backend(s.backend, s.launch.local_rank)?;
     let comm = connect(&s)?;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm)?;
     for _ in 0..warmup {
