@@ -25,9 +25,8 @@ pub const JOB_ID_VAR: &str = "RINGTRAIN_JOB_ID";
 /// What [`join`] needs besides the launch environment.
 #[derive(Clone, Debug)]
 pub struct JoinOptions {
-    /// Digest of what every rank must agree on (the trainer's
-    /// [`TrainOptions::job_hash`](crate::trainer::TrainOptions::job_hash)); ranks with different hashes are
-    /// refused at rendezvous. It is also the job id when [`JOB_ID_VAR`] is not set.
+    /// Digest of what every rank must agree on (for training, `TrainOptions::job_hash`); ranks with
+    /// different hashes are refused at rendezvous. It is also the job id when [`JOB_ID_VAR`] is not set.
     pub config_hash: u64,
     /// Cluster secret ([`load_secret`]); required unless the master is a loopback address.
     pub secret: Option<Vec<u8>>,
