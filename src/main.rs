@@ -1,7 +1,9 @@
 //! The `ringtrain` command line (the contract is in DESIGN.md; flags are stable).
 
+mod cli;
+
 use clap::{Parser, Subcommand};
-use ringtrain::cli::{args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, train};
+use cli::{args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -427,7 +427,7 @@ fn gpt2_124m_vocab_and_positions_load() {
 #[test]
 fn gpt2_124m_full_shapes_load() {
     check_124m_style(ModelConfig::gpt2());
-    assert_eq!(ParamLayout::count(&ModelConfig::gpt2()), 124_439_808);
+    assert_eq!(ModelConfig::gpt2().param_count(), 124_439_808);
 }
 
 // ---------------------------------------------------------------------------------------------------------

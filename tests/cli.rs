@@ -62,7 +62,7 @@ fn train_lowers_loss_and_writes_metrics_and_plot() {
     let png = dir.path().join("loss.png");
     let m = metrics.to_str().unwrap();
     ok(&with(&SMALL, &["--steps", "60", "--metrics", m]));
-    let records = ringtrain::cli::metrics::read_metrics(&metrics).unwrap();
+    let records = ringtrain::metrics::read_metrics(&metrics).unwrap();
     assert_eq!(records.len(), 60);
     let first = records[0].loss;
     let last = records.iter().rev().take(5).map(|r| r.loss).sum::<f64>() / 5.0;
@@ -231,7 +231,7 @@ fn toml_config_supplies_flags_and_flags_win() {
     )
     .unwrap();
     ok(&["train", "--config", toml.to_str().unwrap(), "--steps", "2"]);
-    let records = ringtrain::cli::metrics::read_metrics(&metrics).unwrap();
+    let records = ringtrain::metrics::read_metrics(&metrics).unwrap();
     assert_eq!(records.len(), 2, "--steps on the command line overrides the file");
     assert_eq!(
         records[1].tokens,
@@ -309,8 +309,8 @@ fn launch_trains_data_parallel_over_quic() {
         &["--batch-size", "4", "--metrics", single.to_str().unwrap()],
     ));
     let (a, b) = (
-        ringtrain::cli::metrics::read_metrics(&dp).unwrap(),
-        ringtrain::cli::metrics::read_metrics(&single).unwrap(),
+        ringtrain::metrics::read_metrics(&dp).unwrap(),
+        ringtrain::metrics::read_metrics(&single).unwrap(),
     );
     assert_eq!(a.len(), 6);
     for (x, y) in a.iter().zip(&b) {

@@ -2,10 +2,9 @@
 //! outputs and every sum has a fixed order. Five training steps on 1, 2 and 3 threads must agree exactly.
 
 use ringtrain::backend::cpu::CpuBackend;
-use ringtrain::cli::args::TrainArgs;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{single_process as solo, ModelSource, Trainer};
+use ringtrain::trainer::{single_process as solo, ModelSource, TrainOptions, Trainer};
 
 fn train_on(threads: usize) -> (Vec<f64>, String) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -17,13 +16,11 @@ fn train_on(threads: usize) -> (Vec<f64>, String) {
             vocab_size: 256,
             n_positions: 40,
         };
-        let args = TrainArgs {
-            batch_size: Some(3),
-            seq_len: Some(37),
-            steps: Some(5),
-            ..Default::default()
+        let opts = TrainOptions {
+            batch_size: 3,
+            seq_len: 37,
+            ..TrainOptions::for_model(&cfg).with_steps(5)
         };
-        let opts = args.resolve(&cfg, 1).unwrap();
         let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
         let mut t = Trainer::new(CpuBackend::<f32>::new(), ModelSource::Fresh(cfg), data, opts, solo()).unwrap();
         let losses = (0..5).map(|_| t.train_step().unwrap().loss).collect();

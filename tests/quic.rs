@@ -278,8 +278,8 @@ fn allreduce_bench_table() {
 #[test]
 fn join_from_launch_env() {
     use ringtrain::dist::{join, JoinOptions, LaunchEnv, LaunchSource};
+    // The job id is RINGTRAIN_JOB_ID when set, else the config hash: the same for both ranks either way.
     let opts = JoinOptions {
-        job_id: None,
         config_hash: 5,
         secret: None,
         timeout: Duration::from_secs(10),

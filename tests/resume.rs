@@ -1,41 +1,42 @@
 //! Resume with a cosine schedule: a run that saves at step 5 of 12 and a fresh process that resumes from it
 //! end with the same bits as an uninterrupted 12-step run (parameters and AdamW moments).
 
-use ringtrain::backend::cpu::CpuBackend;
+use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
-use ringtrain::cli::args::TrainArgs;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{single_process as solo, ModelSource, Trainer};
+use ringtrain::optim::schedule::ScheduleKind;
+use ringtrain::trainer::{single_process as solo, ModelSource, TrainOptions, Trainer};
 
-fn args() -> TrainArgs {
-    TrainArgs {
-        batch_size: Some(2),
-        seq_len: Some(16),
-        grad_accum: Some(2),
-        steps: Some(12),
-        lr_schedule: Some("cosine".into()),
-        warmup: Some(2),
-        eval_every: Some(0),
-        ..Default::default()
-    }
+fn options(cfg: &ModelConfig) -> TrainOptions {
+    let mut o = TrainOptions {
+        batch_size: 2,
+        seq_len: 16,
+        grad_accum: 2,
+        eval_every: 0,
+        ..TrainOptions::for_model(cfg).with_steps(12)
+    };
+    o.schedule.kind = ScheduleKind::Cosine;
+    o.schedule.warmup = 2;
+    o
 }
 
-fn trainer(source: ModelSource) -> Trainer<CpuBackend<f32>> {
+fn trainer(source: ModelSource) -> Trainer<Box<dyn Backend>> {
     let cfg = ModelConfig {
         n_layer: 1,
         ..ModelConfig::tiny()
     };
-    let opts = args().resolve(&cfg, 1).unwrap();
+    let opts = options(&cfg);
     let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
     let source = match source {
         ModelSource::Fresh(_) => ModelSource::Fresh(cfg),
         other => other,
     };
-    Trainer::new(CpuBackend::new(), source, data, opts, solo()).unwrap()
+    let (cpu, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+    Trainer::new(cpu, source, data, opts, solo()).unwrap()
 }
 
-fn state(t: &mut Trainer<CpuBackend<f32>>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+fn state(t: &mut Trainer<Box<dyn Backend>>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let params = t.model.download_params(&mut t.be).unwrap();
     let n = params.len();
     let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);

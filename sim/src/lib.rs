@@ -7,16 +7,14 @@
 //! one owner and copied byte for byte.
 
 use anyhow::{bail, Context, Result};
-use ringtrain::backend::cpu::CpuBackend;
-use ringtrain::backend::wgpu::{AdapterSelection, WgpuBackend};
+use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
-use ringtrain::cli::args::TrainArgs;
 use ringtrain::collective::mem::{mem_cluster, Faults, MemOptions};
-use ringtrain::collective::quic::{QuicCollective, QuicConfig};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::dist::{join, JoinOptions, LaunchEnv, LaunchSource};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{single_process, ModelSource, Trainer};
+use ringtrain::trainer::{single_process, ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,11 +26,12 @@ pub enum Transport {
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     pub workers: usize,
-    /// Backend of each rank, cycled over the ranks: `cpu` or `wgpu`.
-    pub backends: Vec<String>,
+    /// Backend of each rank, cycled over the ranks (every wgpu rank on the first usable adapter).
+    pub backends: Vec<BackendChoice>,
     pub model: ModelConfig,
-    /// Per-rank train flags (batch size, seq len, grad accum, steps, update mode, ...).
-    pub args: TrainArgs,
+    /// Options of every rank (batch size, seq len, grad accum, steps, update mode, ...); the single-worker
+    /// reference runs them with `workers` times the batch.
+    pub options: TrainOptions,
     pub transport: Transport,
     pub faults: Faults,
     pub deadline: Duration,
@@ -80,34 +79,22 @@ impl SimReport {
 fn build_trainer<B: Backend>(
     be: B,
     cfg: &SimConfig,
-    args: &TrainArgs,
-    world: usize,
+    options: &TrainOptions,
     comm: Box<dyn Collective>,
 ) -> Result<Trainer<B>> {
-    let opts = args.resolve(&cfg.model, world)?;
-    let data = load_splits(args.data.as_deref().unwrap_or("synthetic"), None, TokenizerKind::Byte)?;
-    Trainer::new(be, ModelSource::Fresh(cfg.model.clone()), data, opts, comm)
+    let data = load_splits("synthetic", None, TokenizerKind::Byte)?;
+    Trainer::new(be, ModelSource::Fresh(cfg.model.clone()), data, options.clone(), comm)
 }
 
 fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
     let rank = comm.rank();
-    let backend = cfg
+    let choice = cfg
         .backends
         .get(rank % cfg.backends.len().max(1))
-        .map_or("cpu", String::as_str);
-    match backend {
-        "cpu" => run_rank_on(CpuBackend::<f32>::new(), cfg, comm),
-        "wgpu" => {
-            let be = WgpuBackend::new(AdapterSelection::any()).with_context(|| format!("rank {rank}: wgpu"))?;
-            run_rank_on(be, cfg, comm)
-        }
-        other => bail!("rank {rank}: unknown backend {other:?} (expected cpu or wgpu)"),
-    }
-}
-
-fn run_rank_on<B: Backend>(be: B, cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
-    let rank = comm.rank();
-    let mut trainer = build_trainer(be, cfg, &cfg.args, cfg.workers, comm).with_context(|| format!("rank {rank}"))?;
+        .copied()
+        .unwrap_or(BackendChoice::Cpu);
+    let (be, _) = factory::open(choice, 0).with_context(|| format!("rank {rank}: {choice}"))?;
+    let mut trainer = build_trainer(be, cfg, &cfg.options, comm).with_context(|| format!("rank {rank}"))?;
     let mut trace = RankTrace {
         losses: Vec::new(),
         hashes: Vec::new(),
@@ -127,12 +114,22 @@ fn run_rank_on<B: Backend>(be: B, cfg: &SimConfig, comm: Box<dyn Collective>) ->
     Ok(trace)
 }
 
-fn connect_quic(rank: usize, world: usize, port: u16, deadline: Duration) -> Result<Box<dyn Collective>> {
-    let master = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let mut q = QuicConfig::new(rank, world, master);
-    q.timeout = deadline;
-    q.secret = Some(b"ringtrain-sim".to_vec());
-    Ok(Box::new(QuicCollective::connect(q)?))
+/// Rank `rank` joining the QUIC ring on loopback, as a launched process would.
+fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collective>> {
+    let launch = LaunchEnv {
+        rank,
+        world_size: cfg.workers,
+        local_rank: rank,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        source: LaunchSource::Flags,
+    };
+    let opts = JoinOptions {
+        config_hash: cfg.options.job_hash(&cfg.model, cfg.workers),
+        secret: Some(b"ringtrain-sim".to_vec()),
+        timeout: cfg.deadline,
+    };
+    join(&launch, &opts)
 }
 
 /// Runs the virtual cluster and the single-worker reference.
@@ -163,7 +160,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
             let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
             std::thread::scope(|s| {
                 let handles: Vec<_> = (0..cfg.workers)
-                    .map(|rank| s.spawn(move || run_rank(cfg, connect_quic(rank, cfg.workers, port, cfg.deadline)?)))
+                    .map(|rank| s.spawn(move || run_rank(cfg, join_quic(cfg, rank, port)?)))
                     .collect();
                 handles
                     .into_iter()
@@ -177,9 +174,12 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
         ranks.push(r?);
     }
     // The reference: one worker, the same global batch.
-    let mut single = cfg.args.clone();
-    single.batch_size = Some(cfg.args.batch_size.unwrap_or(4) * cfg.workers);
-    let mut trainer = build_trainer(CpuBackend::<f32>::new(), cfg, &single, 1, single_process())?;
+    let single = TrainOptions {
+        batch_size: cfg.options.batch_size * cfg.workers,
+        ..cfg.options.clone()
+    };
+    let (cpu, _) = factory::open(BackendChoice::Cpu, 0)?;
+    let mut trainer = build_trainer(cpu, cfg, &single, single_process())?;
     let mut single_worker_losses = Vec::new();
     while trainer.step < trainer.opts.steps {
         single_worker_losses.push(trainer.train_step()?.loss);

@@ -2,8 +2,10 @@
 
 use anyhow::{bail, Result};
 use clap::Parser;
+use ringtrain::backend::factory::BackendChoice;
 use ringtrain::collective::mem::Faults;
 use ringtrain::model::ModelConfig;
+use ringtrain::trainer::{TrainOptions, UpdateMode};
 use ringtrain_sim::{run, SimConfig, Transport};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -85,10 +87,20 @@ fn main() -> ExitCode {
 
 fn real_main() -> Result<ExitCode> {
     let cli = Cli::parse();
-    let backends: Vec<String> = cli.backends.split(',').map(|b| b.trim().to_string()).collect();
-    if let Some(bad) = backends.iter().find(|b| *b != "cpu" && *b != "wgpu") {
-        bail!("--backends: unknown backend {bad:?} (expected cpu or wgpu)");
-    }
+    let backends = cli
+        .backends
+        .split(',')
+        .map(|b| match b.trim() {
+            "cpu" => Ok(BackendChoice::Cpu),
+            "wgpu" => Ok(BackendChoice::Wgpu),
+            bad => bail!("--backends: unknown backend {bad:?} (expected cpu or wgpu)"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let update = match cli.update.as_str() {
+        "sharded" => UpdateMode::Sharded,
+        "replicated" => UpdateMode::Replicated,
+        other => bail!("--update {other:?}: expected sharded or replicated"),
+    };
     let transport = match cli.transport.as_str() {
         "mem" => Transport::Mem,
         "quic" => Transport::Quic,
@@ -97,22 +109,22 @@ fn real_main() -> Result<ExitCode> {
     if !(cli.timeout.is_finite() && cli.timeout > 0.0) {
         bail!("--timeout must be a positive number of seconds");
     }
-    let args = ringtrain::cli::args::TrainArgs {
-        batch_size: Some(cli.batch_size),
-        seq_len: Some(cli.seq_len),
-        grad_accum: Some(cli.grad_accum),
-        steps: Some(cli.steps),
-        update: Some(cli.update.clone()),
-        seed: Some(cli.seed),
-        eval_every: Some(0),
-        verify_every: Some(1),
-        ..Default::default()
+    let model = ModelConfig::preset(&cli.model)?;
+    let options = TrainOptions {
+        batch_size: cli.batch_size,
+        seq_len: cli.seq_len,
+        grad_accum: cli.grad_accum,
+        update,
+        seed: cli.seed,
+        eval_every: 0,
+        verify_every: 1,
+        ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
     let cfg = SimConfig {
         workers: cli.workers,
         backends,
-        model: ModelConfig::preset(&cli.model)?,
-        args,
+        model,
+        options,
         transport,
         faults: faults(&cli.fault)?,
         deadline: Duration::from_secs_f64(cli.timeout),

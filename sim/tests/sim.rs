@@ -3,30 +3,32 @@
 //! batch up to float reassociation (tolerance 1e-5 absolute; measured ~3e-8); a dropped worker makes every
 //! other rank fail with an error naming it instead of hanging.
 
-use ringtrain::cli::args::TrainArgs;
+use ringtrain::backend::factory::BackendChoice;
 use ringtrain::collective::mem::Faults;
 use ringtrain::model::ModelConfig;
+use ringtrain::trainer::{TrainOptions, UpdateMode};
 use ringtrain_sim::{run, SimConfig, Transport};
 use std::time::Duration;
 
-fn config(workers: usize, update: &str, grad_accum: usize, faults: Faults) -> SimConfig {
+fn config(workers: usize, update: UpdateMode, grad_accum: usize, faults: Faults) -> SimConfig {
+    let model = ModelConfig {
+        n_layer: 1,
+        ..ModelConfig::tiny()
+    };
+    let options = TrainOptions {
+        batch_size: 2,
+        seq_len: 16,
+        grad_accum,
+        update,
+        eval_every: 0,
+        verify_every: 1,
+        ..TrainOptions::for_model(&model).with_steps(4)
+    };
     SimConfig {
         workers,
-        backends: vec!["cpu".into()],
-        model: ModelConfig {
-            n_layer: 1,
-            ..ModelConfig::tiny()
-        },
-        args: TrainArgs {
-            batch_size: Some(2),
-            seq_len: Some(16),
-            grad_accum: Some(grad_accum),
-            steps: Some(4),
-            update: Some(update.into()),
-            eval_every: Some(0),
-            verify_every: Some(1),
-            ..Default::default()
-        },
+        backends: vec![BackendChoice::Cpu],
+        model,
+        options,
         transport: Transport::Mem,
         faults,
         deadline: Duration::from_secs(20),
@@ -36,18 +38,18 @@ fn config(workers: usize, update: &str, grad_accum: usize, faults: Faults) -> Si
 #[test]
 fn replicas_identical_and_loss_matches_single_worker() {
     for workers in 1..=4 {
-        for update in ["sharded", "replicated"] {
+        for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
             for grad_accum in [1, 2] {
                 let report = run(&config(workers, update, grad_accum, Faults::default())).unwrap();
                 assert_eq!(
                     report.first_divergence(),
                     None,
-                    "{workers} workers, {update}, K={grad_accum}"
+                    "{workers} workers, {update:?}, K={grad_accum}"
                 );
                 let gap = report.max_loss_gap();
                 assert!(
                     gap < 1e-5,
-                    "{workers} workers, {update}, K={grad_accum}: loss gap {gap}"
+                    "{workers} workers, {update:?}, K={grad_accum}: loss gap {gap}"
                 );
                 assert_eq!(report.ranks[0].losses.len(), 4);
             }
@@ -57,13 +59,13 @@ fn replicas_identical_and_loss_matches_single_worker() {
 
 #[test]
 fn perturbed_network_changes_nothing() {
-    let calm = run(&config(3, "sharded", 1, Faults::default())).unwrap();
+    let calm = run(&config(3, UpdateMode::Sharded, 1, Faults::default())).unwrap();
     let faults = Faults {
         delay: Some(Duration::from_millis(1)),
         reorder_seed: Some(42),
         ..Faults::default()
     };
-    let noisy = run(&config(3, "sharded", 1, faults)).unwrap();
+    let noisy = run(&config(3, UpdateMode::Sharded, 1, faults)).unwrap();
     assert_eq!(
         calm.ranks, noisy.ranks,
         "delays and reordering must not change a single bit"
@@ -76,14 +78,14 @@ fn dropped_worker_is_named() {
         die_after: Some((1, 5)),
         ..Faults::default()
     };
-    let err = run(&config(3, "sharded", 1, faults)).unwrap_err();
+    let err = run(&config(3, UpdateMode::Sharded, 1, faults)).unwrap_err();
     let msg = format!("{err:#}");
     assert!(msg.contains("rank 1"), "error should name rank 1: {msg}");
 }
 
 #[test]
 fn quic_transport_keeps_replicas_identical() {
-    let mut cfg = config(3, "sharded", 1, Faults::default());
+    let mut cfg = config(3, UpdateMode::Sharded, 1, Faults::default());
     cfg.transport = Transport::Quic;
     let report = run(&cfg).unwrap();
     assert_eq!(report.first_divergence(), None);
@@ -108,8 +110,8 @@ fn mixed_cpu_and_wgpu_ranks_stay_bit_identical_with_sharded_update() {
     if !wgpu_available() {
         return;
     }
-    let mut cfg = config(2, "sharded", 1, Faults::default());
-    cfg.backends = vec!["cpu".into(), "wgpu".into()];
+    let mut cfg = config(2, UpdateMode::Sharded, 1, Faults::default());
+    cfg.backends = vec![BackendChoice::Cpu, BackendChoice::Wgpu];
     let report = run(&cfg).unwrap();
     assert_eq!(
         report.first_divergence(),

@@ -16,7 +16,10 @@
 //! Outputs never alias inputs, except where an op says so (`crossentropy_backward` may write `dlogits`
 //! over `logits`).
 
+mod boxed;
 pub mod cpu;
+pub mod cuda;
+pub mod factory;
 mod view;
 pub mod wgpu;
 

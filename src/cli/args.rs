@@ -1,15 +1,15 @@
 //! `ringtrain train` flags, the TOML config file that can hold any of them, and their resolution into
 //! validated [`TrainOptions`]. Flags override the file; the file overrides the defaults.
 
-use crate::data::TokenizerKind;
-use crate::model::ModelConfig;
-use crate::optim::schedule::{LrScaling, ScheduleKind};
-use crate::optim::{AdamWConfig, LrSchedule};
-use crate::trainer::{OnDivergence, OnNonFinite, TrainOptions, UpdateMode};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
+use ringtrain::data::TokenizerKind;
+use ringtrain::model::ModelConfig;
+use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
+use ringtrain::optim::{AdamWConfig, LrSchedule};
+use ringtrain::trainer::{bucket_elems, OnDivergence, OnNonFinite, TrainOptions, UpdateMode};
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Every flag of `ringtrain train` (and `ringtrain bench step`). All optional so that a TOML file can
 /// supply them; the keys of the file are the flag names (`batch-size = 8`).
@@ -200,19 +200,26 @@ impl TrainArgs {
         Ok(cfg)
     }
 
-    /// Validated options for the loop of a `model`-shaped run over `world` ranks.
+    /// Validated options for the loop of a `model`-shaped run over `world` ranks: the trainer's defaults
+    /// ([`TrainOptions::for_model`]) with the flags and file applied.
     pub fn resolve(&self, model: &ModelConfig, world: usize) -> Result<TrainOptions> {
-        let n_positions = model.n_positions;
-        let batch_size = positive("--batch-size", self.batch_size.unwrap_or(DEFAULT_BATCH_SIZE))?;
-        let seq_len = positive("--seq-len", self.seq_len.unwrap_or(n_positions.min(1024)))?;
-        let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(1))?;
-        let steps = self.steps.unwrap_or(200);
+        let d = TrainOptions::for_model(model);
+        let batch_size = positive("--batch-size", self.batch_size.unwrap_or(d.batch_size))?;
+        let seq_len = positive("--seq-len", self.seq_len.unwrap_or(d.seq_len))?;
+        let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(d.grad_accum))?;
+        let steps = self.steps.unwrap_or(d.steps);
         let global = world * batch_size * grad_accum;
         let base_batch = positive("--base-batch", self.base_batch.unwrap_or(batch_size * grad_accum))?;
-        let scaling: LrScaling = self.lr_scaling.as_deref().unwrap_or("none").parse()?;
-        let lr =
-            finite_positive("--lr", self.lr.unwrap_or_else(|| default_lr(model)))? * scaling.factor(global, base_batch);
-        let kind: ScheduleKind = self.lr_schedule.as_deref().unwrap_or("cosine").parse()?;
+        let scaling = match self.lr_scaling.as_deref() {
+            Some(name) => name.parse()?,
+            None => LrScaling::None,
+        };
+        let lr = finite_positive("--lr", self.lr.unwrap_or(d.schedule.lr))? * scaling.factor(global, base_batch);
+        let kind: ScheduleKind = match self.lr_schedule.as_deref() {
+            Some(name) => name.parse()?,
+            None => d.schedule.kind,
+        };
+        // The default floor follows the (scaled) peak: a tenth of it.
         let min_lr = self.min_lr.unwrap_or(lr / 10.0);
         ensure!(
             min_lr.is_finite() && min_lr >= 0.0 && min_lr <= lr,
@@ -221,41 +228,50 @@ impl TrainArgs {
         let schedule = LrSchedule {
             kind,
             lr,
-            warmup: self.warmup.unwrap_or(0),
+            warmup: self.warmup.unwrap_or(d.schedule.warmup),
             min_lr,
             total_steps: steps,
         };
         let adamw = AdamWConfig {
-            beta1: unit_interval("--beta1", self.beta1.unwrap_or(0.9))?,
-            beta2: unit_interval("--beta2", self.beta2.unwrap_or(0.95))?,
-            eps: finite_positive("--eps", self.eps.unwrap_or(1e-8))?,
-            weight_decay: non_negative("--weight-decay", self.weight_decay.unwrap_or(0.1))?,
+            beta1: unit_interval("--beta1", self.beta1.unwrap_or(d.adamw.beta1))?,
+            beta2: unit_interval("--beta2", self.beta2.unwrap_or(d.adamw.beta2))?,
+            eps: finite_positive("--eps", self.eps.unwrap_or(d.adamw.eps))?,
+            weight_decay: non_negative("--weight-decay", self.weight_decay.unwrap_or(d.adamw.weight_decay))?,
         };
-        let shuffle = match self.shuffle.as_deref().unwrap_or("on") {
-            "on" => true,
-            "off" => false,
-            other => bail!("--shuffle {other:?}: expected on or off"),
+        let shuffle = match self.shuffle.as_deref() {
+            None => d.shuffle,
+            Some("on") => true,
+            Some("off") => false,
+            Some(other) => bail!("--shuffle {other:?}: expected on or off"),
         };
-        let on_nonfinite = match self.on_nonfinite.as_deref().unwrap_or("skip") {
-            "skip" => OnNonFinite::Skip,
-            "abort" => OnNonFinite::Abort,
-            other => bail!("--on-nonfinite {other:?}: expected skip or abort"),
+        let on_nonfinite = match self.on_nonfinite.as_deref() {
+            None => d.on_nonfinite,
+            Some("skip") => OnNonFinite::Skip,
+            Some("abort") => OnNonFinite::Abort,
+            Some(other) => bail!("--on-nonfinite {other:?}: expected skip or abort"),
         };
-        let update = match self.update.as_deref().unwrap_or("sharded") {
-            "sharded" => UpdateMode::Sharded,
-            "replicated" => UpdateMode::Replicated,
-            other => bail!("--update {other:?}: expected sharded or replicated"),
+        let update = match self.update.as_deref() {
+            None => d.update,
+            Some("sharded") => UpdateMode::Sharded,
+            Some("replicated") => UpdateMode::Replicated,
+            Some(other) => bail!("--update {other:?}: expected sharded or replicated"),
         };
-        let on_divergence = match self.on_divergence.as_deref().unwrap_or("abort") {
-            "abort" => OnDivergence::Abort,
-            "resync" => OnDivergence::Resync,
-            other => bail!("--on-divergence {other:?}: expected abort or resync"),
+        let on_divergence = match self.on_divergence.as_deref() {
+            None => d.on_divergence,
+            Some("abort") => OnDivergence::Abort,
+            Some("resync") => OnDivergence::Resync,
+            Some(other) => bail!("--on-divergence {other:?}: expected abort or resync"),
         };
-        let bucket_mb = self.bucket_mb.unwrap_or(25.0);
-        ensure!(
-            bucket_mb.is_finite() && bucket_mb > 0.0 && bucket_mb <= 4096.0,
-            "--bucket-mb {bucket_mb} must be in (0, 4096]"
-        );
+        let bucket_elems = match self.bucket_mb {
+            None => d.bucket_elems,
+            Some(mb) => {
+                ensure!(
+                    mb.is_finite() && mb > 0.0 && mb <= 4096.0,
+                    "--bucket-mb {mb} must be in (0, 4096]"
+                );
+                bucket_elems(mb)
+            }
+        };
         Ok(TrainOptions {
             batch_size,
             seq_len,
@@ -263,33 +279,20 @@ impl TrainArgs {
             steps,
             schedule,
             adamw,
-            grad_clip: non_negative("--grad-clip", self.grad_clip.unwrap_or(1.0))?,
-            seed: self.seed.unwrap_or(1337),
+            grad_clip: non_negative("--grad-clip", self.grad_clip.unwrap_or(d.grad_clip))?,
+            seed: self.seed.unwrap_or(d.seed),
             shuffle,
             on_nonfinite,
-            eval_every: self.eval_every.unwrap_or(100),
-            eval_batches: self.eval_batches.unwrap_or(16),
+            eval_every: self.eval_every.unwrap_or(d.eval_every),
+            eval_batches: self.eval_batches.unwrap_or(d.eval_batches),
             save: self.save.clone(),
-            save_every: self.save_every.unwrap_or(0),
+            save_every: self.save_every.unwrap_or(d.save_every),
             update,
-            verify_every: self.verify_every.unwrap_or(0),
+            verify_every: self.verify_every.unwrap_or(d.verify_every),
             on_divergence,
-            bucket_elems: ((bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
+            bucket_elems,
             args_json: serde_json::to_string(self)?,
         })
-    }
-}
-
-/// Sequences per micro-batch per rank when `--batch-size` is not given.
-pub const DEFAULT_BATCH_SIZE: usize = 8;
-
-/// `--lr` when not given: 3e-3 for narrow models (C <= 256: tiny, small), which tolerate and need a high
-/// rate to learn in a few hundred steps, and GPT-2's 6e-4 for anything wider.
-pub fn default_lr(model: &ModelConfig) -> f64 {
-    if model.n_embd <= 256 {
-        3e-3
-    } else {
-        6e-4
     }
 }
 
@@ -313,7 +316,122 @@ fn unit_interval(name: &str, v: f64) -> Result<f64> {
     Ok(v)
 }
 
-/// The checkpoint argument of `sample`/`eval`, resolved through an interrupted save.
-pub fn checkpoint_dir(dir: &Path) -> Result<PathBuf> {
-    crate::model::checkpoint::resolve_checkpoint_dir(dir)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No flags: the trainer's defaults, which are the values the command line has always resolved.
+    #[test]
+    fn no_flags_resolve_to_the_trainer_defaults() {
+        let tiny = ModelConfig::tiny();
+        let args = TrainArgs::default();
+        let opts = args.resolve(&tiny, 2).unwrap();
+        assert_eq!(
+            opts,
+            TrainOptions {
+                args_json: serde_json::to_string(&args).unwrap(),
+                ..TrainOptions::for_model(&tiny)
+            }
+        );
+        let schedule = LrSchedule {
+            kind: ScheduleKind::Cosine,
+            lr: 3e-3,
+            warmup: 0,
+            min_lr: 3e-3 / 10.0,
+            total_steps: 200,
+        };
+        assert_eq!(
+            (
+                opts.batch_size,
+                opts.seq_len,
+                opts.grad_accum,
+                opts.steps,
+                opts.schedule
+            ),
+            (8, 64, 1, 200, schedule)
+        );
+        assert_eq!(opts.adamw, AdamWConfig::default());
+        assert_eq!((opts.grad_clip, opts.seed, opts.shuffle), (1.0, 1337, true));
+        assert_eq!(
+            (opts.eval_every, opts.eval_batches, opts.save_every, opts.verify_every),
+            (100, 16, 0, 0)
+        );
+        assert_eq!(
+            (opts.on_nonfinite, opts.update, opts.on_divergence),
+            (OnNonFinite::Skip, UpdateMode::Sharded, OnDivergence::Abort)
+        );
+        assert_eq!(opts.bucket_elems, 25 * 1024 * 1024 / 4);
+        // A wide model gets GPT-2's rate, and the sequence is capped at 1024.
+        let gpt2 = args.resolve(&ModelConfig::gpt2(), 1).unwrap();
+        assert_eq!((gpt2.schedule.lr, gpt2.seq_len), (6e-4, 1024));
+    }
+
+    #[test]
+    fn flags_override_the_defaults() {
+        let args = TrainArgs {
+            batch_size: Some(3),
+            steps: Some(12),
+            lr: Some(1e-3),
+            lr_schedule: Some("constant".into()),
+            lr_scaling: Some("linear".into()),
+            warmup: Some(2),
+            update: Some("replicated".into()),
+            bucket_mb: Some(1.0),
+            ..TrainArgs::default()
+        };
+        let opts = args.resolve(&ModelConfig::tiny(), 4).unwrap();
+        // Linear scaling: global batch 12 over the base batch 3.
+        let lr = 1e-3 * 4.0;
+        let schedule = LrSchedule {
+            kind: ScheduleKind::Constant,
+            lr,
+            warmup: 2,
+            min_lr: lr / 10.0,
+            total_steps: 12,
+        };
+        assert_eq!((opts.batch_size, opts.steps, opts.schedule), (3, 12, schedule));
+        assert_eq!((opts.update, opts.bucket_elems), (UpdateMode::Replicated, 262_144));
+        let bad = TrainArgs {
+            update: Some("both".into()),
+            ..TrainArgs::default()
+        };
+        let err = bad.resolve(&ModelConfig::tiny(), 1).unwrap_err().to_string();
+        assert!(err.contains("--update"), "{err}");
+    }
+
+    /// The sim and the integration tests build their options in code; these are the same values the flags
+    /// they used to pass resolve to.
+    #[test]
+    fn options_built_in_code_match_the_flags() {
+        let model = ModelConfig {
+            n_layer: 1,
+            ..ModelConfig::tiny()
+        };
+        let flags = TrainArgs {
+            batch_size: Some(2),
+            seq_len: Some(16),
+            grad_accum: Some(2),
+            steps: Some(12),
+            lr_schedule: Some("cosine".into()),
+            warmup: Some(2),
+            update: Some("replicated".into()),
+            eval_every: Some(0),
+            verify_every: Some(1),
+            ..TrainArgs::default()
+        };
+        let mut built = TrainOptions {
+            batch_size: 2,
+            seq_len: 16,
+            grad_accum: 2,
+            update: UpdateMode::Replicated,
+            eval_every: 0,
+            verify_every: 1,
+            args_json: serde_json::to_string(&flags).unwrap(),
+            ..TrainOptions::for_model(&model).with_steps(12)
+        };
+        built.schedule.warmup = 2;
+        for world in [1, 3] {
+            assert_eq!(flags.resolve(&model, world).unwrap(), built, "world {world}");
+        }
+    }
 }

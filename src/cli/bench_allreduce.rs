@@ -5,9 +5,9 @@
 //! variable is a rank, not a launcher.
 
 use super::launch::{free_udp_port, supervise};
-use crate::collective::bench::{format_table, parse_sizes, run_rank};
-use crate::dist::generate_secret;
 use anyhow::{ensure, Context, Result};
+use ringtrain::collective::bench::{format_table, parse_sizes, run_rank};
+use ringtrain::dist::generate_secret;
 use std::net::SocketAddr;
 use std::process::Command;
 

@@ -5,11 +5,10 @@
 //! the same cores for the elementwise op, and, for a backend other than the CPU one, the CPU backend's
 //! matmul.
 
-use super::select::{select_backend, BackendKind};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::wgpu::WgpuBackend;
-use crate::backend::{Backend, MatmulShape, View, WeightLayout};
+use super::backend::{open_backend, parse_backend};
 use anyhow::{ensure, Result};
+use ringtrain::backend::factory::{self, BackendChoice, BackendKind};
+use ringtrain::backend::{Backend, MatmulShape, View, WeightLayout};
 use std::time::Instant;
 
 /// Elements of the elementwise benchmark: 128M f32 (512 MiB per operand), past any L3 cache (this
@@ -22,12 +21,9 @@ pub fn run_bench_kernels(backend: &str, sizes: &[usize], iters: usize) -> Result
         "--sizes must be in 1..=8192"
     );
     ensure!((1..=1000).contains(&iters), "--iters must be in 1..=1000");
-    let (kind, reason) = select_backend(backend, 0)?;
-    println!("# {reason}");
-    match kind {
-        BackendKind::Cpu => bench_all(CpuBackend::<f32>::new(), false, sizes, iters),
-        BackendKind::Wgpu(sel) => bench_all(WgpuBackend::new(sel)?, true, sizes, iters),
-    }
+    let (be, selection) = open_backend(parse_backend(Some(backend))?, 0)?;
+    println!("# {}", selection.reason);
+    bench_all(be, selection.kind != BackendKind::Cpu, sizes, iters)
 }
 
 /// Timed rounds, each alternating the backend with its reference: the CPU backend's matmul (per size, for
@@ -36,7 +32,11 @@ const REFERENCE_ROUNDS: usize = 3;
 
 fn bench_all<B: Backend>(mut be: B, with_cpu_reference: bool, sizes: &[usize], iters: usize) -> Result<()> {
     println!("# backend: {}", be.name());
-    let mut cpu = with_cpu_reference.then(CpuBackend::<f32>::new);
+    let mut cpu = if with_cpu_reference {
+        Some(factory::open(BackendChoice::Cpu, 0)?.0)
+    } else {
+        None
+    };
     for &s in sizes {
         let mut subject = MatmulBench::new(&mut be, s)?;
         let Some(cpu) = cpu.as_mut() else {

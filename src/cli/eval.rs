@@ -2,10 +2,10 @@
 //! logits for the Hugging Face cross-check (`scripts/hf_check.py`).
 
 use super::sample::tokenizer_for;
-use crate::backend::cpu::CpuBackend;
-use crate::data::{eval_windows, fill_batch, load_tokens};
-use crate::model::{checkpoint, Gpt2};
 use anyhow::{bail, Context, Result};
+use ringtrain::backend::factory::{self, BackendChoice};
+use ringtrain::data::{eval_windows, fill_batch, load_tokens};
+use ringtrain::model::{checkpoint, Gpt2};
 use std::path::Path;
 
 pub struct EvalOptions {
@@ -35,7 +35,7 @@ pub fn run_eval(dir: &Path, data: &str, o: &EvalOptions) -> Result<()> {
             o.batch_size
         );
     }
-    let mut be = CpuBackend::<f32>::new();
+    let (mut be, _) = factory::open(BackendChoice::Cpu, 0)?;
     let mut model = Gpt2::new(&mut be, cfg.clone(), &params)?;
     let n = o.batch_size * t;
     let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);

@@ -1,8 +1,8 @@
 //! `ringtrain info`: the backends and adapters found, and what `--backend auto` would pick and why.
 
-use super::select::{cuda_status, select_backend};
-use crate::backend::wgpu::list_adapters;
 use anyhow::Result;
+use ringtrain::backend::factory::{cuda_status, select, BackendChoice};
+use ringtrain::backend::wgpu::list_adapters;
 
 pub fn run_info() -> Result<()> {
     println!("ringtrain {}", env!("CARGO_PKG_VERSION"));
@@ -24,7 +24,7 @@ pub fn run_info() -> Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let (_, reason) = select_backend("auto", local_rank)?;
-    println!("--backend {reason}");
+    let auto = select(BackendChoice::Auto, local_rank)?;
+    println!("--backend {}", auto.reason);
     Ok(())
 }

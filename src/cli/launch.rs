@@ -4,8 +4,8 @@
 //! RINGTRAIN_SECRET is already set) and a job id. If one child fails, the others are told by the ring and
 //! exit on their own; any still running after the grace period are killed.
 
-use crate::dist::generate_secret;
 use anyhow::{bail, ensure, Context, Result};
+use ringtrain::dist::{generate_secret, JOB_ID_VAR};
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -48,7 +48,7 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) ->
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("RINGTRAIN_SECRET", &secret)
-            .env("RINGTRAIN_JOB_ID", job_id.to_string())
+            .env(JOB_ID_VAR, job_id.to_string())
             .spawn()
             .with_context(|| format!("starting rank {rank}"))?;
         children.push(Some(child));

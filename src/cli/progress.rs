@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::metrics::StepMetrics;
+use ringtrain::metrics::StepMetrics;
 
 /// How progress is shown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,11 +85,6 @@ impl Progress {
             total_steps,
             first_step: start_step + 1,
         }
-    }
-
-    /// The mode in use.
-    pub fn mode(&self) -> ProgressMode {
-        self.mode
     }
 
     /// Reports a finished step.
@@ -277,5 +272,29 @@ mod tests {
         let mut p = Progress::hidden();
         p.update(&m(1));
         p.finish();
+    }
+
+    #[test]
+    fn progress_line_format() {
+        let m = StepMetrics {
+            step: 20,
+            loss: 2.34123,
+            lr: 3e-4,
+            grad_norm: 0.81234,
+            tokens: 20 * 1040,
+            tokens_per_s: 20_800.4,
+            step_ms: 12.31,
+            comm_ms: 2.0,
+            world_size: 4,
+            update: "sharded".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            format_step_line(&m, 200),
+            "step 20/200 | loss 2.3412 | lr 3.00e-04 | norm 0.812 | 12.3 ms | 20800 tok/s"
+        );
+        let logged: Vec<u64> = (1..=200).filter(|&s| should_log(s, 1, 200)).collect();
+        assert_eq!(logged.len(), 21);
+        assert_eq!((logged[0], logged[1], logged[20]), (1, 10, 200));
     }
 }

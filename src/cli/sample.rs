@@ -1,18 +1,18 @@
 //! `ringtrain sample`: text from a checkpoint, with temperature and top-k.
 
-use crate::backend::cpu::CpuBackend;
-use crate::data::{Tokenizer, TokenizerKind};
-use crate::model::{checkpoint, Gpt2, ModelConfig};
 use anyhow::{bail, ensure, Result};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use ringtrain::backend::factory::{self, BackendChoice};
+use ringtrain::data::{Tokenizer, TokenizerKind};
+use ringtrain::model::{checkpoint, Gpt2, ModelConfig};
 use std::path::Path;
 
 /// The tokenizer a checkpoint was trained with, from its vocabulary size.
 pub fn tokenizer_for(cfg: &ModelConfig) -> Result<Tokenizer> {
     let kind = match cfg.vocab_size {
         256 => TokenizerKind::Byte,
-        v if v >= crate::data::GPT2_VOCAB_SIZE => TokenizerKind::Gpt2,
+        v if v >= ringtrain::data::GPT2_VOCAB_SIZE => TokenizerKind::Gpt2,
         v => bail!("cannot tell the tokenizer of a model with vocabulary {v}: expected 256 (byte) or >= 50257 (gpt2)"),
     };
     Ok(Tokenizer::new(kind)?)
@@ -70,10 +70,10 @@ pub fn run_sample(dir: &Path, o: &SampleOptions) -> Result<()> {
         ids.push(if cfg.vocab_size == 256 {
             b'\n' as u32
         } else {
-            crate::data::GPT2_EOT
+            ringtrain::data::GPT2_EOT
         });
     }
-    let mut be = CpuBackend::<f32>::new();
+    let (mut be, _) = factory::open(BackendChoice::Cpu, 0)?;
     let mut model = Gpt2::new(&mut be, cfg.clone(), &params)?;
     let mut rng = ChaCha8Rng::seed_from_u64(o.seed);
     let window = cfg.n_positions;

@@ -2,18 +2,16 @@
 //! with progress, metrics, evaluation and checkpoints.
 
 use super::args::TrainArgs;
-use super::metrics::{MetricsWriter, StepMetrics};
+use super::backend::{open_backend, parse_backend};
 use super::progress::Progress;
-use super::select::{select_backend, BackendKind};
-use crate::backend::cpu::CpuBackend;
-use crate::backend::wgpu::WgpuBackend;
-use crate::backend::Backend;
-use crate::collective::quic::{QuicCollective, QuicConfig};
-use crate::collective::Collective;
-use crate::data::{load_splits, DataSplits};
-use crate::dist::env::{detect_launch, load_secret, resolve_master, LaunchEnv, LaunchFlags};
-use crate::trainer::{single_process, ModelSource, TrainOptions, Trainer};
 use anyhow::{ensure, Context, Result};
+use ringtrain::backend::factory::BackendChoice;
+use ringtrain::backend::Backend;
+use ringtrain::collective::Collective;
+use ringtrain::data::{load_splits, DataSplits};
+use ringtrain::dist::{detect_launch, join, load_secret, JoinOptions, LaunchEnv, LaunchFlags};
+use ringtrain::metrics::{MetricsWriter, StepMetrics};
+use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
 
 /// Everything a run needs, resolved from flags, the TOML file and the launch environment.
@@ -21,8 +19,8 @@ struct RunSetup {
     source: ModelSource,
     data: DataSplits,
     opts: TrainOptions,
-    backend: BackendKind,
-    backend_reason: String,
+    /// Opened after everything else is resolved.
+    backend: BackendChoice,
     metrics_path: Option<std::path::PathBuf>,
     launch: LaunchEnv,
     secret_file: Option<std::path::PathBuf>,
@@ -55,11 +53,11 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         "--init and --resume both given: --resume already restores the parameters"
     );
     let (source, model) = if let Some(dir) = &args.resume {
-        let dir = crate::model::checkpoint::resolve_checkpoint_dir(dir)?;
-        let cfg = crate::model::checkpoint::load_model(&dir)?.0;
-        (crate::trainer::ModelSource::Resume(dir), cfg)
+        let dir = ringtrain::model::checkpoint::resolve_checkpoint_dir(dir)?;
+        let cfg = ringtrain::model::checkpoint::load_model(&dir)?.0;
+        (ringtrain::trainer::ModelSource::Resume(dir), cfg)
     } else if let Some(dir) = &args.init {
-        let cfg = crate::model::checkpoint::load_model(dir)
+        let cfg = ringtrain::model::checkpoint::load_model(dir)
             .with_context(|| format!("--init {}", dir.display()))?
             .0;
         (ModelSource::Init(dir.clone()), cfg)
@@ -70,14 +68,13 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let opts = args.resolve(&model, launch.world_size)?;
     let data_spec = args.data.clone().unwrap_or_else(|| "synthetic".into());
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
-    let (backend, backend_reason) = select_backend(args.backend.as_deref().unwrap_or("auto"), launch.local_rank)?;
-    let job_hash = job_hash(&model, &opts, launch.world_size);
+    let backend = parse_backend(args.backend.as_deref())?;
+    let job_hash = opts.job_hash(&model, launch.world_size);
     Ok(RunSetup {
         source,
         data,
         opts,
         backend,
-        backend_reason,
         metrics_path: args.metrics.clone(),
         launch,
         secret_file: args.secret_file.clone(),
@@ -86,61 +83,23 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     })
 }
 
-/// What every rank must agree on, hashed: the model shape, the batch layout, the schedule of collectives.
-fn job_hash(model: &crate::model::ModelConfig, o: &TrainOptions, world: usize) -> u64 {
-    // Everything that decides which collectives run (verification, checkpoint gathers) is included, so a
-    // rank started with different flags is refused at rendezvous instead of hanging a collective.
-    let text = format!(
-        "{}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}",
-        model.hash_hex(),
-        o.batch_size,
-        o.seq_len,
-        o.grad_accum,
-        o.steps,
-        o.seed,
-        o.update.as_str(),
-        o.shuffle,
-        o.verify_every,
-        o.save.is_some(),
-        o.save_every
-    );
-    let digest = blake3::hash(text.as_bytes());
-    u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
-}
-
 /// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise.
 fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
-    let l = &s.launch;
-    if l.world_size == 1 {
-        return Ok(single_process());
-    }
-    let master = resolve_master(&l.master_addr, l.master_port).map_err(anyhow::Error::msg)?;
-    let secret = load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
-    let mut cfg = QuicConfig::new(l.rank, l.world_size, master);
-    cfg.secret = secret;
-    cfg.timeout = s.timeout;
-    cfg.config_hash = s.job_hash;
-    cfg.job_id = match std::env::var("RINGTRAIN_JOB_ID") {
-        Ok(id) => id
-            .trim()
-            .parse()
-            .with_context(|| format!("RINGTRAIN_JOB_ID={id:?} is not a number"))?,
-        Err(_) => s.job_hash,
+    let secret = match s.launch.world_size {
+        1 => None,
+        _ => load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?,
     };
-    let comm = QuicCollective::connect(cfg)
-        .with_context(|| format!("rank {} of {}: joining the ring at {master}", l.rank, l.world_size))?;
-    Ok(Box::new(comm))
+    let opts = JoinOptions {
+        config_hash: s.job_hash,
+        secret,
+        timeout: s.timeout,
+    };
+    join(&s.launch, &opts)
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let s = setup(args)?;
-    match s.backend {
-        BackendKind::Cpu => train_loop(CpuBackend::<f32>::new(), s),
-        BackendKind::Wgpu(selection) => train_loop(WgpuBackend::new(selection)?, s),
-    }
-}
-
-fn train_loop<B: Backend>(be: B, s: RunSetup) -> Result<()> {
+    let (be, selection) = open_backend(s.backend, s.launch.local_rank)?;
     let resuming = matches!(s.source, ModelSource::Resume(_));
     let comm = connect(&s)?;
     let is_rank0 = s.launch.rank == 0;
@@ -150,7 +109,7 @@ fn train_loop<B: Backend>(be: B, s: RunSetup) -> Result<()> {
         s.metrics_path.as_deref(),
         resuming,
         is_rank0,
-        &s.backend_reason,
+        &selection.reason,
     );
     if let Err(e) = &result {
         trainer.abort(&format!("{e:#}"));
@@ -246,13 +205,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     args.eval_every = Some(0);
     args.save = None;
     let s = setup(args)?;
-    match s.backend {
-        BackendKind::Cpu => bench_loop(CpuBackend::<f32>::new(), s, warmup, timed),
-        BackendKind::Wgpu(selection) => bench_loop(WgpuBackend::new(selection)?, s, warmup, timed),
-    }
-}
-
-fn bench_loop<B: Backend>(be: B, s: RunSetup, warmup: u64, timed: u64) -> Result<()> {
+    let (be, _) = open_backend(s.backend, s.launch.local_rank)?;
     let comm = connect(&s)?;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm)?;
     for _ in 0..warmup {

@@ -87,11 +87,27 @@ impl ModelConfig {
                 self.n_head
             );
         }
-        let params = super::layout::ParamLayout::count(self);
+        let params = self.param_count();
         if params > MAX_PARAMS {
             bail!("model config: {params} parameters is more than this trainer supports ({MAX_PARAMS})");
         }
         Ok(())
+    }
+
+    /// Number of parameters, from the shape alone (so that a config can be bounded before anything is
+    /// allocated); equals the `total` of its [`ParamLayout`](super::ParamLayout). Saturates at `usize::MAX`.
+    pub fn param_count(&self) -> usize {
+        let (c, v, t, l) = (
+            self.n_embd as u128,
+            self.vocab_size as u128,
+            self.n_positions as u128,
+            self.n_layer as u128,
+        );
+        // ln_1, c_attn, attn c_proj, ln_2, c_fc, mlp c_proj: weights and biases.
+        let per_block = 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + 2 * c + (c * 4 * c + 4 * c) + (4 * c * c + c);
+        // wte, wpe, the blocks, ln_f.
+        let n = v * c + t * c + l * per_block + 2 * c;
+        usize::try_from(n).unwrap_or(usize::MAX)
     }
 
     /// A stable digest of the shape, used in the hello handshake and checkpoint metadata.

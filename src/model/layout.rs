@@ -101,20 +101,26 @@ impl ParamLayout {
         }
     }
 
-    /// Number of parameters without building the layout (used to bound configs before allocating).
-    pub fn count(cfg: &ModelConfig) -> usize {
-        let (c, v, t, l) = (
-            cfg.n_embd as u128,
-            cfg.vocab_size as u128,
-            cfg.n_positions as u128,
-            cfg.n_layer as u128,
-        );
-        let per_block = 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + 2 * c + (c * 4 * c + 4 * c) + (4 * c * c + c);
-        let n = v * c + t * c + l * per_block + 2 * c;
-        usize::try_from(n).unwrap_or(usize::MAX)
-    }
-
     pub fn get(&self, name: &str) -> Option<&ParamSpec> {
         self.specs.iter().find(|s| s.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn total_matches_the_config_count() {
+        let custom = ModelConfig {
+            n_layer: 3,
+            n_embd: 48,
+            n_head: 3,
+            vocab_size: 300,
+            n_positions: 40,
+        };
+        for cfg in [ModelConfig::tiny(), ModelConfig::small(), ModelConfig::gpt2(), custom] {
+            assert_eq!(ParamLayout::new(&cfg).total, cfg.param_count(), "{cfg:?}");
+        }
     }
 }

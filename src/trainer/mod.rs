@@ -12,27 +12,25 @@
 
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::Backend;
-use crate::cli::metrics::StepMetrics;
 use crate::collective::mem::{mem_cluster, MemOptions};
 use crate::collective::{chunk_range, diverged_ranks, Collective};
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
+use crate::metrics::StepMetrics;
 use crate::model::checkpoint::{self, TrainerState};
 use crate::model::{init::init_params, Gpt2, ModelConfig, ParamLayout};
 use crate::optim::adamw::clip_coefficient;
-use crate::optim::{AdamW, AdamWConfig, LrSchedule};
+use crate::optim::AdamW;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// What to do when the (globally reduced) gradient norm is not finite.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnNonFinite {
-    /// Skip the update (parameters and moments untouched), log it, go on.
-    Skip,
-    /// Stop the run with an error.
-    Abort,
-}
+mod options;
+
+pub use options::{
+    bucket_elems, default_lr, OnDivergence, OnNonFinite, TrainOptions, UpdateMode, DEFAULT_BATCH_SIZE,
+    DEFAULT_BUCKET_MB, DEFAULT_STEPS,
+};
 
 /// The collective of a single process: one rank, so no collective ever runs on it.
 pub fn single_process() -> Box<dyn Collective> {
@@ -41,58 +39,6 @@ pub fn single_process() -> Box<dyn Collective> {
             .pop()
             .expect("a one-rank cluster has one rank"),
     )
-}
-
-/// How the optimizer update is distributed over ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum UpdateMode {
-    /// ZeRO-1: reduce-scatter, AdamW on the owned chunk, all-gather the parameters.
-    Sharded,
-    /// Classic DDP: all-reduce, every rank runs the full AdamW.
-    Replicated,
-}
-
-impl UpdateMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            UpdateMode::Sharded => "sharded",
-            UpdateMode::Replicated => "replicated",
-        }
-    }
-}
-
-/// What to do when the replicas' hashes disagree.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnDivergence {
-    Abort,
-    /// Broadcast rank 0's parameters (and moments) and go on.
-    Resync,
-}
-
-/// Everything the loop needs, already validated and resolved (the CLI builds it from flags and TOML).
-#[derive(Clone, Debug)]
-pub struct TrainOptions {
-    pub batch_size: usize,
-    pub seq_len: usize,
-    pub grad_accum: usize,
-    pub steps: u64,
-    pub schedule: LrSchedule,
-    pub adamw: AdamWConfig,
-    pub grad_clip: f64,
-    pub seed: u64,
-    pub shuffle: bool,
-    pub on_nonfinite: OnNonFinite,
-    pub eval_every: u64,
-    pub eval_batches: usize,
-    pub save: Option<PathBuf>,
-    pub save_every: u64,
-    pub update: UpdateMode,
-    pub verify_every: u64,
-    pub on_divergence: OnDivergence,
-    /// Gradient bucket size of the replicated all-reduce, in f32 elements.
-    pub bucket_elems: usize,
-    /// The resolved options as JSON, stored in checkpoints for inspection.
-    pub args_json: String,
 }
 
 /// Where the parameters of a new run come from.

@@ -1,7 +1,8 @@
-//! Per-step training metrics: one JSON object per optimizer step, one object per line (JSON Lines).
+//! Per-step training metrics: the record the trainer returns for every optimizer step ([`StepMetrics`]), and
+//! its file, one JSON object per line (JSON Lines).
 //!
-//! Rank 0 writes the file through [`MetricsWriter`]; `ringtrain plot` and the tests read it back with
-//! [`read_metrics`]. Every line is flushed as soon as it is written, so a crash loses at most the line being
+//! Rank 0 of a run writes the file through [`MetricsWriter`]; `ringtrain plot` and the tests read it back
+//! with [`read_metrics`]. Every line is flushed as soon as it is written, so a crash loses at most the line being
 //! written, and the reader ignores such a torn last line.
 
 use std::fs::{File, OpenOptions};

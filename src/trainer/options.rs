@@ -1,0 +1,162 @@
+//! What the training loop is asked to do: [`TrainOptions`], the choices it holds, their defaults, and the
+//! digest of what every rank of a job must agree on.
+
+use crate::model::ModelConfig;
+use crate::optim::schedule::ScheduleKind;
+use crate::optim::{AdamWConfig, LrSchedule};
+use std::path::PathBuf;
+
+/// Sequences per micro-batch per rank by default.
+pub const DEFAULT_BATCH_SIZE: usize = 8;
+
+/// Optimizer steps by default.
+pub const DEFAULT_STEPS: u64 = 200;
+
+/// Gradient bucket of the replicated all-reduce by default, MiB.
+pub const DEFAULT_BUCKET_MB: f64 = 25.0;
+
+/// The default peak learning rate: 3e-3 for narrow models (C <= 256: tiny, small), which tolerate and need a
+/// high rate to learn in a few hundred steps, and GPT-2's 6e-4 for anything wider.
+pub fn default_lr(model: &ModelConfig) -> f64 {
+    if model.n_embd <= 256 {
+        3e-3
+    } else {
+        6e-4
+    }
+}
+
+/// A gradient bucket of `mb` MiB in f32 elements (at least one).
+pub fn bucket_elems(mb: f64) -> usize {
+    ((mb * 1024.0 * 1024.0 / 4.0) as usize).max(1)
+}
+
+/// What to do when the (globally reduced) gradient norm is not finite.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnNonFinite {
+    /// Skip the update (parameters and moments untouched), log it, go on.
+    Skip,
+    /// Stop the run with an error.
+    Abort,
+}
+
+/// How the optimizer update is distributed over ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpdateMode {
+    /// ZeRO-1: reduce-scatter, AdamW on the owned chunk, all-gather the parameters.
+    Sharded,
+    /// Classic DDP: all-reduce, every rank runs the full AdamW.
+    Replicated,
+}
+
+impl UpdateMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpdateMode::Sharded => "sharded",
+            UpdateMode::Replicated => "replicated",
+        }
+    }
+}
+
+/// What to do when the replicas' hashes disagree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnDivergence {
+    Abort,
+    /// Broadcast rank 0's parameters (and moments) and go on.
+    Resync,
+}
+
+/// Everything the loop needs, already validated and resolved. [`TrainOptions::for_model`] gives the defaults;
+/// the command line starts from them and applies its flags and TOML file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainOptions {
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub grad_accum: usize,
+    pub steps: u64,
+    pub schedule: LrSchedule,
+    pub adamw: AdamWConfig,
+    pub grad_clip: f64,
+    pub seed: u64,
+    pub shuffle: bool,
+    pub on_nonfinite: OnNonFinite,
+    pub eval_every: u64,
+    pub eval_batches: usize,
+    pub save: Option<PathBuf>,
+    pub save_every: u64,
+    pub update: UpdateMode,
+    pub verify_every: u64,
+    pub on_divergence: OnDivergence,
+    /// Gradient bucket size of the replicated all-reduce, in f32 elements.
+    pub bucket_elems: usize,
+    /// The settings the run was asked for, as JSON (the command line stores its flags), kept in checkpoints
+    /// for inspection; empty when the options were built in code.
+    pub args_json: String,
+}
+
+impl TrainOptions {
+    /// The defaults for a run of `model`: batch 8 of the model's longest sequence (at most 1024 tokens),
+    /// no accumulation, 200 steps of cosine decay from [`default_lr`] to a tenth of it without warmup,
+    /// AdamW (0.9, 0.95, 1e-8, decay 0.1), clipping at norm 1, seed 1337, shuffled data, skip non-finite
+    /// steps, evaluate every 100 steps on 16 batches, no checkpoints, the sharded update, no replica
+    /// verification (abort on divergence when asked for it), 25 MiB buckets.
+    pub fn for_model(model: &ModelConfig) -> TrainOptions {
+        let lr = default_lr(model);
+        TrainOptions {
+            batch_size: DEFAULT_BATCH_SIZE,
+            seq_len: model.n_positions.min(1024),
+            grad_accum: 1,
+            steps: DEFAULT_STEPS,
+            schedule: LrSchedule {
+                kind: ScheduleKind::Cosine,
+                lr,
+                warmup: 0,
+                min_lr: lr / 10.0,
+                total_steps: DEFAULT_STEPS,
+            },
+            adamw: AdamWConfig::default(),
+            grad_clip: 1.0,
+            seed: 1337,
+            shuffle: true,
+            on_nonfinite: OnNonFinite::Skip,
+            eval_every: 100,
+            eval_batches: 16,
+            save: None,
+            save_every: 0,
+            update: UpdateMode::Sharded,
+            verify_every: 0,
+            on_divergence: OnDivergence::Abort,
+            bucket_elems: bucket_elems(DEFAULT_BUCKET_MB),
+            args_json: String::new(),
+        }
+    }
+
+    /// Sets the number of optimizer steps and the schedule's length with it (the cosine reaches its floor at
+    /// the last step).
+    pub fn with_steps(mut self, steps: u64) -> TrainOptions {
+        self.steps = steps;
+        self.schedule.total_steps = steps;
+        self
+    }
+
+    /// Digest of everything the ranks of a `world`-rank job on `model` must agree on: the model shape, the
+    /// batch layout, and whatever decides which collectives run (verification, checkpoint gathers), so that
+    /// a rank started with different settings is refused at rendezvous instead of hanging a collective.
+    pub fn job_hash(&self, model: &ModelConfig, world: usize) -> u64 {
+        let text = format!(
+            "{}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}",
+            model.hash_hex(),
+            self.batch_size,
+            self.seq_len,
+            self.grad_accum,
+            self.steps,
+            self.seed,
+            self.update.as_str(),
+            self.shuffle,
+            self.verify_every,
+            self.save.is_some(),
+            self.save_every
+        );
+        let digest = blake3::hash(text.as_bytes());
+        u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
+    }
+}
