@@ -24,7 +24,7 @@
 //! When no wgpu adapter exists the wgpu tests print "SKIP: no wgpu adapter" and pass, except under `CI=true`,
 //! where they fail.
 
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::cpu::CpuBackend;
 use ringtrain::backend::wgpu::{bench_matmul, list_adapters, AdapterSelection, WgpuBackend};
@@ -59,7 +59,7 @@ struct Case {
 impl Case {
     fn rand(mut self, rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Self {
         self.f
-            .push((0..n).map(|_| rng.gen_range(-1.0..1.0f32) * scale).collect());
+            .push((0..n).map(|_| rng.random_range(-1.0..1.0f32) * scale).collect());
         self
     }
     fn zeros(mut self, n: usize) -> Self {
@@ -67,14 +67,14 @@ impl Case {
         self
     }
     fn positive(mut self, rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Self {
-        self.f.push((0..n).map(|_| rng.gen_range(lo..hi)).collect());
+        self.f.push((0..n).map(|_| rng.random_range(lo..hi)).collect());
         self
     }
     fn tokens(mut self, rng: &mut ChaCha8Rng, n: usize, v: usize) -> Self {
         // Few distinct ids, so that the embedding backward accumulates repeated tokens.
-        let pool: Vec<u32> = (0..(n / 2).max(1)).map(|_| rng.gen_range(0..v as u32)).collect();
+        let pool: Vec<u32> = (0..(n / 2).max(1)).map(|_| rng.random_range(0..v as u32)).collect();
         self.t
-            .push((0..n).map(|_| pool[rng.gen_range(0..pool.len())]).collect());
+            .push((0..n).map(|_| pool[rng.random_range(0..pool.len())]).collect());
         self
     }
 }
@@ -206,7 +206,7 @@ fn layernorm(be: &mut dyn Backend) {
             &|be, f, _| be.layernorm_forward(f[0], f[1], f[2], f[3], f[4], f[5], n, c),
         );
         // Backward needs a consistent mean/rstd: compute them with the reference first.
-        let inp: Vec<f32> = (0..n * c).map(|_| rng.gen_range(-2.0..2.0f32)).collect();
+        let inp: Vec<f32> = (0..n * c).map(|_| rng.random_range(-2.0..2.0f32)).collect();
         let (mut mean, mut rstd) = (vec![0f32; n], vec![0f32; n]);
         for r in 0..n {
             let x = &inp[r * c..][..c];
@@ -282,7 +282,7 @@ fn attention(be: &mut dyn Backend) {
             &|be, f, _| be.attention_forward(f[0], f[1], f[2], s),
         );
         // Backward reads the forward's probabilities: build them with the reference.
-        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|_| rng.gen_range(-2.0..2.0f32)).collect();
+        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|_| rng.random_range(-2.0..2.0f32)).collect();
         let mut cpu = CpuBackend::<f32>::new();
         let (o, a, q) = (
             cpu.alloc(b * t * c).unwrap(),
@@ -391,7 +391,7 @@ fn crossentropy(be: &mut dyn Backend) {
 fn sum_squares_and_adamw(be: &mut dyn Backend) {
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     for n in [1, 4095, 4097, 30011, 150001] {
-        let x: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0..1.0f32)).collect();
+        let x: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0f32)).collect();
         let mut cpu = CpuBackend::<f32>::new();
         let want = {
             let v = cpu.alloc(n).unwrap();
@@ -683,7 +683,7 @@ fn wgpu_windows_split_large_tensors() {
         be.adamw(f[0], f[1], f[2], f[3], &step)
     });
     check(be, "split scale", &case, EXACTISH, &|be, f, _| be.scale(f[0], 3.0));
-    let x: Vec<f32> = (0..len).map(|_| rng.gen_range(-1.0..1.0f32)).collect();
+    let x: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0f32)).collect();
     let mut cpu = CpuBackend::<f32>::new();
     let cv = cpu.alloc(len).unwrap();
     cpu.upload(cv, &x).unwrap();

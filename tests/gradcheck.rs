@@ -3,7 +3,7 @@
 //! `r`; tolerance: |analytic - numeric| <= 1e-6 * max(1, |numeric|) with step h = 1e-5 (the truncation
 //! error of a central difference is O(h^2) ~ 1e-10, rounding O(eps/h) ~ 1e-11).
 
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::cpu::{ops, CpuBackend};
 use ringtrain::backend::{AttentionShape, MatmulShape, WeightLayout};
@@ -13,7 +13,7 @@ const H: f64 = 1e-5;
 const TOL: f64 = 1e-6;
 
 fn random(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
-    (0..n).map(|_| rng.gen_range(-1.0..1.0) * scale).collect()
+    (0..n).map(|_| rng.random_range(-1.0..1.0) * scale).collect()
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -26,7 +26,7 @@ fn check(name: &str, x: &mut [f64], analytic: &[f64], loss: &mut dyn FnMut(&[f64
     let indices: Vec<usize> = match sample {
         Some(k) if k < x.len() => {
             let mut rng = ChaCha8Rng::seed_from_u64(x.len() as u64);
-            (0..k).map(|_| rng.gen_range(0..x.len())).collect()
+            (0..k).map(|_| rng.random_range(0..x.len())).collect()
         }
         _ => (0..x.len()).collect(),
     };
@@ -223,7 +223,7 @@ fn whole_model_gradients() {
     for spec in layout.specs.clone() {
         let mut rng = ChaCha8Rng::seed_from_u64(spec.offset as u64);
         for _ in 0..6 {
-            let i = spec.offset + rng.gen_range(0..spec.len);
+            let i = spec.offset + rng.random_range(0..spec.len);
             let orig = be.slice(params_view)[i];
             be.slice_mut(params_view)[i] = orig + H;
             let plus = mean_loss(&mut be, &mut model);

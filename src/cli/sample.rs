@@ -1,7 +1,7 @@
 //! `ringtrain sample`: text from a checkpoint, with temperature and top-k.
 
 use anyhow::{bail, ensure, Result};
-use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::rand_core::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::data::{Tokenizer, TokenizerKind};

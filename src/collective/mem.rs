@@ -21,7 +21,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::le_pieces::{le_bytes, LePieces};
@@ -165,7 +165,7 @@ impl MemCollective {
         let mut pieces = Vec::new();
         let mut at = 0;
         while at < bytes.len() {
-            let end = (at + rng.gen_range(0..=40)).min(bytes.len());
+            let end = (at + rng.random_range(0..=40)).min(bytes.len());
             pieces.push(bytes.slice(at..end));
             at = end;
         }
@@ -231,7 +231,7 @@ impl MemCollective {
                 .collect();
             if !ready.is_empty() {
                 let pick = match &mut self.rng {
-                    Some(rng) => ready[rng.gen_range(0..ready.len())],
+                    Some(rng) => ready[rng.random_range(0..ready.len())],
                     None => ready[0],
                 };
                 return Ok(self.pending.remove(pick).msg);
@@ -284,7 +284,7 @@ impl MemCollective {
             if let Some(rng) = &mut self.rng {
                 // Seeded shuffle of independent messages (Fisher-Yates).
                 for i in (1..burst.len()).rev() {
-                    let j = rng.gen_range(0..=i);
+                    let j = rng.random_range(0..=i);
                     burst.swap(i, j);
                 }
             }

@@ -4,7 +4,7 @@
 //! would silently change which windows form a batch after a dependency bump. So we use only the raw ChaCha8
 //! word stream (fixed by the ChaCha spec: key, nonce 0, block counter) and do the integer math ourselves.
 
-use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::rand_core::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// A ChaCha8 stream keyed by a domain tag (so unrelated uses never share a stream) and two integers.

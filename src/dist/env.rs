@@ -151,9 +151,10 @@ pub fn load_secret(
 
 /// A fresh random secret (hex) for a local launcher to hand to the processes it starts.
 pub fn generate_secret() -> String {
-    use rand::RngCore;
+    use rand::Rng;
+    // The thread-local generator is a CSPRNG seeded from the operating system.
     let mut b = [0u8; 32];
-    rand::rngs::OsRng.fill_bytes(&mut b);
+    rand::rng().fill_bytes(&mut b);
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 

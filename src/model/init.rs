@@ -3,7 +3,7 @@
 
 use super::layout::ParamLayout;
 use super::ModelConfig;
-use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::rand_core::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Standard deviation of every weight except the residual output projections.
