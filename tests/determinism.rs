@@ -2,9 +2,10 @@
 //! outputs and every sum has a fixed order. Five training steps on 1, 2 and 3 threads must agree exactly.
 
 use ringtrain::backend::cpu::CpuBackend;
+use ringtrain::collective::mem::single_rank as solo;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{single_process as solo, ModelSource, TrainOptions, Trainer};
+use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
 
 fn train_on(threads: usize) -> (Vec<f64>, String) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();

@@ -3,10 +3,11 @@
 
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
+use ringtrain::collective::mem::single_rank as solo;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
 use ringtrain::optim::schedule::ScheduleKind;
-use ringtrain::trainer::{single_process as solo, ModelSource, TrainOptions, Trainer};
+use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
 
 fn options(cfg: &ModelConfig) -> TrainOptions {
     let mut o = TrainOptions {

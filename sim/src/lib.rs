@@ -9,12 +9,13 @@
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
+use ringtrain::collective::mem::single_rank;
 use ringtrain::collective::mem::{mem_cluster, Faults, MemOptions};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::dist::{join, JoinOptions, LaunchEnv, LaunchSource};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{single_process, ModelSource, TrainOptions, Trainer};
+use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,7 +180,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
         ..cfg.options.clone()
     };
     let (cpu, _) = factory::open(BackendChoice::Cpu, 0)?;
-    let mut trainer = build_trainer(cpu, cfg, &single, single_process())?;
+    let mut trainer = build_trainer(cpu, cfg, &single, single_rank())?;
     let mut single_worker_losses = Vec::new();
     while trainer.step < trainer.opts.steps {
         single_worker_losses.push(trainer.train_step()?.loss);

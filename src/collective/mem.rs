@@ -127,6 +127,15 @@ pub fn mem_cluster(world: usize, opts: MemOptions) -> Vec<MemCollective> {
         .collect()
 }
 
+/// The collective of a single process: one rank, so no collective ever sends or waits for anything.
+pub fn single_rank() -> Box<dyn Collective> {
+    Box::new(
+        mem_cluster(1, MemOptions::default())
+            .pop()
+            .expect("a one-rank cluster has one rank"),
+    )
+}
+
 impl MemCollective {
     fn left(&self) -> usize {
         (self.rank + self.world - 1) % self.world

@@ -1,8 +1,6 @@
-//! Distributed launch: environment detection, the cluster secret, and the rendezvous protocol's messages.
-//!
-//! The network side of the rendezvous lives in [`crate::collective::quic`] (quinn is imported in one place);
-//! this module holds what can be decided without sockets: who am I, where is the master, which secret, and
-//! whether a hello matches this job.
+//! Joining a job: who am I and where is the master (flags, torchrun or Slurm variables), which cluster
+//! secret and job id, and [`join`], the one function that turns them into a [`Collective`] for the binary,
+//! the sim and the tests. The rendezvous itself and its messages live in [`crate::collective::quic`].
 
 pub mod env;
 
@@ -12,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::collective::mem::{mem_cluster, MemOptions};
+use crate::collective::mem::single_rank;
 use crate::collective::quic::{QuicCollective, QuicConfig};
 use crate::collective::Collective;
 
@@ -49,14 +47,7 @@ pub fn job_id(value: Option<&str>, config_hash: u64) -> anyhow::Result<u64> {
 /// environment. Blocks until every rank has joined.
 pub fn join(launch: &LaunchEnv, opts: &JoinOptions) -> anyhow::Result<Box<dyn Collective>> {
     if launch.world_size == 1 {
-        let mut one = mem_cluster(
-            1,
-            MemOptions {
-                deadline: opts.timeout,
-                ..MemOptions::default()
-            },
-        );
-        return Ok(Box::new(one.pop().expect("one rank")));
+        return Ok(single_rank());
     }
     let master = resolve_master(&launch.master_addr, launch.master_port).map_err(anyhow::Error::msg)?;
     let mut cfg = QuicConfig::new(launch.rank, launch.world_size, master);

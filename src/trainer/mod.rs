@@ -12,7 +12,6 @@
 
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::Backend;
-use crate::collective::mem::{mem_cluster, MemOptions};
 use crate::collective::{chunk_range, diverged_ranks, Collective};
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
@@ -31,15 +30,6 @@ pub use options::{
     bucket_elems, default_lr, OnDivergence, OnNonFinite, TrainOptions, UpdateMode, DEFAULT_BATCH_SIZE,
     DEFAULT_BUCKET_MB, DEFAULT_STEPS,
 };
-
-/// The collective of a single process: one rank, so no collective ever runs on it.
-pub fn single_process() -> Box<dyn Collective> {
-    Box::new(
-        mem_cluster(1, MemOptions::default())
-            .pop()
-            .expect("a one-rank cluster has one rank"),
-    )
-}
 
 /// Where the parameters of a new run come from.
 pub enum ModelSource {
