@@ -27,6 +27,7 @@
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::cpu::CpuBackend;
+use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::wgpu::{bench_matmul, list_adapters, AdapterSelection, WgpuBackend};
 use ringtrain::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -432,10 +433,6 @@ fn sum_squares_and_adamw(be: &mut dyn Backend) {
 
 // ---------------------------------------------------------------- backends
 
-fn ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
-}
-
 /// One wgpu backend shared by the tests of this binary (compiling the kernels once).
 fn shared_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
     static BE: OnceLock<Option<Mutex<WgpuBackend>>> = OnceLock::new();
@@ -464,19 +461,11 @@ fn open_wgpu(
     cell: &'static OnceLock<Option<Mutex<WgpuBackend>>>,
     configure: fn(&mut WgpuBackend),
 ) -> Option<MutexGuard<'static, WgpuBackend>> {
-    let be = cell.get_or_init(|| match WgpuBackend::new(AdapterSelection::any()) {
-        Ok(mut be) => {
-            eprintln!("wgpu adapter: {}", be.name());
-            configure(&mut be);
-            Some(Mutex::new(be))
-        }
-        Err(e) => {
-            if ci() {
-                panic!("CI=true but no wgpu adapter could be opened: {e:#}");
-            }
-            eprintln!("SKIP: no wgpu adapter ({e:#})");
-            None
-        }
+    let be = cell.get_or_init(|| {
+        let mut be = open_or_skip(Device::Wgpu, WgpuBackend::new(AdapterSelection::any()))?;
+        eprintln!("wgpu adapter: {}", be.name());
+        configure(&mut be);
+        Some(Mutex::new(be))
     });
     be.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
 }
@@ -551,15 +540,8 @@ backend_tests!(
 /// attention, sum_squares and AdamW over views much larger than one window.
 #[test]
 fn wgpu_windows_split_large_tensors() {
-    let mut be = match WgpuBackend::new(AdapterSelection::any()) {
-        Ok(be) => be,
-        Err(e) => {
-            if ci() {
-                panic!("CI=true but no wgpu adapter could be opened: {e:#}");
-            }
-            eprintln!("SKIP: no wgpu adapter ({e:#})");
-            return;
-        }
+    let Some(mut be) = open_or_skip(Device::Wgpu, WgpuBackend::new(AdapterSelection::any())) else {
+        return;
     };
     be.set_max_binding_bytes(256 * 1024);
     let be = &mut be;
@@ -702,11 +684,12 @@ fn wgpu_adapters_listed_and_selected() {
     for a in &adapters {
         eprintln!("{a}");
     }
-    if adapters.is_empty() {
-        if ci() {
-            panic!("CI=true but list_adapters() found no wgpu adapter");
-        }
-        eprintln!("SKIP: no wgpu adapter");
+    let found = if adapters.is_empty() {
+        Err(anyhow::anyhow!("list_adapters() found none"))
+    } else {
+        Ok(())
+    };
+    if open_or_skip(Device::Wgpu, found).is_none() {
         return;
     }
     for (i, a) in adapters.iter().enumerate() {

@@ -15,6 +15,7 @@
 //! With no wgpu adapter: "SKIP: no wgpu adapter", except under `CI=true`, where the tests fail.
 
 use ringtrain::backend::cpu::CpuBackend;
+use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::wgpu::{AdapterSelection, WgpuBackend};
 use ringtrain::backend::Backend;
 use ringtrain::model::{init::init_params, Gpt2, ModelConfig, ParamLayout};
@@ -28,16 +29,7 @@ mod common;
 const LOSS_TOL: f64 = 5e-4;
 
 fn wgpu_backend() -> Option<WgpuBackend> {
-    match WgpuBackend::new(AdapterSelection::any()) {
-        Ok(be) => Some(be),
-        Err(e) => {
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("CI=true but no wgpu adapter could be opened: {e:#}");
-            }
-            eprintln!("SKIP: no wgpu adapter ({e:#})");
-            None
-        }
-    }
+    open_or_skip(Device::Wgpu, WgpuBackend::new(AdapterSelection::any()))
 }
 
 /// A learnable batch for step `s`: sequences counting up by a per-sequence stride, modulo `v`.

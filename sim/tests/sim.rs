@@ -4,6 +4,7 @@
 //! other rank fail with an error naming it instead of hanging.
 
 use ringtrain::backend::factory::BackendChoice;
+use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::collective::mem::Faults;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
@@ -92,17 +93,14 @@ fn quic_transport_keeps_replicas_identical() {
     assert!(report.max_loss_gap() < 1e-5);
 }
 
-/// With CI=true a missing wgpu adapter fails the test; elsewhere it is skipped with a notice.
+/// Whether a wgpu adapter exists (the shared rule decides between skipping and failing when none does).
 fn wgpu_available() -> bool {
-    if !ringtrain::backend::wgpu::list_adapters().is_empty() {
-        return true;
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "CI=true but no wgpu adapter was found"
-    );
-    eprintln!("SKIP: no wgpu adapter");
-    false
+    let found = if ringtrain::backend::wgpu::list_adapters().is_empty() {
+        Err(anyhow::anyhow!("list_adapters() found none"))
+    } else {
+        Ok(())
+    };
+    open_or_skip(Device::Wgpu, found).is_some()
 }
 
 #[test]

@@ -20,6 +20,7 @@ mod boxed;
 pub mod cpu;
 pub mod cuda;
 pub mod factory;
+pub mod testing;
 mod view;
 pub mod wgpu;
 
