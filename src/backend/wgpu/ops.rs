@@ -1,0 +1,627 @@
+//! The ops of [`Backend`] on the wgpu backend: each checks its views, binds them as windows, splits the
+//! work where a window would exceed a storage binding (element-wise ops, AdamW and `sum_squares` by
+//! ranges, the encoder by vocabulary rows, cross-entropy by rows, attention by sequence) and records its
+//! dispatches. Matmuls are planned in `matmul.rs`.
+//!
+//! Limits that remain: one cross-entropy row (`V` floats), one layer-norm `[n, c]` tensor and one
+//! sequence's attention `[nh, t, t]` must each fit a binding.
+
+use super::kernels::WG;
+use super::memory::{Alloc, Win};
+use super::params::Params;
+use super::software::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
+use super::{ceil_div, AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WgpuBackend, SUM_BLOCK};
+use anyhow::{bail, ensure, Result};
+
+/// `VPI` of residual4.wgsl: vec4s per invocation of the vec4 element-wise kernels.
+const VEC4_PER_INVOCATION: usize = 16;
+
+impl WgpuBackend {
+    /// Runs an element-wise kernel over equally long views, in ranges that fit a binding window.
+    fn elementwise(&mut self, kernel: &str, views: &[View], scalar: Option<f32>) {
+        let len = views[0].len;
+        for v in views {
+            assert_eq!(v.len, len, "{kernel}: views of different lengths");
+        }
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        // The residual family has vec4 kernels: used for the multiple-of-4 head when every view starts at a
+        // multiple of 4 elements (windows then start 16-byte aligned), the scalar kernel doing the tail.
+        let vec4 = match kernel {
+            "residual_forward" => Some("residual_forward4"),
+            "add_inplace" => Some("add_inplace4"),
+            "scale" => Some("scale4"),
+            "fill" => Some("fill4"),
+            "copy" => Some("copy4"),
+            _ => None,
+        };
+        let mut start = 0;
+        if let Some(k4) = vec4.filter(|_| len >= 4 && views.iter().all(|v| v.offset % 4 == 0)) {
+            let head = len / 4 * 4;
+            while start < head {
+                let n = chunk.min(head - start);
+                let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
+                if wins.iter().any(|w| w.off % 4 != 0 || w.start % 16 != 0) {
+                    // Unaligned window (an adapter with an odd offset alignment): scalar kernels for the rest.
+                    break;
+                }
+                let mut p = Params::default().u(n / 4);
+                for i in 0..3 {
+                    p = p.u(wins.get(i).map_or(0, |w| w.off / 4));
+                }
+                if let Some(s) = scalar {
+                    p = p.f(s);
+                }
+                let groups = self.grid(ceil_div(n / 4, WG as usize * VEC4_PER_INVOCATION));
+                self.dispatch(k4, &wins, p, groups);
+                start += n;
+            }
+        }
+        while start < len {
+            let n = chunk.min(len - start);
+            let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
+            let mut p = Params::default().u(n);
+            for i in 0..3 {
+                p = p.u(wins.get(i).map_or(0, |w| w.off));
+            }
+            if let Some(s) = scalar {
+                p = p.f(s);
+            }
+            let groups = self.grid1d(n);
+            self.dispatch(kernel, &wins, p, groups);
+            start += n;
+        }
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
+        let tokens = b * t;
+        let checks = [
+            ("attention", attention_iterations(t, c / nh.max(1))),
+            // The weight gradients sum over every token of the micro-batch (k = b * t; the strided kernel
+            // where the texture-fed one does not apply).
+            ("the weight-gradient matmul", matmul_iterations(tokens, false)),
+            ("the embedding backward", tokens),
+        ];
+        for (op, iterations) in checks {
+            if let Some(why) = self.loop_budget_error(op, iterations) {
+                bail!("{why}, or a smaller --batch-size / --seq-len (now {b} x {t} tokens per rank)");
+            }
+        }
+        Ok(())
+    }
+
+    fn name(&self) -> String {
+        let r = &self.ctx.report;
+        format!("wgpu ({}, {}, {})", r.name, r.backend, r.device_type)
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<View> {
+        let seg = self.seg_elems;
+        let mut segs = Vec::new();
+        for s in 0..len.div_ceil(seg).max(1) {
+            let buffer = self.new_buffer(seg.min(len - (s * seg).min(len)), "tensor")?;
+            segs.push(self.track(buffer));
+        }
+        self.bufs.push(Alloc { segs, seg, len });
+        Ok(View {
+            buf: self.bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
+        let buffer = self.new_buffer(len, "tokens")?;
+        let tracked = self.track(buffer);
+        self.tok_bufs.push((tracked, len));
+        self.tok_host.push(vec![0; len]);
+        Ok(TokenView {
+            buf: self.tok_bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
+        ensure!(
+            src.len() == dst.len,
+            "upload of {} values into a view of {}",
+            src.len(),
+            dst.len
+        );
+        ensure!(dst.end() <= self.bufs[dst.buf].len, "upload view {dst:?} out of bounds");
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.flush();
+        let a = &self.bufs[dst.buf];
+        for (s, local, at, n) in a.parts(dst.offset, dst.end()) {
+            let bytes: &[u8] = bytemuck::cast_slice(&src[at..at + n]);
+            self.ctx.queue.write_buffer(&a.segs[s].buffer, local as u64 * 4, bytes);
+        }
+        Ok(())
+    }
+
+    fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()> {
+        ensure!(
+            src.len() == dst.len,
+            "upload of {} tokens into a view of {}",
+            src.len(),
+            dst.len
+        );
+        ensure!(
+            dst.offset + dst.len <= self.tok_bufs[dst.buf].1,
+            "token view {dst:?} out of bounds"
+        );
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.flush();
+        self.tok_host[dst.buf][dst.offset..dst.offset + dst.len].copy_from_slice(src);
+        let buffer = &self.tok_bufs[dst.buf].0.buffer;
+        self.ctx
+            .queue
+            .write_buffer(buffer, dst.offset as u64 * 4, bytemuck::cast_slice(src));
+        Ok(())
+    }
+
+    fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
+        ensure!(
+            dst.len() == src.len,
+            "download of a view of {} into {} values",
+            src.len,
+            dst.len()
+        );
+        ensure!(
+            src.end() <= self.bufs[src.buf].len,
+            "download view {src:?} out of bounds"
+        );
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let a = &self.bufs[src.buf];
+        let pieces: Vec<(wgpu::Buffer, u64, u64)> = a
+            .parts(src.offset, src.end())
+            .into_iter()
+            .map(|(s, local, _, n)| (a.segs[s].buffer.clone(), local as u64 * 4, n as u64 * 4))
+            .collect();
+        let bytes = self.read_back(&pieces)?;
+        dst.copy_from_slice(bytemuck::cast_slice(&bytes));
+        Ok(())
+    }
+
+    fn fill(&mut self, dst: View, value: f32) {
+        self.elementwise("fill", &[dst], Some(value));
+    }
+
+    fn copy(&mut self, dst: View, src: View) {
+        assert!(!dst.overlaps(&src), "copy between overlapping views");
+        self.elementwise("copy", &[dst, src], None);
+    }
+
+    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
+        let n = b * t;
+        assert!(out.len == n * c && tokens.len == n && wpe.len >= t * c && c > 0 && wte.len % c == 0);
+        if n == 0 {
+            return;
+        }
+        let v = wte.len / c;
+        let (wout, wtok, wwpe) = (self.win(out), self.twin(tokens), self.win(wpe.sub(0, t * c)));
+        let rows = self.rows_per_window(c);
+        let mut v0 = 0;
+        while v0 < v {
+            let v1 = (v0 + rows).min(v);
+            let wwte = self.win(wte.sub(v0 * c, (v1 - v0) * c));
+            let p = Params::default()
+                .u(n)
+                .u(t)
+                .u(c)
+                .u(wout.off)
+                .u(wwte.off)
+                .u(wwpe.off)
+                .u(wtok.off)
+                .u(v0)
+                .u(v1);
+            let groups = self.grid1d(n * c);
+            self.dispatch(
+                "encoder_forward",
+                &[wout.clone(), wwte, wwpe.clone(), wtok.clone()],
+                p,
+                groups,
+            );
+            v0 = v1;
+        }
+    }
+
+    fn encoder_backward(
+        &mut self,
+        dwte: View,
+        dwpe: View,
+        dout: View,
+        tokens: TokenView,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let n = b * t;
+        assert!(dout.len == n * c && tokens.len == n && dwpe.len >= t * c && c > 0 && dwte.len % c == 0);
+        if n == 0 {
+            return;
+        }
+        // A token's invocation adds up to every position of the batch.
+        self.require_loop_budget("embedding backward", n);
+        let wdout = self.win(dout);
+        // dwpe: one invocation per (t, channel), summing the batch in order.
+        let wdwpe = self.win(dwpe.sub(0, t * c));
+        let p = Params::default()
+            .u(b)
+            .u(t)
+            .u(c)
+            .u(wdwpe.off)
+            .u(wdout.off)
+            .u(0u32)
+            .u(0u32)
+            .u(0u32)
+            .u(0u32);
+        let groups = self.grid1d(t * c);
+        self.dispatch("encoder_backward_wpe", &[wdwpe, wdout.clone()], p, groups);
+        // dwte: group the positions by token on the host, in (b, t) order: [rows | starts | positions].
+        let v = dwte.len / c;
+        let toks = &self.tok_host[tokens.buf][tokens.offset..tokens.offset + n];
+        assert!(
+            toks.iter().all(|&x| (x as usize) < v),
+            "token id out of the vocabulary of {v}"
+        );
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        order.sort_by_key(|&i| (toks[i as usize], i));
+        let mut rows = Vec::new();
+        let mut starts = Vec::new();
+        for (j, &i) in order.iter().enumerate() {
+            let tok = toks[i as usize];
+            if rows.last() != Some(&tok) {
+                rows.push(tok);
+                starts.push(j as u32);
+            }
+        }
+        starts.push(n as u32);
+        let u = rows.len();
+        let mut aux = rows;
+        aux.extend_from_slice(&starts);
+        aux.extend_from_slice(&order);
+        let waux = self.write_embed_index(&aux);
+        let rows_per = self.rows_per_window(c);
+        let mut v0 = 0;
+        while v0 < v {
+            let v1 = (v0 + rows_per).min(v);
+            let wdwte = self.win(dwte.sub(v0 * c, (v1 - v0) * c));
+            let p = Params::default()
+                .u(u)
+                .u(t)
+                .u(c)
+                .u(wdwte.off)
+                .u(wdout.off)
+                .u(0u32)
+                .u(0u32)
+                .u(v0)
+                .u(v1);
+            let groups = self.grid1d(u * c);
+            let dummy = self.dummy_win();
+            self.dispatch(
+                "encoder_backward_wte",
+                &[wdwte, wdout.clone(), dummy, waux.clone()],
+                p,
+                groups,
+            );
+            v0 = v1;
+        }
+    }
+
+    fn layernorm_forward(
+        &mut self,
+        out: View,
+        mean: View,
+        rstd: View,
+        inp: View,
+        weight: View,
+        bias: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
+        assert!(weight.len == c && bias.len == c);
+        if n == 0 {
+            return;
+        }
+        let w = [out, mean, rstd, inp, weight, bias].map(|v| self.win(v));
+        let p = Params::default()
+            .u(n)
+            .u(c)
+            .u(w[0].off)
+            .u(w[1].off)
+            .u(w[2].off)
+            .u(w[3].off)
+            .u(w[4].off)
+            .u(w[5].off)
+            .u(0u32)
+            .u(0u32);
+        let (kernel, groups) = self.per_row(
+            ("layernorm_forward", 1, tree_iterations(c, WG as usize, 3, 2, 8)),
+            ("layernorm_forward_rows", 3 * c),
+            n,
+        );
+        self.dispatch(kernel, &w, p, groups);
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: View,
+        dout: View,
+        inp: View,
+        weight: View,
+        mean: View,
+        rstd: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
+        assert!(weight.len == c && dweight.len == c && dbias.len == c);
+        if n == 0 {
+            return;
+        }
+        let w = [dinp, mean, rstd, inp, weight, dbias, dout, dweight].map(|v| self.win(v));
+        let p = Params::default()
+            .u(n)
+            .u(c)
+            .u(w[0].off)
+            .u(w[1].off)
+            .u(w[2].off)
+            .u(w[3].off)
+            .u(w[4].off)
+            .u(w[5].off)
+            .u(w[6].off)
+            .u(w[7].off);
+        // Both passes read the same parameter block: the input gradient by rows, then dweight/dbias by columns.
+        let (kernel, groups) = self.per_row(
+            ("layernorm_backward", 1, tree_iterations(c, WG as usize, 2, 2, 8)),
+            ("layernorm_backward_rows", 2 * c),
+            n,
+        );
+        self.dispatch(kernel, &w[..7], p.clone(), groups);
+        let (kernel, groups) = self.per_row(
+            ("layernorm_backward_params", 16, column_sum_iterations(n)),
+            ("layernorm_backward_params_cols", n),
+            c,
+        );
+        self.dispatch(kernel, &w, p, groups);
+    }
+
+    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
+        assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
+        assert!(bias.is_none_or(|b| b.len == s.oc));
+        self.matmul_forward_gemm(out, inp, weight, bias, s);
+    }
+
+    fn matmul_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: Option<View>,
+        dout: View,
+        inp: View,
+        weight: View,
+        s: MatmulShape,
+    ) {
+        assert!(dinp.len == s.n * s.c && inp.len == s.n * s.c && dout.len == s.n * s.oc);
+        assert!(weight.len == s.c * s.oc && dweight.len == s.c * s.oc);
+        assert!(dbias.is_none_or(|b| b.len == s.oc));
+        self.matmul_backward_gemms(dinp, dweight, dout, inp, weight, s);
+        if let Some(db) = dbias {
+            self.matmul_bias_gradient(db, dout, s.n, s.oc);
+        }
+    }
+
+    fn attention_forward(&mut self, out: View, att: View, qkv: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(out.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
+        assert!(nh > 0 && c % nh == 0);
+        if b == 0 || t == 0 {
+            return;
+        }
+        self.require_loop_budget("attention", attention_iterations(t, c / nh));
+        let whole = self.fits(att.offset, att.end()) && self.fits(qkv.offset, qkv.end());
+        let per = if whole { b } else { 1 };
+        for b0 in (0..b).step_by(per) {
+            let nb = per.min(b - b0);
+            let o = out.sub(b0 * t * c, nb * t * c);
+            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
+            let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let w = [o, a, q].map(|v| self.win(v));
+            let p = || {
+                Params::default()
+                    .u(nb)
+                    .u(t)
+                    .u(c)
+                    .u(nh)
+                    .u(w[0].off)
+                    .u(w[1].off)
+                    .u(w[2].off)
+                    .u(0u32)
+                    .u(0u32)
+            };
+            let g1 = self.grid1d(nb * nh * t);
+            self.dispatch("attention_forward", &w, p(), g1);
+            let g2 = self.grid1d(nb * t * c);
+            self.dispatch("attention_forward_out", &w, p(), g2);
+        }
+    }
+
+    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(dout.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
+        assert!(dqkv.len == qkv.len && datt.len == att.len && nh > 0 && c % nh == 0);
+        if b == 0 || t == 0 {
+            return;
+        }
+        self.require_loop_budget("attention backward", attention_iterations(t, c / nh));
+        let whole = [att, datt, qkv, dqkv].iter().all(|v| self.fits(v.offset, v.end()));
+        let per = if whole { b } else { 1 };
+        for b0 in (0..b).step_by(per) {
+            let nb = per.min(b - b0);
+            let dq = dqkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
+            let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let da = datt.sub(b0 * nh * t * t, nb * nh * t * t);
+            let d = dout.sub(b0 * t * c, nb * t * c);
+            let w = [dq, a, q, da, d].map(|v| self.win(v));
+            let p = || {
+                Params::default()
+                    .u(nb)
+                    .u(t)
+                    .u(c)
+                    .u(nh)
+                    .u(w[0].off)
+                    .u(w[1].off)
+                    .u(w[2].off)
+                    .u(w[3].off)
+                    .u(w[4].off)
+            };
+            let g1 = self.grid1d(nb * nh * t);
+            self.dispatch("attention_backward", &w, p(), g1);
+            let g2 = self.grid1d(nb * t * c);
+            self.dispatch("attention_backward_dq", &w[..4], p(), g2);
+            self.dispatch("attention_backward_dkv", &w, p(), g2);
+        }
+    }
+
+    fn gelu_forward(&mut self, out: View, inp: View) {
+        self.elementwise("gelu_forward", &[out, inp], None);
+    }
+
+    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
+        self.elementwise("gelu_backward", &[dinp, inp, dout], None);
+    }
+
+    fn residual_forward(&mut self, out: View, a: View, b: View) {
+        self.elementwise("residual_forward", &[out, a, b], None);
+    }
+
+    fn add_inplace(&mut self, dst: View, src: View) {
+        self.elementwise("add_inplace", &[dst, src], None);
+    }
+
+    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
+        assert!(losses.len == n && logits.len == n * v && targets.len == n && v > 0);
+        let rows = self.rows_per_window(v);
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + rows).min(n);
+            let (wl, wx, wt) = (
+                self.win(losses.sub(r0, r1 - r0)),
+                self.win(logits.sub(r0 * v, (r1 - r0) * v)),
+                self.twin(targets.sub(r0, r1 - r0)),
+            );
+            let p = Params::default().u(r1 - r0).u(v).u(wl.off).u(wx.off).u(wt.off).f(0.0);
+            let (kernel, groups) = self.per_row(
+                ("crossentropy_forward", 1, tree_iterations(v, WG as usize, 2, 2, 8)),
+                ("crossentropy_forward_rows", 2 * v),
+                r1 - r0,
+            );
+            self.dispatch(kernel, &[wl, wx, wt], p, groups);
+            r0 = r1;
+        }
+    }
+
+    fn crossentropy_backward(
+        &mut self,
+        dlogits: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    ) {
+        assert!(dlogits.len == n * v && logits.len == n * v && targets.len == n && v > 0);
+        if dlogits != logits {
+            self.copy(dlogits, logits);
+        }
+        let rows = self.rows_per_window(v);
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + rows).min(n);
+            let (wx, wt) = (
+                self.win(dlogits.sub(r0 * v, (r1 - r0) * v)),
+                self.twin(targets.sub(r0, r1 - r0)),
+            );
+            let p = Params::default().u(r1 - r0).u(v).u(0u32).u(wx.off).u(wt.off).f(dloss);
+            let (kernel, groups) = self.per_row(
+                ("crossentropy_backward", 1, tree_iterations(v, WG as usize, 3, 2, 8)),
+                ("crossentropy_backward_rows", 3 * v),
+                r1 - r0,
+            );
+            let dummy = self.dummy_win();
+            self.dispatch(kernel, &[dummy, wx, wt], p, groups);
+            r0 = r1;
+        }
+    }
+
+    fn sum_squares(&mut self, x: View) -> Result<f64> {
+        if x.len == 0 {
+            return Ok(0.0);
+        }
+        let blocks = ceil_div(x.len, SUM_BLOCK);
+        let partial = self.sum_squares_partials(blocks)?;
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let mut start = 0;
+        while start < x.len {
+            let n = chunk.min(x.len - start);
+            let wx = self.win(x.sub(start, n));
+            let wp = self.win_of(&partial.buffer, Some(partial.id), blocks, 0, blocks);
+            let p = Params::default().u(n).u(wx.off).u(start / SUM_BLOCK);
+            let groups = self.grid(ceil_div(n, SUM_BLOCK));
+            self.dispatch("sum_squares", &[wp, wx], p, groups);
+            start += n;
+        }
+        let bytes = self.read_back(&[(partial.buffer, 0, blocks as u64 * 4)])?;
+        let sums: &[f32] = bytemuck::cast_slice(&bytes);
+        Ok(sums.iter().map(|&s| s as f64).sum())
+    }
+
+    fn scale(&mut self, x: View, s: f32) {
+        self.elementwise("scale", &[x], Some(s));
+    }
+
+    fn adamw(&mut self, params: View, grads: View, m: View, v: View, h: &AdamWStep) {
+        let len = params.len;
+        assert!(grads.len == len && m.len == len && v.len == len);
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let mut start = 0;
+        while start < len {
+            let n = chunk.min(len - start);
+            let w = [params, grads, m, v].map(|x| self.win(x.sub(start, n)));
+            let p = Params::default()
+                .u(n)
+                .u(w[0].off)
+                .u(w[1].off)
+                .u(w[2].off)
+                .u(w[3].off)
+                .f(h.lr)
+                .f(h.beta1)
+                .f(h.beta2)
+                .f(h.eps)
+                .f(h.weight_decay)
+                .f(h.step_size)
+                .f(h.bias_correction2_sqrt)
+                .f(h.grad_scale);
+            let groups = self.grid1d(n);
+            self.dispatch("adamw", &w, p, groups);
+            start += n;
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.wait()
+    }
+}
