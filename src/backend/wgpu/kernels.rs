@@ -16,9 +16,9 @@ pub(super) const WG: u32 = 256;
 pub(super) const COMMON: &str = include_str!("../../../shaders/common.wgsl");
 
 /// One op family: (name, WGSL source, [(entry point, number of storage bindings)]).
-type Family = (&'static str, &'static str, &'static [(&'static str, u32)]);
+pub(super) type Family = (&'static str, &'static str, &'static [(&'static str, u32)]);
 
-const FAMILIES: &[Family] = &[
+pub(super) const FAMILIES: &[Family] = &[
     (
         "encoder",
         include_str!("../../../shaders/encoder.wgsl"),
@@ -111,6 +111,8 @@ const FAMILIES: &[Family] = &[
 
 /// One compiled entry point.
 pub(super) struct Kernel {
+    /// Its op family: which WGSL `Params` struct it reads (`params.rs`).
+    pub(super) family: &'static str,
     pub(super) pipeline: wgpu::ComputePipeline,
     pub(super) layout: wgpu::BindGroupLayout,
     /// Storage bindings after the uniform slot.
@@ -161,6 +163,7 @@ pub(super) fn compile(device: &wgpu::Device) -> HashMap<&'static str, Kernel> {
             kernels.insert(
                 entry,
                 Kernel {
+                    family,
                     pipeline,
                     layout: bgl,
                     bindings,

@@ -8,7 +8,7 @@
 //! workgroup memory, no barriers), which suits CPU implementations and stays plain WGSL for GPUs.
 
 use super::memory::Win;
-use super::params::Params;
+use super::params::{word, MatmulParams};
 use super::software::{column_sum_iterations, matmul_iterations};
 use super::{ceil_div, Backend, MatmulShape, View, WeightLayout, WgpuBackend};
 use anyhow::Result;
@@ -217,17 +217,19 @@ impl WgpuBackend {
         while r0 < n {
             let r1 = (r0 + rows).min(n);
             let (wdb, wd) = (self.win(dbias), self.win(dout.sub(r0 * oc, (r1 - r0) * oc)));
-            let p = Params::default()
-                .u(r1 - r0)
-                .u(oc)
-                .u(0u32)
-                .u(wdb.off)
-                .u(oc)
-                .u(wd.off)
-                .u(oc);
+            // C is dbias (one row), A is the rows of dout; the kernel reads m, n, the offsets and strides.
+            let p = MatmulParams {
+                m: word(r1 - r0),
+                n: word(oc),
+                c_off: wdb.off,
+                c_rs: word(oc),
+                a_off: wd.off,
+                a_rs: word(oc),
+                ..Default::default()
+            };
             let groups = self.grid(ceil_div(oc, 16));
             self.require_loop_budget("matmul bias gradient", column_sum_iterations(r1 - r0));
-            self.dispatch("matmul_backward_bias", &[wdb, wd], p, groups);
+            self.dispatch("matmul_backward_bias", &[wdb, wd], &p, groups);
             r0 = r1;
         }
     }
@@ -289,58 +291,58 @@ impl WgpuBackend {
         // (texture-fed kernels only) its row-major transpose, with rows a multiple of 4 apart: the vec4
         // kernels. Their parameters: A's and B's (texture) rows apart, in vec4s.
         let aligned = |w: &Win| w.off % 4 == 0 && w.start % 16 == 0;
-        let vec4_params = |a_rows: usize, b_rows: usize| {
-            Params::default()
-                .u(g.m)
-                .u(g.n)
-                .u(g.k)
-                .u(wc.off)
-                .u(g.c.rs)
-                .u(wa.off / 4)
-                .u(a_rows / 4)
-                .u(1u32)
-                .u(wb.off / 4)
-                .u(b_rows / 4)
-                .u(1u32)
-                .u(wbias.off)
-                .u(flags)
+        let vec4_params = |a_rows: usize, b_rows: usize| MatmulParams {
+            m: word(g.m),
+            n: word(g.n),
+            k: word(g.k),
+            c_off: wc.off,
+            c_rs: word(g.c.rs),
+            a_off: wa.off / 4,
+            a_rs: word(a_rows / 4),
+            a_cs: 1,
+            b_off: wb.off / 4,
+            b_rs: word(b_rows / 4),
+            b_cs: 1,
+            bias_off: wbias.off,
+            flags,
         };
         if g.n % 4 == 0 && g.k % 4 == 0 && g.k > 0 && aligned(wa) && aligned(wb) {
             let iterations = matmul_iterations(g.k, true);
             if let (Some(a_rows), Some(b_rows)) = (vec4_rows(&g.a, false), vec4_rows(&g.b, false)) {
                 let p = vec4_params(a_rows, b_rows);
                 self.require_loop_budget("matmul", iterations);
-                if self.try_plain_tex_matmul(g, [wc, wa, wb, wbias], p.clone()) {
+                if self.try_plain_tex_matmul(g, [wc, wa, wb, wbias], &p) {
                     return;
                 }
                 let groups = (
                     ceil_div(g.n, MATMUL4_TILE_N) as u32,
                     ceil_div(g.m, MATMUL4_TILE_M) as u32,
                 );
-                self.dispatch("matmul4", &wins, p, groups);
+                self.dispatch("matmul4", &wins, &p, groups);
                 return;
             }
             if self.try_transposed_tex_matmul(g, [wc, wa, wb, wbias], iterations, vec4_params) {
                 return;
             }
         }
-        let p = Params::default()
-            .u(g.m)
-            .u(g.n)
-            .u(g.k)
-            .u(wc.off)
-            .u(g.c.rs)
-            .u(wa.off)
-            .u(g.a.rs)
-            .u(g.a.cs)
-            .u(wb.off)
-            .u(g.b.rs)
-            .u(g.b.cs)
-            .u(wbias.off)
-            .u(flags);
+        let p = MatmulParams {
+            m: word(g.m),
+            n: word(g.n),
+            k: word(g.k),
+            c_off: wc.off,
+            c_rs: word(g.c.rs),
+            a_off: wa.off,
+            a_rs: word(g.a.rs),
+            a_cs: word(g.a.cs),
+            b_off: wb.off,
+            b_rs: word(g.b.rs),
+            b_cs: word(g.b.cs),
+            bias_off: wbias.off,
+            flags,
+        };
         let groups = (ceil_div(g.n, MATMUL_TILE_N) as u32, ceil_div(g.m, MATMUL_TILE_M) as u32);
         self.require_loop_budget("matmul", matmul_iterations(g.k, false));
-        self.dispatch("matmul", &wins, p, groups);
+        self.dispatch("matmul", &wins, &p, groups);
     }
 }
 

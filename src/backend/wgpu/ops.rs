@@ -8,7 +8,10 @@
 
 use super::kernels::WG;
 use super::memory::{Alloc, Win};
-use super::params::Params;
+use super::params::{
+    word, AdamWParams, AttentionParams, CrossEntropyParams, EncoderParams, GeluParams, KernelParams, LayerNormParams,
+    ReduceParams, ResidualParams,
+};
 use super::software::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
 use super::{ceil_div, AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WgpuBackend, SUM_BLOCK};
 use anyhow::{bail, ensure, Result};
@@ -17,23 +20,24 @@ use anyhow::{bail, ensure, Result};
 const VEC4_PER_INVOCATION: usize = 16;
 
 impl WgpuBackend {
-    /// Runs an element-wise kernel over equally long views, in ranges that fit a binding window.
-    fn elementwise(&mut self, kernel: &str, views: &[View], scalar: Option<f32>) {
+    /// Runs an element-wise kernel over equally long views (bound in this order), in ranges that fit a
+    /// binding window. `vec4`, the kernel's vec4 twin, runs the multiple-of-4 head when every view starts at
+    /// a multiple of 4 elements (windows then start 16-byte aligned), the scalar kernel the tail.
+    /// `params(n, offsets)` gives a range's parameters from its length and its windows' offsets (in vec4s
+    /// for the twin; 0 past the last view).
+    fn elementwise<P: KernelParams>(
+        &mut self,
+        kernel: &'static str,
+        vec4: Option<&'static str>,
+        views: &[View],
+        params: impl Fn(u32, [u32; 3]) -> P,
+    ) {
         let len = views[0].len;
         for v in views {
             assert_eq!(v.len, len, "{kernel}: views of different lengths");
         }
         let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
-        // The residual family has vec4 kernels: used for the multiple-of-4 head when every view starts at a
-        // multiple of 4 elements (windows then start 16-byte aligned), the scalar kernel doing the tail.
-        let vec4 = match kernel {
-            "residual_forward" => Some("residual_forward4"),
-            "add_inplace" => Some("add_inplace4"),
-            "scale" => Some("scale4"),
-            "fill" => Some("fill4"),
-            "copy" => Some("copy4"),
-            _ => None,
-        };
+        let offsets = |wins: &[Win], unit: u32| std::array::from_fn(|i| wins.get(i).map_or(0, |w| w.off / unit));
         let mut start = 0;
         if let Some(k4) = vec4.filter(|_| len >= 4 && views.iter().all(|v| v.offset % 4 == 0)) {
             let head = len / 4 * 4;
@@ -44,33 +48,70 @@ impl WgpuBackend {
                     // Unaligned window (an adapter with an odd offset alignment): scalar kernels for the rest.
                     break;
                 }
-                let mut p = Params::default().u(n / 4);
-                for i in 0..3 {
-                    p = p.u(wins.get(i).map_or(0, |w| w.off / 4));
-                }
-                if let Some(s) = scalar {
-                    p = p.f(s);
-                }
+                let p = params(word(n / 4), offsets(&wins, 4));
                 let groups = self.grid(ceil_div(n / 4, WG as usize * VEC4_PER_INVOCATION));
-                self.dispatch(k4, &wins, p, groups);
+                self.dispatch(k4, &wins, &p, groups);
                 start += n;
             }
         }
         while start < len {
             let n = chunk.min(len - start);
             let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
-            let mut p = Params::default().u(n);
-            for i in 0..3 {
-                p = p.u(wins.get(i).map_or(0, |w| w.off));
-            }
-            if let Some(s) = scalar {
-                p = p.f(s);
-            }
+            let p = params(word(n), offsets(&wins, 1));
             let groups = self.grid1d(n);
-            self.dispatch(kernel, &wins, p, groups);
+            self.dispatch(kernel, &wins, &p, groups);
             start += n;
         }
     }
+}
+
+/// Parameters of the residual family's kernels (`residual_forward`, `add_inplace`, `scale`, `fill`,
+/// `copy` and their vec4 twins) with scalar `s`: 0 for the kernels that read none.
+fn residual_params(s: f32) -> impl Fn(u32, [u32; 3]) -> ResidualParams {
+    move |n, [dst_off, a_off, b_off]| ResidualParams {
+        n,
+        dst_off,
+        a_off,
+        b_off,
+        s,
+    }
+}
+
+fn gelu_params(n: u32, [out_off, inp_off, dout_off]: [u32; 3]) -> GeluParams {
+    GeluParams {
+        n,
+        out_off,
+        inp_off,
+        dout_off,
+    }
+}
+
+/// The embedding backward's token index of `toks` (ids below `v`): the positions grouped by token, in
+/// `(b, t)` order within a token, as `[rows | starts | positions]` (u32): the `u` distinct tokens in
+/// increasing order, where each one's positions start (plus the end), then the positions. Returns `u` too.
+fn token_index(toks: &[u32], v: usize) -> (usize, Vec<u32>) {
+    assert!(
+        toks.iter().all(|&x| (x as usize) < v),
+        "token id out of the vocabulary of {v}"
+    );
+    let n = toks.len();
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    order.sort_by_key(|&i| (toks[i as usize], i));
+    let mut rows = Vec::new();
+    let mut starts = Vec::new();
+    for (j, &i) in order.iter().enumerate() {
+        let tok = toks[i as usize];
+        if rows.last() != Some(&tok) {
+            rows.push(tok);
+            starts.push(j as u32);
+        }
+    }
+    starts.push(n as u32);
+    let u = rows.len();
+    let mut index = rows;
+    index.extend_from_slice(&starts);
+    index.extend_from_slice(&order);
+    (u, index)
 }
 
 impl Backend for WgpuBackend {
@@ -192,12 +233,12 @@ impl Backend for WgpuBackend {
     }
 
     fn fill(&mut self, dst: View, value: f32) {
-        self.elementwise("fill", &[dst], Some(value));
+        self.elementwise("fill", Some("fill4"), &[dst], residual_params(value));
     }
 
     fn copy(&mut self, dst: View, src: View) {
         assert!(!dst.overlaps(&src), "copy between overlapping views");
-        self.elementwise("copy", &[dst, src], None);
+        self.elementwise("copy", Some("copy4"), &[dst, src], residual_params(0.0));
     }
 
     fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
@@ -213,23 +254,20 @@ impl Backend for WgpuBackend {
         while v0 < v {
             let v1 = (v0 + rows).min(v);
             let wwte = self.win(wte.sub(v0 * c, (v1 - v0) * c));
-            let p = Params::default()
-                .u(n)
-                .u(t)
-                .u(c)
-                .u(wout.off)
-                .u(wwte.off)
-                .u(wwpe.off)
-                .u(wtok.off)
-                .u(v0)
-                .u(v1);
+            let p = EncoderParams {
+                n: word(n),
+                t: word(t),
+                c: word(c),
+                dst_off: wout.off,
+                src0_off: wwte.off,
+                src1_off: wwpe.off,
+                idx_off: wtok.off,
+                v0: word(v0),
+                v1: word(v1),
+            };
             let groups = self.grid1d(n * c);
-            self.dispatch(
-                "encoder_forward",
-                &[wout.clone(), wwte, wwpe.clone(), wtok.clone()],
-                p,
-                groups,
-            );
+            let wins = [wout.clone(), wwte, wwpe.clone(), wtok.clone()];
+            self.dispatch("encoder_forward", &wins, &p, groups);
             v0 = v1;
         }
     }
@@ -254,65 +292,39 @@ impl Backend for WgpuBackend {
         let wdout = self.win(dout);
         // dwpe: one invocation per (t, channel), summing the batch in order.
         let wdwpe = self.win(dwpe.sub(0, t * c));
-        let p = Params::default()
-            .u(b)
-            .u(t)
-            .u(c)
-            .u(wdwpe.off)
-            .u(wdout.off)
-            .u(0u32)
-            .u(0u32)
-            .u(0u32)
-            .u(0u32);
+        let p = EncoderParams {
+            n: word(b),
+            t: word(t),
+            c: word(c),
+            dst_off: wdwpe.off,
+            src0_off: wdout.off,
+            ..Default::default()
+        };
         let groups = self.grid1d(t * c);
-        self.dispatch("encoder_backward_wpe", &[wdwpe, wdout.clone()], p, groups);
-        // dwte: group the positions by token on the host, in (b, t) order: [rows | starts | positions].
+        self.dispatch("encoder_backward_wpe", &[wdwpe, wdout.clone()], &p, groups);
+        // dwte: one invocation per (distinct token, channel), summing the token's positions in (b, t) order,
+        // grouped on the host.
         let v = dwte.len / c;
-        let toks = &self.tok_host[tokens.buf][tokens.offset..tokens.offset + n];
-        assert!(
-            toks.iter().all(|&x| (x as usize) < v),
-            "token id out of the vocabulary of {v}"
-        );
-        let mut order: Vec<u32> = (0..n as u32).collect();
-        order.sort_by_key(|&i| (toks[i as usize], i));
-        let mut rows = Vec::new();
-        let mut starts = Vec::new();
-        for (j, &i) in order.iter().enumerate() {
-            let tok = toks[i as usize];
-            if rows.last() != Some(&tok) {
-                rows.push(tok);
-                starts.push(j as u32);
-            }
-        }
-        starts.push(n as u32);
-        let u = rows.len();
-        let mut aux = rows;
-        aux.extend_from_slice(&starts);
-        aux.extend_from_slice(&order);
-        let waux = self.write_embed_index(&aux);
+        let (u, index) = token_index(&self.tok_host[tokens.buf][tokens.offset..tokens.offset + n], v);
+        let waux = self.write_embed_index(&index);
         let rows_per = self.rows_per_window(c);
         let mut v0 = 0;
         while v0 < v {
             let v1 = (v0 + rows_per).min(v);
             let wdwte = self.win(dwte.sub(v0 * c, (v1 - v0) * c));
-            let p = Params::default()
-                .u(u)
-                .u(t)
-                .u(c)
-                .u(wdwte.off)
-                .u(wdout.off)
-                .u(0u32)
-                .u(0u32)
-                .u(v0)
-                .u(v1);
+            let p = EncoderParams {
+                n: word(u),
+                t: word(t),
+                c: word(c),
+                dst_off: wdwte.off,
+                src0_off: wdout.off,
+                v0: word(v0),
+                v1: word(v1),
+                ..Default::default()
+            };
             let groups = self.grid1d(u * c);
-            let dummy = self.dummy_win();
-            self.dispatch(
-                "encoder_backward_wte",
-                &[wdwte, wdout.clone(), dummy, waux.clone()],
-                p,
-                groups,
-            );
+            let wins = [wdwte, wdout.clone(), self.dummy_win(), waux.clone()];
+            self.dispatch("encoder_backward_wte", &wins, &p, groups);
             v0 = v1;
         }
     }
@@ -334,23 +346,24 @@ impl Backend for WgpuBackend {
             return;
         }
         let w = [out, mean, rstd, inp, weight, bias].map(|v| self.win(v));
-        let p = Params::default()
-            .u(n)
-            .u(c)
-            .u(w[0].off)
-            .u(w[1].off)
-            .u(w[2].off)
-            .u(w[3].off)
-            .u(w[4].off)
-            .u(w[5].off)
-            .u(0u32)
-            .u(0u32);
+        let p = LayerNormParams {
+            n: word(n),
+            c: word(c),
+            out_off: w[0].off,
+            mean_off: w[1].off,
+            rstd_off: w[2].off,
+            inp_off: w[3].off,
+            w_off: w[4].off,
+            b_off: w[5].off,
+            dout_off: 0,
+            dw_off: 0,
+        };
         let (kernel, groups) = self.per_row(
             ("layernorm_forward", 1, tree_iterations(c, WG as usize, 3, 2, 8)),
             ("layernorm_forward_rows", 3 * c),
             n,
         );
-        self.dispatch(kernel, &w, p, groups);
+        self.dispatch(kernel, &w, &p, groups);
     }
 
     fn layernorm_backward(
@@ -372,30 +385,31 @@ impl Backend for WgpuBackend {
             return;
         }
         let w = [dinp, mean, rstd, inp, weight, dbias, dout, dweight].map(|v| self.win(v));
-        let p = Params::default()
-            .u(n)
-            .u(c)
-            .u(w[0].off)
-            .u(w[1].off)
-            .u(w[2].off)
-            .u(w[3].off)
-            .u(w[4].off)
-            .u(w[5].off)
-            .u(w[6].off)
-            .u(w[7].off);
+        let p = LayerNormParams {
+            n: word(n),
+            c: word(c),
+            out_off: w[0].off,
+            mean_off: w[1].off,
+            rstd_off: w[2].off,
+            inp_off: w[3].off,
+            w_off: w[4].off,
+            b_off: w[5].off,
+            dout_off: w[6].off,
+            dw_off: w[7].off,
+        };
         // Both passes read the same parameter block: the input gradient by rows, then dweight/dbias by columns.
         let (kernel, groups) = self.per_row(
             ("layernorm_backward", 1, tree_iterations(c, WG as usize, 2, 2, 8)),
             ("layernorm_backward_rows", 2 * c),
             n,
         );
-        self.dispatch(kernel, &w[..7], p.clone(), groups);
+        self.dispatch(kernel, &w[..7], &p, groups);
         let (kernel, groups) = self.per_row(
             ("layernorm_backward_params", 16, column_sum_iterations(n)),
             ("layernorm_backward_params_cols", n),
             c,
         );
-        self.dispatch(kernel, &w, p, groups);
+        self.dispatch(kernel, &w, &p, groups);
     }
 
     fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
@@ -439,22 +453,21 @@ impl Backend for WgpuBackend {
             let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
             let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
             let w = [o, a, q].map(|v| self.win(v));
-            let p = || {
-                Params::default()
-                    .u(nb)
-                    .u(t)
-                    .u(c)
-                    .u(nh)
-                    .u(w[0].off)
-                    .u(w[1].off)
-                    .u(w[2].off)
-                    .u(0u32)
-                    .u(0u32)
+            let p = AttentionParams {
+                b: word(nb),
+                t: word(t),
+                c: word(c),
+                nh: word(nh),
+                out_off: w[0].off,
+                att_off: w[1].off,
+                qkv_off: w[2].off,
+                datt_off: 0,
+                dout_off: 0,
             };
             let g1 = self.grid1d(nb * nh * t);
-            self.dispatch("attention_forward", &w, p(), g1);
+            self.dispatch("attention_forward", &w, &p, g1);
             let g2 = self.grid1d(nb * t * c);
-            self.dispatch("attention_forward_out", &w, p(), g2);
+            self.dispatch("attention_forward_out", &w, &p, g2);
         }
     }
 
@@ -476,40 +489,44 @@ impl Backend for WgpuBackend {
             let da = datt.sub(b0 * nh * t * t, nb * nh * t * t);
             let d = dout.sub(b0 * t * c, nb * t * c);
             let w = [dq, a, q, da, d].map(|v| self.win(v));
-            let p = || {
-                Params::default()
-                    .u(nb)
-                    .u(t)
-                    .u(c)
-                    .u(nh)
-                    .u(w[0].off)
-                    .u(w[1].off)
-                    .u(w[2].off)
-                    .u(w[3].off)
-                    .u(w[4].off)
+            let p = AttentionParams {
+                b: word(nb),
+                t: word(t),
+                c: word(c),
+                nh: word(nh),
+                out_off: w[0].off,
+                att_off: w[1].off,
+                qkv_off: w[2].off,
+                datt_off: w[3].off,
+                dout_off: w[4].off,
             };
             let g1 = self.grid1d(nb * nh * t);
-            self.dispatch("attention_backward", &w, p(), g1);
+            self.dispatch("attention_backward", &w, &p, g1);
             let g2 = self.grid1d(nb * t * c);
-            self.dispatch("attention_backward_dq", &w[..4], p(), g2);
-            self.dispatch("attention_backward_dkv", &w, p(), g2);
+            self.dispatch("attention_backward_dq", &w[..4], &p, g2);
+            self.dispatch("attention_backward_dkv", &w, &p, g2);
         }
     }
 
     fn gelu_forward(&mut self, out: View, inp: View) {
-        self.elementwise("gelu_forward", &[out, inp], None);
+        self.elementwise("gelu_forward", None, &[out, inp], gelu_params);
     }
 
     fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
-        self.elementwise("gelu_backward", &[dinp, inp, dout], None);
+        self.elementwise("gelu_backward", None, &[dinp, inp, dout], gelu_params);
     }
 
     fn residual_forward(&mut self, out: View, a: View, b: View) {
-        self.elementwise("residual_forward", &[out, a, b], None);
+        self.elementwise(
+            "residual_forward",
+            Some("residual_forward4"),
+            &[out, a, b],
+            residual_params(0.0),
+        );
     }
 
     fn add_inplace(&mut self, dst: View, src: View) {
-        self.elementwise("add_inplace", &[dst, src], None);
+        self.elementwise("add_inplace", Some("add_inplace4"), &[dst, src], residual_params(0.0));
     }
 
     fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
@@ -523,13 +540,20 @@ impl Backend for WgpuBackend {
                 self.win(logits.sub(r0 * v, (r1 - r0) * v)),
                 self.twin(targets.sub(r0, r1 - r0)),
             );
-            let p = Params::default().u(r1 - r0).u(v).u(wl.off).u(wx.off).u(wt.off).f(0.0);
+            let p = CrossEntropyParams {
+                n: word(r1 - r0),
+                v: word(v),
+                out_off: wl.off,
+                logits_off: wx.off,
+                tgt_off: wt.off,
+                dloss: 0.0,
+            };
             let (kernel, groups) = self.per_row(
                 ("crossentropy_forward", 1, tree_iterations(v, WG as usize, 2, 2, 8)),
                 ("crossentropy_forward_rows", 2 * v),
                 r1 - r0,
             );
-            self.dispatch(kernel, &[wl, wx, wt], p, groups);
+            self.dispatch(kernel, &[wl, wx, wt], &p, groups);
             r0 = r1;
         }
     }
@@ -555,14 +579,21 @@ impl Backend for WgpuBackend {
                 self.win(dlogits.sub(r0 * v, (r1 - r0) * v)),
                 self.twin(targets.sub(r0, r1 - r0)),
             );
-            let p = Params::default().u(r1 - r0).u(v).u(0u32).u(wx.off).u(wt.off).f(dloss);
+            let p = CrossEntropyParams {
+                n: word(r1 - r0),
+                v: word(v),
+                out_off: 0,
+                logits_off: wx.off,
+                tgt_off: wt.off,
+                dloss,
+            };
             let (kernel, groups) = self.per_row(
                 ("crossentropy_backward", 1, tree_iterations(v, WG as usize, 3, 2, 8)),
                 ("crossentropy_backward_rows", 3 * v),
                 r1 - r0,
             );
-            let dummy = self.dummy_win();
-            self.dispatch(kernel, &[dummy, wx, wt], p, groups);
+            let wins = [self.dummy_win(), wx, wt];
+            self.dispatch(kernel, &wins, &p, groups);
             r0 = r1;
         }
     }
@@ -579,9 +610,13 @@ impl Backend for WgpuBackend {
             let n = chunk.min(x.len - start);
             let wx = self.win(x.sub(start, n));
             let wp = self.win_of(&partial.buffer, Some(partial.id), blocks, 0, blocks);
-            let p = Params::default().u(n).u(wx.off).u(start / SUM_BLOCK);
+            let p = ReduceParams {
+                n: word(n),
+                x_off: wx.off,
+                out_off: word(start / SUM_BLOCK),
+            };
             let groups = self.grid(ceil_div(n, SUM_BLOCK));
-            self.dispatch("sum_squares", &[wp, wx], p, groups);
+            self.dispatch("sum_squares", &[wp, wx], &p, groups);
             start += n;
         }
         let bytes = self.read_back(&[(partial.buffer, 0, blocks as u64 * 4)])?;
@@ -590,7 +625,7 @@ impl Backend for WgpuBackend {
     }
 
     fn scale(&mut self, x: View, s: f32) {
-        self.elementwise("scale", &[x], Some(s));
+        self.elementwise("scale", Some("scale4"), &[x], residual_params(s));
     }
 
     fn adamw(&mut self, params: View, grads: View, m: View, v: View, h: &AdamWStep) {
@@ -601,22 +636,23 @@ impl Backend for WgpuBackend {
         while start < len {
             let n = chunk.min(len - start);
             let w = [params, grads, m, v].map(|x| self.win(x.sub(start, n)));
-            let p = Params::default()
-                .u(n)
-                .u(w[0].off)
-                .u(w[1].off)
-                .u(w[2].off)
-                .u(w[3].off)
-                .f(h.lr)
-                .f(h.beta1)
-                .f(h.beta2)
-                .f(h.eps)
-                .f(h.weight_decay)
-                .f(h.step_size)
-                .f(h.bias_correction2_sqrt)
-                .f(h.grad_scale);
+            let p = AdamWParams {
+                n: word(n),
+                p_off: w[0].off,
+                g_off: w[1].off,
+                m_off: w[2].off,
+                v_off: w[3].off,
+                lr: h.lr,
+                beta1: h.beta1,
+                beta2: h.beta2,
+                eps: h.eps,
+                weight_decay: h.weight_decay,
+                step_size: h.step_size,
+                bc2_sqrt: h.bias_correction2_sqrt,
+                grad_scale: h.grad_scale,
+            };
             let groups = self.grid1d(n);
-            self.dispatch("adamw", &w, p, groups);
+            self.dispatch("adamw", &w, &p, groups);
             start += n;
         }
     }

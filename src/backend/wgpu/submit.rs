@@ -9,9 +9,10 @@
 //! slot 0).
 
 use super::binding::{BindGroupStats, BindKey, UniformRing, WindowKey};
+use super::kernels::Kernel;
 use super::kernels::WG;
 use super::memory::Win;
-use super::params::Params;
+use super::params::KernelParams;
 use super::{ceil_div, WgpuBackend};
 use anyhow::{anyhow, Result};
 use std::num::NonZeroU64;
@@ -101,10 +102,17 @@ impl WgpuBackend {
         self.grid(ceil_div(n, WG as usize))
     }
 
-    pub(super) fn dispatch(&mut self, kernel: &str, wins: &[Win], params: Params, groups: (u32, u32)) {
-        let bindings = self.kernels[kernel].bindings;
+    /// Records one dispatch of `kernel` over `wins` (in binding order) with `params`, which must be its
+    /// family's parameter struct.
+    pub(super) fn dispatch<P: KernelParams>(&mut self, kernel: &str, wins: &[Win], params: &P, groups: (u32, u32)) {
+        let Kernel { bindings, family, .. } = self.kernels[kernel];
         assert_eq!(wins.len() as u32, bindings, "kernel {kernel} binds {bindings} buffers");
-        let uniform_offset = self.uniforms.push(&params.words(kernel));
+        assert!(
+            P::FAMILIES.contains(&family),
+            "kernel {kernel} reads the {family} parameters, not {}",
+            std::any::type_name::<P>()
+        );
+        let uniform_offset = self.uniforms.push(&params.words());
         let bind_group = self.bind_group(kernel, wins);
         let device = &self.ctx.device;
         let encoder = self

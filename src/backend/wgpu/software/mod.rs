@@ -24,7 +24,7 @@ use super::context::Context;
 use super::kernels::COMMON;
 use super::matmul::{vec4_rows, Gemm};
 use super::memory::Win;
-use super::params::Params;
+use super::params::{KernelParams, MatmulParams};
 use super::submit::{record_dispatch, window_key};
 use super::{ceil_div, WgpuBackend};
 use tex_matmul::{Operand, Source, TexMatmul, Variant};
@@ -120,7 +120,7 @@ impl WgpuBackend {
         g: &Gemm,
         wins: [&Win; 4],
         iterations: usize,
-        params: impl Fn(usize, usize) -> Params,
+        params: impl Fn(usize, usize) -> MatmulParams,
     ) -> bool {
         for (variant, a_t, b_t) in [(Variant::TransposedB, false, true), (Variant::TransposedA, true, false)] {
             let (Some(a_rows), Some(b_rows)) = (vec4_rows(&g.a, a_t), vec4_rows(&g.b, b_t)) else {
@@ -130,7 +130,7 @@ impl WgpuBackend {
                 continue;
             }
             self.require_loop_budget("matmul", iterations);
-            if self.try_tex_matmul(g, wins, params(a_rows, b_rows), variant) {
+            if self.try_tex_matmul(g, wins, &params(a_rows, b_rows), variant) {
                 return true;
             }
         }
@@ -138,7 +138,7 @@ impl WgpuBackend {
     }
 
     /// `A @ B`, both row-major, on the texture-fed kernel; false, recording nothing, when it does not apply.
-    pub(super) fn try_plain_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params) -> bool {
+    pub(super) fn try_plain_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: &MatmulParams) -> bool {
         self.try_tex_matmul(g, wins, params, Variant::Plain)
     }
 
@@ -146,7 +146,7 @@ impl WgpuBackend {
     /// 8-lane subgroups) and both operands can be copied (`TexMatmul::fits`). `variant` says which
     /// operand is given as the row-major transpose (`g.b.rs == 1` or `g.a.rs == 1`). Returns false,
     /// recording nothing, otherwise.
-    fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: Params, variant: Variant) -> bool {
+    fn try_tex_matmul(&mut self, g: &Gemm, wins: [&Win; 4], params: &MatmulParams, variant: Variant) -> bool {
         let [wc, wa, wb, wbias] = wins;
         let Some(tm) = self.software.tex_matmul.as_ref().map(|t| &t[variant as usize]) else {
             return false;
@@ -171,7 +171,7 @@ impl WgpuBackend {
         if wa.id.is_none() || wb.id.is_none() || !tm.fits(&sa) || !tm.fits(&sb) {
             return false;
         }
-        let uniform_offset = self.uniforms.push(&params.words(variant.entry()));
+        let uniform_offset = self.uniforms.push(&params.words());
         let device = &self.ctx.device;
         let encoder = self
             .encoder
