@@ -13,6 +13,10 @@
 //! - `software/`: everything that exists only for software adapters (llvmpipe): the row kernels, the
 //!   texture-fed matmuls and the loop-budget checks. A reader of the hardware path can skip it.
 //!
+//! Environment: `RINGTRAIN_WGPU_HARDWARE_KERNELS=1` ([`HARDWARE_KERNELS_ENV`]), read once by
+//! [`WgpuBackend::new`], makes a software adapter run exactly the kernels a hardware adapter runs (no row
+//! kernels, no texture-fed matmuls), so that CI covers the hardware path on lavapipe.
+//!
 //! Design points shared by all of them:
 //! - **Bind groups.** Built once and cached, keyed by the layout (one per number of storage bindings) and
 //!   each storage window's (buffer id, start, size). Buffer ids come from a counter, never reused. The
@@ -53,6 +57,7 @@ mod tests;
 pub use binding::BindGroupStats;
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
 pub use matmul::bench_matmul;
+pub use software::HARDWARE_KERNELS_ENV;
 
 use super::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
 use anyhow::{bail, Result};
@@ -109,13 +114,13 @@ fn ceil_div(a: usize, b: usize) -> usize {
 
 impl WgpuBackend {
     /// Opens the adapter chosen by `selection` and compiles every kernel. Fails with a clear message when
-    /// no adapter matches or the adapter lacks what the kernels need.
+    /// no adapter matches or the adapter lacks what the kernels need. Reads [`HARDWARE_KERNELS_ENV`].
     pub fn new(selection: AdapterSelection) -> Result<Self> {
         let ctx = Context::new(selection)?;
         let device = &ctx.device;
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let kernels = kernels::compile(device);
-        let software = SoftwareKernels::new(&ctx);
+        let software = SoftwareKernels::new(&ctx, software::hardware_kernels_requested());
         if let Some(e) = pollster::block_on(scope.pop()) {
             bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
         }

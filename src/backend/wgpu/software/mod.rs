@@ -14,6 +14,12 @@
 //! - **Loop budget** (`loop_budget.rs`). llvmpipe stops an invocation's loops after 65535 iterations and
 //!   leaves the rest undone. The row kernels give way to the tree kernels past it, and ops whose kernels
 //!   would run past it refuse instead of returning partial results.
+//!
+//! **Hardware kernels only.** With [`HARDWARE_KERNELS_ENV`]`=1` in the environment when the backend is
+//! created, a software adapter builds and chooses none of the row kernels and texture-fed matmuls: it runs
+//! exactly the kernels a hardware adapter runs (tree reductions, workgroup-per-row layer norm and
+//! cross-entropy, the plain and strided matmuls), so that CI checks the hardware path on lavapipe. The loop
+//! budget still applies: it guards results, and the adapter is still llvmpipe.
 
 mod loop_budget;
 mod tex_matmul;
@@ -29,8 +35,19 @@ use super::submit::{record_dispatch, window_key};
 use super::{ceil_div, WgpuBackend};
 use tex_matmul::{Operand, Source, TexMatmul, Variant};
 
+/// The environment variable that, set to `1`, makes a software adapter run only the kernels a hardware
+/// adapter runs; read once, when the backend is created.
+pub const HARDWARE_KERNELS_ENV: &str = "RINGTRAIN_WGPU_HARDWARE_KERNELS";
+
+/// Whether [`HARDWARE_KERNELS_ENV`] asks for the hardware kernels only.
+pub(super) fn hardware_kernels_requested() -> bool {
+    std::env::var(HARDWARE_KERNELS_ENV).is_ok_and(|v| v == "1")
+}
+
 /// The software-only kernels this backend uses.
 pub(super) struct SoftwareKernels {
+    /// Only the kernels a hardware adapter runs are built and chosen ([`HARDWARE_KERNELS_ENV`]).
+    hardware_only: bool,
     /// Layer norm and cross-entropy take their one-invocation-per-row kernels (`*_rows`, no barriers)
     /// instead of one workgroup per row with tree reductions.
     pub(super) row_kernels: bool,
@@ -43,10 +60,10 @@ pub(super) struct SoftwareKernels {
 }
 
 impl SoftwareKernels {
-    /// The kernels for the adapter of `ctx`: none on hardware adapters. Errors surface through the
-    /// caller's validation error scope.
-    pub(super) fn new(ctx: &Context) -> Self {
-        let software = ctx.report.is_software;
+    /// The kernels for the adapter of `ctx`: none on hardware adapters, nor with `hardware_only`. Errors
+    /// surface through the caller's validation error scope.
+    pub(super) fn new(ctx: &Context, hardware_only: bool) -> Self {
+        let software = ctx.report.is_software && !hardware_only;
         let eight_lanes = Some((tex_matmul::SUBGROUP_SIZE, tex_matmul::SUBGROUP_SIZE));
         let textured = software && ctx.report.subgroup_sizes == eight_lanes;
         let tex_matmul = textured.then(|| {
@@ -58,6 +75,7 @@ impl SoftwareKernels {
             Variant::ALL.map(make)
         });
         SoftwareKernels {
+            hardware_only,
             row_kernels: software,
             tex_matmul,
             tex_matmul_dispatches: 0,
@@ -76,6 +94,12 @@ impl WgpuBackend {
     /// Whether layer norm and cross-entropy take the one-invocation-per-row kernels.
     pub fn row_kernels(&self) -> bool {
         self.software.row_kernels
+    }
+
+    /// Whether this backend runs only the kernels a hardware adapter runs ([`HARDWARE_KERNELS_ENV`]); always
+    /// true in effect on hardware adapters, where no software-only kernel exists.
+    pub fn hardware_kernels_only(&self) -> bool {
+        self.software.hardware_only || !self.ctx.report.is_software
     }
 
     /// Dispatches of the texture-fed matmul so far.
