@@ -7,9 +7,9 @@
 //! The kernels keep a large register block per invocation and read A and B straight from storage (no
 //! workgroup memory, no barriers), which suits CPU implementations and stays plain WGSL for GPUs.
 
-use super::memory::Win;
 use super::params::{word, MatmulParams};
 use super::software::{column_sum_iterations, matmul_iterations};
+use super::windows::Win;
 use super::{ceil_div, Backend, MatmulShape, View, WeightLayout, WgpuBackend};
 use anyhow::Result;
 use std::time::Instant;
@@ -228,7 +228,9 @@ impl WgpuBackend {
                 ..Default::default()
             };
             let groups = self.grid(ceil_div(oc, 16));
-            self.require_loop_budget("matmul bias gradient", column_sum_iterations(r1 - r0));
+            if !self.require_loop_budget("matmul bias gradient", column_sum_iterations(r1 - r0)) {
+                return;
+            }
             self.dispatch("matmul_backward_bias", &[wdb, wd], &p, groups);
             r0 = r1;
         }
@@ -310,7 +312,9 @@ impl WgpuBackend {
             let iterations = matmul_iterations(g.k, true);
             if let (Some(a_rows), Some(b_rows)) = (vec4_rows(&g.a, false), vec4_rows(&g.b, false)) {
                 let p = vec4_params(a_rows, b_rows);
-                self.require_loop_budget("matmul", iterations);
+                if !self.require_loop_budget("matmul", iterations) {
+                    return;
+                }
                 if self.try_plain_tex_matmul(g, [wc, wa, wb, wbias], &p) {
                     return;
                 }
@@ -341,8 +345,9 @@ impl WgpuBackend {
             flags,
         };
         let groups = (ceil_div(g.n, MATMUL_TILE_N) as u32, ceil_div(g.m, MATMUL_TILE_M) as u32);
-        self.require_loop_budget("matmul", matmul_iterations(g.k, false));
-        self.dispatch("matmul", &wins, &p, groups);
+        if self.require_loop_budget("matmul", matmul_iterations(g.k, false)) {
+            self.dispatch("matmul", &wins, &p, groups);
+        }
     }
 }
 

@@ -1,48 +1,24 @@
-//! Device memory: allocations and their segments, the windows that bind views, and the few buffers the
-//! backend keeps for itself (the `sum_squares` partial sums, the embedding backward's token index).
+//! Device memory: the allocation table (tensors and token buffers, allocated, freed and transferred), the
+//! segments of large allocations, and the few buffers the backend keeps for itself (the `sum_squares`
+//! partial sums, the embedding backward's token index).
 //!
 //! An allocation is one storage buffer, or, past the adapter's `max_buffer_size` (capped at
-//! [`MAX_SEGMENT_BYTES`](super::MAX_SEGMENT_BYTES)), several *segments* of at most that size. A [`View`] is bound as a *window* of
-//! its segment: the binding starts at the view's offset rounded down to
-//! `min_storage_buffer_offset_alignment`, and the remaining element offset travels in the kernel's
-//! uniform parameters. A window that straddles two segments (rare: the views that cross a segment
-//! boundary) is gathered into a temporary buffer before the dispatch and written back after it. Ops whose
-//! windows would exceed `max_storage_buffer_binding_size` split their work (see the ops); the helpers
-//! here say how much one window holds.
+//! [`MAX_SEGMENT_BYTES`](super::MAX_SEGMENT_BYTES)), several *segments* of at most that size; how views are bound is `windows.rs`.
+//! A view's `buf` indexes the table; a freed entry stays empty, so ids are never reused, and each wgpu
+//! buffer also has a [`BufferId`] from a counter for the bind-group cache, whose entries binding a freed
+//! buffer are dropped with it.
 
 use super::binding::BufferId;
-use super::{TokenView, View, WgpuBackend};
-use anyhow::{bail, ensure, Result};
+use super::windows::Win;
+use super::{BackendError, TokenView, View, WgpuBackend};
+use crate::backend::error::ensure_view;
+use anyhow::Result;
 
 /// A buffer the backend keeps, with the identity the bind-group cache knows it by.
 #[derive(Clone)]
 pub(super) struct Tracked {
     pub(super) id: BufferId,
     pub(super) buffer: wgpu::Buffer,
-}
-
-/// The persistent index buffer of `encoder_backward`.
-pub(super) struct EmbedIndex {
-    pub(super) buf: Tracked,
-    /// Capacity in u32 elements; the whole of it is bound, so the window (and bind group) never changes.
-    pub(super) cap: usize,
-    /// A dispatch recorded since the last submit reads it: the next rewrite must submit first, because a
-    /// `write_buffer` lands before every command of the next submit.
-    pub(super) read_by_pending: bool,
-}
-
-/// A bound range of a buffer: `size` bytes from byte `start`; the view begins `off` elements into it.
-/// `id` is `None` for a temporary buffer, whose bind groups are not cached.
-/// `scatter` is set when the range straddles segments of an allocation and `buffer` is a temporary copy of
-/// elements `[first, end)` of allocation `buf`: the copy is written back after each dispatch that binds it.
-#[derive(Clone)]
-pub(super) struct Win {
-    pub(super) buffer: wgpu::Buffer,
-    pub(super) id: Option<BufferId>,
-    pub(super) start: u64,
-    pub(super) size: u64,
-    pub(super) off: u32,
-    pub(super) scatter: Option<(usize, usize, usize)>,
 }
 
 /// One allocation: segment `i` holds elements `[i * seg, min((i + 1) * seg, len))`.
@@ -66,128 +42,190 @@ impl Alloc {
         out
     }
 
-    fn seg_len(&self, s: usize) -> usize {
+    pub(super) fn seg_len(&self, s: usize) -> usize {
         self.seg.min(self.len - s * self.seg)
     }
 }
 
+/// One token buffer: on the device, and the host copy the embedding backward groups positions from
+/// (written only by `upload_tokens`).
+pub(super) struct TokenBuffer {
+    pub(super) device: Tracked,
+    /// `[len]` token ids.
+    pub(super) host: Vec<u32>,
+}
+
+/// The persistent index buffer of `encoder_backward`.
+pub(super) struct EmbedIndex {
+    pub(super) buf: Tracked,
+    /// Capacity in u32 elements; the whole of it is bound, so the window (and bind group) never changes.
+    pub(super) cap: usize,
+    /// A dispatch recorded since the last submit reads it: the next rewrite must submit first, because a
+    /// `write_buffer` lands before every command of the next submit.
+    pub(super) read_by_pending: bool,
+}
+
 impl WgpuBackend {
-    /// Largest number of elements a window may cover wherever it starts.
-    pub(super) fn max_window_elems(&self) -> usize {
-        ((self.max_binding - self.align) / 4) as usize
+    /// Allocation `buf`; panics when it was freed (a stale view is a programming error).
+    pub(super) fn allocation(&self, buf: usize) -> &Alloc {
+        self.bufs[buf]
+            .as_ref()
+            .unwrap_or_else(|| panic!("view into freed buffer {buf}"))
     }
 
-    pub(super) fn fits(&self, first: usize, end: usize) -> bool {
-        let start = (first as u64 * 4) / self.align * self.align;
-        (end as u64 * 4).max(start + 4) - start <= self.max_binding
+    /// Token buffer `buf`; panics when it was freed.
+    pub(super) fn token_buffer(&self, buf: usize) -> &TokenBuffer {
+        self.tok_bufs[buf]
+            .as_ref()
+            .unwrap_or_else(|| panic!("view into freed token buffer {buf}"))
     }
 
-    /// Window over elements `[first, end)` of `buffer` (of `buf_len` elements); `id` as in [`Win`].
-    pub(super) fn win_of(
-        &self,
-        buffer: &wgpu::Buffer,
-        id: Option<BufferId>,
-        buf_len: usize,
-        first: usize,
-        end: usize,
-    ) -> Win {
-        assert!(end <= buf_len, "range [{first}, {end}) out of a buffer of {buf_len}");
-        if first == end {
-            return self.dummy_win();
+    /// Bytes of the live tensor and token allocations.
+    pub fn allocated_bytes(&self) -> u64 {
+        let tensors: usize = self.bufs.iter().flatten().map(|a| a.len).sum();
+        let tokens: usize = self.tok_bufs.iter().flatten().map(|t| t.host.len()).sum();
+        (tensors + tokens) as u64 * 4
+    }
+
+    /// A new zero-filled allocation of `len` f32, in segments of `seg_elems`.
+    pub(super) fn alloc_tensor(&mut self, len: usize) -> Result<View> {
+        let seg = self.seg_elems;
+        let mut segs = Vec::new();
+        for s in 0..len.div_ceil(seg).max(1) {
+            let buffer = self.new_buffer(seg.min(len - (s * seg).min(len)), "a tensor")?;
+            segs.push(self.track(buffer));
         }
-        let start = (first as u64 * 4) / self.align * self.align;
-        let size = end as u64 * 4 - start;
-        assert!(
-            size <= self.max_binding,
-            "a {size}-byte window exceeds the adapter's storage binding limit of {} bytes",
-            self.max_binding
+        self.bufs.push(Some(Alloc { segs, seg, len }));
+        Ok(View {
+            buf: self.bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    /// A new zero-filled token buffer of `len` ids.
+    pub(super) fn alloc_token_buffer(&mut self, len: usize) -> Result<TokenView> {
+        let buffer = self.new_buffer(len, "a token buffer")?;
+        let device = self.track(buffer);
+        self.tok_bufs.push(Some(TokenBuffer {
+            device,
+            host: vec![0; len],
+        }));
+        Ok(TokenView {
+            buf: self.tok_bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    /// Drops allocation `buf` and every cached bind group binding one of its segments. wgpu keeps a
+    /// buffer alive until the work recorded on it has run.
+    pub(super) fn free_tensor(&mut self, buf: usize) {
+        let alloc = self.bufs[buf]
+            .take()
+            .unwrap_or_else(|| panic!("buffer {buf} freed twice"));
+        for seg in alloc.segs {
+            self.bind_groups.forget(seg.id);
+        }
+    }
+
+    /// Drops token buffer `buf` and every cached bind group binding it.
+    pub(super) fn free_token_buffer(&mut self, buf: usize) {
+        let tokens = self.tok_bufs[buf]
+            .take()
+            .unwrap_or_else(|| panic!("token buffer {buf} freed twice"));
+        self.bind_groups.forget(tokens.device.id);
+    }
+
+    /// Writes `src` into `dst`, after the work recorded so far.
+    pub(super) fn write_tensor(&mut self, dst: View, src: &[f32]) -> Result<()> {
+        ensure_view!(
+            src.len() == dst.len,
+            "upload of {} values into a view of {}",
+            src.len(),
+            dst.len
         );
-        Win {
-            buffer: buffer.clone(),
-            id,
-            start,
-            size,
-            off: ((first as u64 * 4 - start) / 4) as u32,
-            scatter: None,
-        }
-    }
-
-    /// Window over elements `[first, end)` of allocation `buf`. A range straddling two segments is gathered
-    /// into a temporary buffer (and written back after each dispatch that binds it).
-    pub(super) fn win_range(&mut self, buf: usize, first: usize, end: usize) -> Win {
-        let a = &self.bufs[buf];
-        assert!(end <= a.len, "range [{first}, {end}) out of an allocation of {}", a.len);
-        if first == end {
-            return self.dummy_win();
-        }
-        let (s0, s1) = (first / a.seg, (end - 1) / a.seg);
-        if s0 == s1 {
-            let base = s0 * a.seg;
-            let (seg, seg_len) = (a.segs[s0].clone(), a.seg_len(s0));
-            return self.win_of(&seg.buffer, Some(seg.id), seg_len, first - base, end - base);
-        }
-        let parts = a.parts(first, end);
-        let segs: Vec<wgpu::Buffer> = parts.iter().map(|p| a.segs[p.0].buffer.clone()).collect();
-        let len = end - first;
-        assert!(
-            len as u64 * 4 <= self.max_binding,
-            "a {}-byte window exceeds the adapter's storage binding limit of {} bytes",
-            len * 4,
-            self.max_binding
+        ensure_view!(
+            dst.end() <= self.allocation(dst.buf).len,
+            "upload view {dst:?} out of bounds"
         );
-        let temp = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("straddling view"),
-            size: len as u64 * 4,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let enc = self.encoder();
-        for ((_, local, at, n), seg) in parts.iter().zip(&segs) {
-            enc.copy_buffer_to_buffer(seg, *local as u64 * 4, &temp, *at as u64 * 4, *n as u64 * 4);
+        if src.is_empty() {
+            return Ok(());
         }
-        Win {
-            buffer: temp,
-            id: None,
-            start: 0,
-            size: len as u64 * 4,
-            off: 0,
-            scatter: Some((buf, first, end)),
+        // Submit first: a `write_buffer` lands before every command of the next submit.
+        self.flush();
+        let a = self.allocation(dst.buf);
+        for (s, local, at, n) in a.parts(dst.offset, dst.end()) {
+            let bytes: &[u8] = bytemuck::cast_slice(&src[at..at + n]);
+            self.ctx.queue.write_buffer(&a.segs[s].buffer, local as u64 * 4, bytes);
         }
+        Ok(())
     }
 
-    pub(super) fn win(&mut self, v: View) -> Win {
-        self.win_range(v.buf, v.offset, v.end())
-    }
-
-    pub(super) fn twin(&self, v: TokenView) -> Win {
-        let (b, len) = &self.tok_bufs[v.buf];
-        self.win_of(&b.buffer, Some(b.id), *len, v.offset, v.offset + v.len)
-    }
-
-    pub(super) fn dummy_win(&self) -> Win {
-        Win {
-            buffer: self.dummy.buffer.clone(),
-            id: Some(self.dummy.id),
-            start: 0,
-            size: 4,
-            off: 0,
-            scatter: None,
+    /// Writes `src` into `dst` and its host copy, after the work recorded so far.
+    pub(super) fn write_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()> {
+        ensure_view!(
+            src.len() == dst.len,
+            "upload of {} tokens into a view of {}",
+            src.len(),
+            dst.len
+        );
+        ensure_view!(
+            dst.offset + dst.len <= self.token_buffer(dst.buf).host.len(),
+            "token view {dst:?} out of bounds"
+        );
+        if src.is_empty() {
+            return Ok(());
         }
+        self.flush();
+        let tokens = self.tok_bufs[dst.buf].as_mut().expect("checked above");
+        tokens.host[dst.offset..dst.offset + dst.len].copy_from_slice(src);
+        self.ctx
+            .queue
+            .write_buffer(&tokens.device.buffer, dst.offset as u64 * 4, bytemuck::cast_slice(src));
+        Ok(())
     }
 
-    /// Rows of `[rows, row_len]` that one window can hold.
-    pub(super) fn rows_per_window(&self, row_len: usize) -> usize {
-        (self.max_window_elems() / row_len.max(1)).max(1)
+    /// Reads `src` into `dst` once the work recorded so far has run.
+    pub(super) fn read_tensor(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
+        ensure_view!(
+            dst.len() == src.len,
+            "download of a view of {} into {} values",
+            src.len,
+            dst.len()
+        );
+        ensure_view!(
+            src.end() <= self.allocation(src.buf).len,
+            "download view {src:?} out of bounds"
+        );
+        if dst.is_empty() {
+            return Ok(self.check_device_errors()?);
+        }
+        let a = self.allocation(src.buf);
+        let pieces: Vec<(wgpu::Buffer, u64, u64)> = a
+            .parts(src.offset, src.end())
+            .into_iter()
+            .map(|(s, local, _, n)| (a.segs[s].buffer.clone(), local as u64 * 4, n as u64 * 4))
+            .collect();
+        let bytes = self.read_back(&pieces)?;
+        dst.copy_from_slice(bytemuck::cast_slice(&bytes));
+        Ok(())
     }
 
-    pub(super) fn new_buffer(&self, len: usize, what: &str) -> Result<wgpu::Buffer> {
+    /// A new zero-filled storage buffer of `len` 4-byte elements. Fails with
+    /// [`BackendError::ShapeUnsupported`] past the adapter's `max_buffer_size`, and with
+    /// [`BackendError::OutOfMemory`] when the device has no room.
+    pub(super) fn new_buffer(&self, len: usize, what: &str) -> Result<wgpu::Buffer, BackendError> {
         let bytes = (len as u64 * 4).max(4);
-        ensure!(
-            bytes <= self.ctx.limits.max_buffer_size,
-            "cannot allocate {what} of {bytes} bytes: {} allows buffers of at most {} bytes",
-            self.ctx.report.name,
-            self.ctx.limits.max_buffer_size
-        );
+        if bytes > self.ctx.limits.max_buffer_size {
+            return Err(BackendError::ShapeUnsupported {
+                op: format!("allocating {what}"),
+                detail: format!(
+                    "of {bytes} bytes exceeds the {} bytes {} allows in one buffer",
+                    self.ctx.limits.max_buffer_size, self.ctx.report.name
+                ),
+            });
+        }
         let scope = self.ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buffer = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(what),
@@ -195,11 +233,11 @@ impl WgpuBackend {
             usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            bail!(
-                "cannot allocate {what} of {bytes} bytes on {}: {e}",
-                self.ctx.report.name
-            );
+        if pollster::block_on(scope.pop()).is_some() {
+            return Err(BackendError::OutOfMemory {
+                what: format!("{what} on {}", self.ctx.report.name),
+                bytes: Some(bytes),
+            });
         }
         Ok(buffer)
     }
@@ -252,7 +290,7 @@ impl WgpuBackend {
 
     /// A buffer of at least `blocks` elements for `sum_squares`' partial sums: the previous one when it is
     /// large enough, else a new one replacing it.
-    pub(super) fn sum_squares_partials(&mut self, blocks: usize) -> Result<Tracked> {
+    pub(super) fn sum_squares_partials(&mut self, blocks: usize) -> Result<Tracked, BackendError> {
         if let Some((partials, len)) = &self.partials {
             if *len >= blocks {
                 return Ok(partials.clone());

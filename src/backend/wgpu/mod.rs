@@ -6,8 +6,11 @@
 //!   pipelines, compiled once at construction.
 //! - `params.rs`: the uniform parameters of each kernel.
 //! - `binding.rs`: the bind-group cache and the ring of uniform parameter slots.
-//! - `memory.rs`: allocations, segments, the windows that bind views, and the buffers the backend keeps.
+//! - `memory.rs`: allocations (and freeing them), segments, transfers, and the buffers the backend keeps.
+//! - `windows.rs`: how a view is bound (a window of its buffer), and how much one window holds.
 //! - `submit.rs`: recording dispatches, submitting batches, waiting and reading back.
+//! - `device_errors.rs`: device failures, recorded as they happen and returned at the next
+//!   synchronisation point.
 //! - `matmul.rs`: matmul planning (kernel choice, splitting).
 //! - `ops.rs`: the ops of [`Backend`].
 //! - `software/`: everything that exists only for software adapters (llvmpipe): the row kernels, the
@@ -25,10 +28,10 @@
 //!   parameter words would miss once per parameter tensor per step and keep growing; with the ring, every
 //!   dispatch of a repeated step hits, and no buffer is created per dispatch. Windows over temporary
 //!   buffers (gathered straddling views) bypass the cache: their buffer is new every call, so an entry
-//!   could never hit again. Allocations are never freed (the `Backend` trait has no `free`), so entries
-//!   cannot go stale; the buffers the backend does replace when they grow (the `sum_squares` scratch, the
-//!   embedding backward's index) drop their entries. Past 4096 entries the cache is cleared, so changing
-//!   shapes cannot grow it without bound.
+//!   could never hit again. A freed allocation, and the buffers the backend replaces when they grow (the
+//!   `sum_squares` scratch, the embedding backward's index), drop their entries, so none can go stale or
+//!   keep a freed buffer's memory alive. Past 4096 entries the cache is cleared, so changing shapes cannot
+//!   grow it without bound.
 //! - **Kernel shapes.** Tuned for CPU implementations (lavapipe), where each storage access is a
 //!   per-invocation scalar access and barriers are costly, while staying plain WGSL for GPUs (see
 //!   `matmul.rs`). Element-wise residual/add/scale/fill/copy run on `vec4` bindings when every view starts
@@ -44,6 +47,7 @@
 
 mod binding;
 mod context;
+mod device_errors;
 mod kernels;
 mod matmul;
 mod memory;
@@ -53,18 +57,20 @@ mod software;
 mod submit;
 #[cfg(test)]
 mod tests;
+mod windows;
 
 pub use binding::BindGroupStats;
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
 pub use matmul::bench_matmul;
 pub use software::HARDWARE_KERNELS_ENV;
 
-use super::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
-use anyhow::{bail, Result};
+use super::{AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View, WeightLayout};
+use anyhow::Result;
 use binding::{BindGroupCache, BufferIds, UniformRing, MAX_CACHED_BIND_GROUPS};
 use context::Context;
+use device_errors::DeviceErrors;
 use kernels::Kernel;
-use memory::{Alloc, EmbedIndex, Tracked};
+use memory::{Alloc, EmbedIndex, TokenBuffer, Tracked};
 use software::SoftwareKernels;
 use std::collections::HashMap;
 
@@ -83,12 +89,13 @@ const SUM_BLOCK: usize = 4096;
 pub struct WgpuBackend {
     ctx: Context,
     kernels: HashMap<&'static str, Kernel>,
-    bufs: Vec<Alloc>,
+    /// The allocations, indexed by `View::buf`; `None` once freed (ids are never reused).
+    bufs: Vec<Option<Alloc>>,
     /// Elements per segment of new allocations (what `max_buffer_size` allows, 256-byte aligned).
     seg_elems: usize,
-    tok_bufs: Vec<(Tracked, usize)>,
-    /// Host copies of the token buffers (written only by `upload_tokens`), for the embedding backward.
-    tok_host: Vec<Vec<u32>>,
+    /// The token buffers, indexed by `TokenView::buf`; `None` once freed.
+    tok_bufs: Vec<Option<TokenBuffer>>,
+    /// Bound for operands a kernel does not read.
     dummy: Tracked,
     /// `sum_squares`' per-block partial sums and their number of elements, grown on demand (a call reads
     /// them back before returning, so the next call may reuse them).
@@ -103,6 +110,8 @@ pub struct WgpuBackend {
     /// Parameters of the dispatches recorded since the last submit.
     uniforms: UniformRing,
     encoder: Option<wgpu::CommandEncoder>,
+    /// The first device error since the last synchronisation point.
+    errors: DeviceErrors,
     align: u64,
     max_binding: u64,
     max_groups: u32,
@@ -118,11 +127,14 @@ impl WgpuBackend {
     pub fn new(selection: AdapterSelection) -> Result<Self> {
         let ctx = Context::new(selection)?;
         let device = &ctx.device;
+        let errors = DeviceErrors::default();
+        errors.install(device);
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let kernels = kernels::compile(device);
         let software = SoftwareKernels::new(&ctx, software::hardware_kernels_requested());
         if let Some(e) = pollster::block_on(scope.pop()) {
-            bail!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
+            let why = format!("compiling the WGSL kernels on {} failed: {e}", ctx.report.name);
+            return Err(BackendError::Driver(why).into());
         }
         let mut buffer_ids = BufferIds::default();
         let dummy = Tracked {
@@ -146,7 +158,6 @@ impl WgpuBackend {
             bufs: Vec::new(),
             seg_elems,
             tok_bufs: Vec::new(),
-            tok_host: Vec::new(),
             dummy,
             partials: None,
             embed_index: None,
@@ -155,6 +166,7 @@ impl WgpuBackend {
             bind_groups: BindGroupCache::new(MAX_CACHED_BIND_GROUPS),
             uniforms,
             encoder: None,
+            errors,
             align,
             max_binding,
             max_groups,

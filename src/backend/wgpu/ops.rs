@@ -7,14 +7,16 @@
 //! sequence's attention `[nh, t, t]` must each fit a binding.
 
 use super::kernels::WG;
-use super::memory::{Alloc, Win};
 use super::params::{
     word, AdamWParams, AttentionParams, CrossEntropyParams, EncoderParams, GeluParams, KernelParams, LayerNormParams,
     ReduceParams, ResidualParams,
 };
 use super::software::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
-use super::{ceil_div, AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WgpuBackend, SUM_BLOCK};
-use anyhow::{bail, ensure, Result};
+use super::windows::Win;
+use super::{
+    ceil_div, AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View, WgpuBackend, SUM_BLOCK,
+};
+use anyhow::Result;
 
 /// `VPI` of residual4.wgsl: vec4s per invocation of the vec4 element-wise kernels.
 const VEC4_PER_INVOCATION: usize = 16;
@@ -125,8 +127,9 @@ impl Backend for WgpuBackend {
             ("the embedding backward", tokens),
         ];
         for (op, iterations) in checks {
-            if let Some(why) = self.loop_budget_error(op, iterations) {
-                bail!("{why}, or a smaller --batch-size / --seq-len (now {b} x {t} tokens per rank)");
+            if let Some(BackendError::ShapeUnsupported { op, detail }) = self.loop_budget_error(op, iterations) {
+                let detail = format!("{detail} (at batch size {b} and sequence length {t}: {tokens} tokens per rank)");
+                return Err(BackendError::ShapeUnsupported { op, detail }.into());
             }
         }
         Ok(())
@@ -138,98 +141,31 @@ impl Backend for WgpuBackend {
     }
 
     fn alloc(&mut self, len: usize) -> Result<View> {
-        let seg = self.seg_elems;
-        let mut segs = Vec::new();
-        for s in 0..len.div_ceil(seg).max(1) {
-            let buffer = self.new_buffer(seg.min(len - (s * seg).min(len)), "tensor")?;
-            segs.push(self.track(buffer));
-        }
-        self.bufs.push(Alloc { segs, seg, len });
-        Ok(View {
-            buf: self.bufs.len() - 1,
-            offset: 0,
-            len,
-        })
+        self.alloc_tensor(len)
     }
 
     fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
-        let buffer = self.new_buffer(len, "tokens")?;
-        let tracked = self.track(buffer);
-        self.tok_bufs.push((tracked, len));
-        self.tok_host.push(vec![0; len]);
-        Ok(TokenView {
-            buf: self.tok_bufs.len() - 1,
-            offset: 0,
-            len,
-        })
+        self.alloc_token_buffer(len)
+    }
+
+    fn free(&mut self, view: View) {
+        self.free_tensor(view.buf);
+    }
+
+    fn free_tokens(&mut self, view: TokenView) {
+        self.free_token_buffer(view.buf);
     }
 
     fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
-        ensure!(
-            src.len() == dst.len,
-            "upload of {} values into a view of {}",
-            src.len(),
-            dst.len
-        );
-        ensure!(dst.end() <= self.bufs[dst.buf].len, "upload view {dst:?} out of bounds");
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.flush();
-        let a = &self.bufs[dst.buf];
-        for (s, local, at, n) in a.parts(dst.offset, dst.end()) {
-            let bytes: &[u8] = bytemuck::cast_slice(&src[at..at + n]);
-            self.ctx.queue.write_buffer(&a.segs[s].buffer, local as u64 * 4, bytes);
-        }
-        Ok(())
+        self.write_tensor(dst, src)
     }
 
     fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()> {
-        ensure!(
-            src.len() == dst.len,
-            "upload of {} tokens into a view of {}",
-            src.len(),
-            dst.len
-        );
-        ensure!(
-            dst.offset + dst.len <= self.tok_bufs[dst.buf].1,
-            "token view {dst:?} out of bounds"
-        );
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.flush();
-        self.tok_host[dst.buf][dst.offset..dst.offset + dst.len].copy_from_slice(src);
-        let buffer = &self.tok_bufs[dst.buf].0.buffer;
-        self.ctx
-            .queue
-            .write_buffer(buffer, dst.offset as u64 * 4, bytemuck::cast_slice(src));
-        Ok(())
+        self.write_tokens(dst, src)
     }
 
     fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
-        ensure!(
-            dst.len() == src.len,
-            "download of a view of {} into {} values",
-            src.len,
-            dst.len()
-        );
-        ensure!(
-            src.end() <= self.bufs[src.buf].len,
-            "download view {src:?} out of bounds"
-        );
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let a = &self.bufs[src.buf];
-        let pieces: Vec<(wgpu::Buffer, u64, u64)> = a
-            .parts(src.offset, src.end())
-            .into_iter()
-            .map(|(s, local, _, n)| (a.segs[s].buffer.clone(), local as u64 * 4, n as u64 * 4))
-            .collect();
-        let bytes = self.read_back(&pieces)?;
-        dst.copy_from_slice(bytemuck::cast_slice(&bytes));
-        Ok(())
+        self.read_tensor(src, dst)
     }
 
     fn fill(&mut self, dst: View, value: f32) {
@@ -288,7 +224,9 @@ impl Backend for WgpuBackend {
             return;
         }
         // A token's invocation adds up to every position of the batch.
-        self.require_loop_budget("embedding backward", n);
+        if !self.require_loop_budget("the embedding backward", n) {
+            return;
+        }
         let wdout = self.win(dout);
         // dwpe: one invocation per (t, channel), summing the batch in order.
         let wdwpe = self.win(dwpe.sub(0, t * c));
@@ -305,7 +243,7 @@ impl Backend for WgpuBackend {
         // dwte: one invocation per (distinct token, channel), summing the token's positions in (b, t) order,
         // grouped on the host.
         let v = dwte.len / c;
-        let (u, index) = token_index(&self.tok_host[tokens.buf][tokens.offset..tokens.offset + n], v);
+        let (u, index) = token_index(&self.token_buffer(tokens.buf).host[tokens.offset..tokens.offset + n], v);
         let waux = self.write_embed_index(&index);
         let rows_per = self.rows_per_window(c);
         let mut v0 = 0;
@@ -358,11 +296,13 @@ impl Backend for WgpuBackend {
             dout_off: 0,
             dw_off: 0,
         };
-        let (kernel, groups) = self.per_row(
+        let Some((kernel, groups)) = self.per_row(
             ("layernorm_forward", 1, tree_iterations(c, WG as usize, 3, 2, 8)),
             ("layernorm_forward_rows", 3 * c),
             n,
-        );
+        ) else {
+            return;
+        };
         self.dispatch(kernel, &w, &p, groups);
     }
 
@@ -398,17 +338,21 @@ impl Backend for WgpuBackend {
             dw_off: w[7].off,
         };
         // Both passes read the same parameter block: the input gradient by rows, then dweight/dbias by columns.
-        let (kernel, groups) = self.per_row(
+        let Some((kernel, groups)) = self.per_row(
             ("layernorm_backward", 1, tree_iterations(c, WG as usize, 2, 2, 8)),
             ("layernorm_backward_rows", 2 * c),
             n,
-        );
+        ) else {
+            return;
+        };
         self.dispatch(kernel, &w[..7], &p, groups);
-        let (kernel, groups) = self.per_row(
+        let Some((kernel, groups)) = self.per_row(
             ("layernorm_backward_params", 16, column_sum_iterations(n)),
             ("layernorm_backward_params_cols", n),
             c,
-        );
+        ) else {
+            return;
+        };
         self.dispatch(kernel, &w, &p, groups);
     }
 
@@ -444,7 +388,9 @@ impl Backend for WgpuBackend {
         if b == 0 || t == 0 {
             return;
         }
-        self.require_loop_budget("attention", attention_iterations(t, c / nh));
+        if !self.require_loop_budget("attention", attention_iterations(t, c / nh)) {
+            return;
+        }
         let whole = self.fits(att.offset, att.end()) && self.fits(qkv.offset, qkv.end());
         let per = if whole { b } else { 1 };
         for b0 in (0..b).step_by(per) {
@@ -478,7 +424,9 @@ impl Backend for WgpuBackend {
         if b == 0 || t == 0 {
             return;
         }
-        self.require_loop_budget("attention backward", attention_iterations(t, c / nh));
+        if !self.require_loop_budget("attention backward", attention_iterations(t, c / nh)) {
+            return;
+        }
         let whole = [att, datt, qkv, dqkv].iter().all(|v| self.fits(v.offset, v.end()));
         let per = if whole { b } else { 1 };
         for b0 in (0..b).step_by(per) {
@@ -548,11 +496,13 @@ impl Backend for WgpuBackend {
                 tgt_off: wt.off,
                 dloss: 0.0,
             };
-            let (kernel, groups) = self.per_row(
+            let Some((kernel, groups)) = self.per_row(
                 ("crossentropy_forward", 1, tree_iterations(v, WG as usize, 2, 2, 8)),
                 ("crossentropy_forward_rows", 2 * v),
                 r1 - r0,
-            );
+            ) else {
+                return;
+            };
             self.dispatch(kernel, &[wl, wx, wt], &p, groups);
             r0 = r1;
         }
@@ -587,11 +537,13 @@ impl Backend for WgpuBackend {
                 tgt_off: wt.off,
                 dloss,
             };
-            let (kernel, groups) = self.per_row(
+            let Some((kernel, groups)) = self.per_row(
                 ("crossentropy_backward", 1, tree_iterations(v, WG as usize, 3, 2, 8)),
                 ("crossentropy_backward_rows", 3 * v),
                 r1 - r0,
-            );
+            ) else {
+                return;
+            };
             let wins = [self.dummy_win(), wx, wt];
             self.dispatch(kernel, &wins, &p, groups);
             r0 = r1;
@@ -600,6 +552,7 @@ impl Backend for WgpuBackend {
 
     fn sum_squares(&mut self, x: View) -> Result<f64> {
         if x.len == 0 {
+            self.check_device_errors()?;
             return Ok(0.0);
         }
         let blocks = ceil_div(x.len, SUM_BLOCK);
@@ -658,6 +611,6 @@ impl Backend for WgpuBackend {
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        self.wait()
+        Ok(self.wait()?)
     }
 }

@@ -7,14 +7,16 @@
 //! parameters in the next slot of the uniform ring; the batch's slots are written with one `write_buffer`
 //! just before its submit (wgpu runs it after the earlier submits, so the next batch reuses the ring from
 //! slot 0).
+//!
+//! `wait` and `read_back` are the synchronisation points: after the work has run they return the first
+//! device error recorded since the previous one (`device_errors.rs`).
 
 use super::binding::{BindGroupStats, BindKey, UniformRing, WindowKey};
 use super::kernels::Kernel;
 use super::kernels::WG;
-use super::memory::Win;
 use super::params::KernelParams;
-use super::{ceil_div, WgpuBackend};
-use anyhow::{anyhow, Result};
+use super::windows::Win;
+use super::{ceil_div, BackendError, WgpuBackend};
 use std::num::NonZeroU64;
 
 /// A bind group of `layout`: the uniform ring's slot, then `wins` in binding order.
@@ -134,7 +136,7 @@ impl WgpuBackend {
         let encoder = self.encoder.as_mut().expect("a dispatch was just recorded");
         for w in wins {
             if let Some((buf, first, end)) = w.scatter {
-                let a = &self.bufs[buf];
+                let a = self.bufs[buf].as_ref().expect("a bound allocation is live");
                 for (s, local, at, n) in a.parts(first, end) {
                     let seg = &a.segs[s].buffer;
                     encoder.copy_buffer_to_buffer(&w.buffer, at as u64 * 4, seg, local as u64 * 4, n as u64 * 4);
@@ -175,17 +177,35 @@ impl WgpuBackend {
         }
     }
 
-    pub(super) fn wait(&mut self) -> Result<()> {
+    /// Submits the recorded work, waits for it, then returns the first device error recorded since the
+    /// last synchronisation point.
+    pub(super) fn wait(&mut self) -> Result<(), BackendError> {
         self.flush();
-        self.ctx
-            .device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| anyhow!("waiting for the GPU: {e}"))?;
-        Ok(())
+        self.poll()?;
+        self.check_device_errors()
     }
 
-    /// Copies the byte ranges `(buffer, offset, size)`, concatenated, back to the host.
-    pub(super) fn read_back(&mut self, pieces: &[(wgpu::Buffer, u64, u64)]) -> Result<Vec<u8>> {
+    /// The first device error recorded since the last synchronisation point (`device_errors.rs`).
+    pub(super) fn check_device_errors(&self) -> Result<(), BackendError> {
+        self.errors.take()
+    }
+
+    /// Waits for everything submitted.
+    fn poll(&self) -> Result<(), BackendError> {
+        match self.ctx.device.poll(wgpu::PollType::wait_indefinitely()) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.failure(BackendError::Driver(format!("waiting for the device: {e}")))),
+        }
+    }
+
+    /// `error`, unless a recorded device error (a lost device, say) explains it: that one.
+    fn failure(&self, error: BackendError) -> BackendError {
+        self.check_device_errors().err().unwrap_or(error)
+    }
+
+    /// Copies the byte ranges `(buffer, offset, size)`, concatenated, back to the host once the work
+    /// recorded so far has run; then returns the first device error recorded, if any, instead.
+    pub(super) fn read_back(&mut self, pieces: &[(wgpu::Buffer, u64, u64)]) -> Result<Vec<u8>, BackendError> {
         self.flush();
         let total: u64 = pieces.iter().map(|p| p.2).sum();
         // Staging buffers of at most 256 MiB (and max_buffer_size): big downloads go in rounds.
@@ -210,11 +230,17 @@ impl WgpuBackend {
         if round_bytes > 0 {
             self.read_round(&round, round_bytes, &mut out)?;
         }
+        self.check_device_errors()?;
         Ok(out)
     }
 
     /// One staging round of [`read_back`](Self::read_back): appends `bytes` bytes to `out`.
-    fn read_round(&mut self, pieces: &[(wgpu::Buffer, u64, u64)], bytes: u64, out: &mut Vec<u8>) -> Result<()> {
+    fn read_round(
+        &mut self,
+        pieces: &[(wgpu::Buffer, u64, u64)],
+        bytes: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), BackendError> {
         let device = &self.ctx.device;
         let staging = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
@@ -233,17 +259,16 @@ impl WgpuBackend {
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
         });
-        device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| anyhow!("waiting for the GPU: {e}"))?;
-        rx.recv()
-            .map_err(|_| anyhow!("the GPU never answered a read-back"))?
-            .map_err(|e| anyhow!("mapping a read-back buffer: {e}"))?;
-        out.extend_from_slice(
-            &staging
-                .get_mapped_range(..)
-                .map_err(|e| anyhow!("mapping a read-back buffer: {e:?}"))?[..bytes as usize],
-        );
+        self.poll()?;
+        let mapped = match rx.recv() {
+            Ok(Ok(())) => staging.get_mapped_range(..).map_err(|e| format!("{e:?}")),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("the device never answered".to_string()),
+        };
+        let mapped =
+            mapped.map_err(|e| self.failure(BackendError::Driver(format!("mapping a read-back buffer: {e}"))))?;
+        out.extend_from_slice(&mapped[..bytes as usize]);
+        drop(mapped);
         staging.unmap();
         Ok(())
     }

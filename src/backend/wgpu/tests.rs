@@ -3,11 +3,12 @@
 //! unaligned offsets, and allocations split into small segments so that windows straddle them. Then the
 //! bind-group cache: a repeated sequence of ops (and a repeated training step) makes no new bind group,
 //! parameters change under a cached one, temporaries bypass it, a replaced buffer is never rebound, and
-//! the cache stays bounded.
+//! the cache stays bounded. Then freeing (memory, bind groups, stale ids), device errors reaching the next
+//! synchronisation point, and the loop budget with the hardware kernels only.
 
 use super::{AdapterSelection, BindGroupStats, WgpuBackend, MAX_PENDING};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
+use crate::backend::{AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View, WeightLayout};
 use crate::model::init::init_params;
 use crate::model::{Gpt2, ModelConfig, ParamLayout};
 
@@ -590,7 +591,8 @@ fn tiny_buffer_caps_still_leave_room_for_a_reduction_block() {
 /// GPT-2's own attention shape (T = 1024, 64-wide heads) needs about 20 K loop iterations per invocation,
 /// under the 65535 after which llvmpipe silently stops a shader's loops (one term per iteration needed
 /// 66 K, and the last rows came out wrong); forward and backward match the CPU. On a software adapter a
-/// shape past the budget is refused with a message instead of computed partly.
+/// shape past the budget is refused, its error returned by the next synchronisation, instead of computed
+/// partly.
 #[test]
 fn attention_fits_the_software_loop_budget_at_gpt2_length() {
     let Some(mut be) = wgpu_or_skip(None) else { return };
@@ -630,12 +632,14 @@ fn attention_fits_the_software_loop_budget_at_gpt2_length() {
             be.alloc(4096 * 4096).unwrap(),
             be.alloc(4096 * 192).unwrap(),
         );
-        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            be.attention_forward(out, att, qkv, long)
-        }));
-        let message = refused.expect_err("T = 4096 exceeds the loop budget");
-        let text = message.downcast_ref::<String>().cloned().unwrap_or_default();
-        assert!(text.contains("stops a shader's loops"), "{text}");
+        be.attention_forward(out, att, qkv, long);
+        let err = be.synchronize().expect_err("T = 4096 exceeds the loop budget");
+        assert!(
+            matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { op, .. }) if op == "attention"),
+            "{err:#}"
+        );
+        assert!(format!("{err:#}").contains("stops a shader's loops"), "{err:#}");
+        be.synchronize().expect("a refusal is reported once");
     }
 }
 
@@ -647,12 +651,177 @@ fn step_shapes_past_the_software_loop_budget_are_refused_up_front() {
     be.check_step_shape(8, 1024, 768, 12).expect("GPT-2 at 8 x 1024 tokens");
     let big = be.check_step_shape(128, 1024, 768, 12);
     if be.adapter().is_software {
-        let text = format!("{:#}", big.expect_err("128 x 1024 tokens exceed the budget"));
+        let err = big.expect_err("128 x 1024 tokens exceed the budget");
         assert!(
-            text.contains("stops a shader's loops") && text.contains("128 x 1024"),
+            matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { .. })),
+            "{err:#}"
+        );
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("stops a shader's loops") && text.contains("batch size 128 and sequence length 1024"),
             "{text}"
         );
+        assert!(!text.contains("--"), "no command-line flags in backend errors: {text}");
     } else {
         big.expect("hardware adapters have no loop budget");
     }
+}
+
+/// With only the kernels a hardware adapter runs, a software adapter still refuses what its loop budget
+/// cannot compute: a weight gradient summing more tokens than the budget (k = 70000 on the strided kernel)
+/// and a training shape past it; both within budget on hardware adapters.
+#[test]
+fn hardware_kernels_keep_the_loop_budget() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    be.use_hardware_kernels_only();
+    assert!(be.hardware_kernels_only() && !be.row_kernels() && !be.has_tex_matmul());
+    let s = MatmulShape {
+        n: 70_000,
+        c: 4,
+        oc: 4,
+        layout: WeightLayout::InOut,
+    };
+    let [dinp, dweight, dout, inp, weight] =
+        [s.n * s.c, s.c * s.oc, s.n * s.oc, s.n * s.c, s.c * s.oc].map(|len| be.alloc(len).unwrap());
+    be.matmul_backward(dinp, dweight, None, dout, inp, weight, s);
+    let result = be.synchronize();
+    let step = be.check_step_shape(128, 1024, 768, 12);
+    if be.adapter().is_software {
+        let err = result.expect_err("k = 70000 exceeds the loop budget");
+        assert!(
+            matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { op, .. }) if op == "matmul"),
+            "{err:#}"
+        );
+        step.expect_err("128 x 1024 tokens exceed the budget");
+    } else {
+        result.unwrap();
+        step.unwrap();
+    }
+}
+
+/// Freeing an allocation returns its memory, drops the bind groups that bind it, and never lets its id
+/// reach a later buffer: the next allocation gets a new id and new bind groups, and computes right.
+#[test]
+fn freed_buffers_release_memory_and_bind_groups() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let base = be.allocated_bytes();
+    let old = be.alloc(1000).unwrap();
+    let tokens = be.alloc_tokens(10).unwrap();
+    assert_eq!(be.allocated_bytes(), base + 4000 + 40);
+    be.fill(old, 2.0);
+    let old_id = be.allocation(old.buf).segs[0].id;
+    assert!(be.bind_groups.binds(old_id));
+    be.free(old);
+    be.free_tokens(tokens);
+    assert_eq!(be.allocated_bytes(), base);
+    assert!(!be.bind_groups.binds(old_id), "entries of the freed buffer are dropped");
+    let new = be.alloc(1000).unwrap();
+    assert_ne!(new.buf, old.buf, "ids are never reused");
+    assert_ne!(be.allocation(new.buf).segs[0].id, old_id);
+    let before = be.bind_group_stats();
+    be.fill(new, 3.0);
+    let d = delta(before, be.bind_group_stats());
+    assert_eq!((d.hits, d.misses), (0, 1), "the new buffer is bound afresh: {d:?}");
+    assert_eq!(download(&mut be, new), vec![3.0; 1000]);
+    be.synchronize().unwrap();
+}
+
+/// A view into a freed buffer, or a second free, is a programming error: a panic, never another buffer.
+#[test]
+fn views_into_freed_buffers_panic() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let v = be.alloc(8).unwrap();
+    be.free(v);
+    let stale = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.fill(v, 1.0)));
+    assert!(stale.is_err(), "a view into a freed buffer");
+    let twice = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.free(v)));
+    assert!(twice.is_err(), "a second free");
+}
+
+/// A model whose batch shape changes frees the old activations: memory goes back to what the new shape
+/// needs, and returning to a shape gives the same memory and the same bits.
+#[test]
+fn model_frees_activations_when_the_shape_changes() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let cfg = ModelConfig::tiny();
+    let layout = ParamLayout::new(&cfg);
+    let mut model = Gpt2::new(&mut be, cfg.clone(), &init_params(&cfg, &layout, 5)).unwrap();
+    let batch =
+        |b: usize, t: usize| -> Vec<u32> { (0..(b * t) as u32).map(|i| i * 7 % cfg.vocab_size as u32).collect() };
+    let mut run = |be: &mut WgpuBackend, b: usize, t: usize| {
+        let x = batch(b, t);
+        let loss = model.forward(be, &x, &x, b, t).unwrap();
+        (loss, be.allocated_bytes())
+    };
+    let (loss_large, large) = run(&mut be, 2, 16);
+    let (_, small) = run(&mut be, 1, 8);
+    assert!(small < large, "{small} >= {large}");
+    let (again, large_again) = run(&mut be, 2, 16);
+    assert_eq!(large_again, large);
+    assert_eq!(again.to_bits(), loss_large.to_bits());
+}
+
+/// An allocation past the adapter's `max_buffer_size` is refused with a typed error before any memory is
+/// asked for.
+#[test]
+fn allocations_past_the_buffer_limit_are_refused() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let Ok(len) = usize::try_from(be.ctx.limits.max_buffer_size / 4 + 1) else {
+        return;
+    };
+    let err = be.alloc_tokens(len).expect_err("past max_buffer_size");
+    assert!(
+        matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { .. })),
+        "{err:#}"
+    );
+}
+
+/// A device error (here a validation error, provoked on purpose) does not panic: it is returned by the
+/// next `download`, `sum_squares` or `synchronize`, once, and the backend works on.
+#[test]
+fn device_errors_reach_the_next_synchronisation_point() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let x = be.alloc(5).unwrap();
+    be.upload(x, &[1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+    let provoke = |be: &WgpuBackend| {
+        // MAP_READ combines only with COPY_DST without MAPPABLE_PRIMARY_BUFFERS, which the device lacks.
+        be.ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("invalid on purpose"),
+            size: 16,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        })
+    };
+    let is_driver = |e: &anyhow::Error| matches!(e.downcast_ref(), Some(BackendError::Driver(_)));
+    let _invalid = provoke(&be);
+    let err = be.download(x, &mut [0.0; 5]).expect_err("download reports it");
+    assert!(is_driver(&err), "{err:#}");
+    let _invalid = provoke(&be);
+    let err = be.sum_squares(x).expect_err("sum_squares reports it");
+    assert!(is_driver(&err), "{err:#}");
+    let _invalid = provoke(&be);
+    let err = be.synchronize().expect_err("synchronize reports it");
+    assert!(is_driver(&err), "{err:#}");
+    be.synchronize().expect("reported once");
+    assert_eq!(be.sum_squares(x).unwrap(), 55.0);
+}
+
+/// A lost device (destroyed here) is an error at every synchronisation point after it, not a panic.
+#[test]
+fn a_lost_device_is_an_error() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let x = be.alloc(5).unwrap();
+    be.ctx.device.destroy();
+    for _ in 0..2 {
+        let err = be.synchronize().expect_err("the device is gone");
+        assert!(
+            matches!(err.downcast_ref(), Some(BackendError::DeviceLost(_))),
+            "{err:#}"
+        );
+    }
+    let err = be.download(x, &mut [0.0; 5]).expect_err("the device is gone");
+    assert!(
+        matches!(err.downcast_ref(), Some(BackendError::DeviceLost(_))),
+        "{err:#}"
+    );
 }

@@ -4,10 +4,12 @@
 //! llvmpipe (lavapipe) ends a shader invocation's loops once they have run [`SOFTWARE_LOOP_BUDGET`]
 //! iterations in all (its guard against endless shaders) and silently leaves the rest of the work undone.
 //! So, on software adapters, a kernel whose loops would run longer takes another kernel (the row kernels
-//! give way to the tree kernels), or the op refuses. This guards results, not speed: it applies on every
-//! software adapter, whichever kernels it runs. Hardware drivers have no such limit.
+//! give way to the tree kernels), or the op refuses: it records nothing and its
+//! [`BackendError::ShapeUnsupported`] is returned at the next synchronisation point. This guards results,
+//! not speed: it applies on every software adapter, whichever kernels it runs. Hardware drivers have no
+//! such limit.
 
-use super::super::{ceil_div, WgpuBackend};
+use super::super::{ceil_div, BackendError, WgpuBackend};
 
 /// Iterations after which llvmpipe stops an invocation's loops; measured on Mesa 22.3 with two loops in a
 /// row, whose iterations count against one budget.
@@ -47,22 +49,28 @@ impl WgpuBackend {
 
     /// Why `op`, running `iterations` loop iterations per invocation, cannot run on this adapter; `None`
     /// when it fits.
-    pub(crate) fn loop_budget_error(&self, op: &str, iterations: usize) -> Option<String> {
-        (!self.within_loop_budget(iterations)).then(|| {
-            format!(
-                "{op} needs {iterations} loop iterations per shader invocation, and {} stops a shader's loops \
-                 after {SOFTWARE_LOOP_BUDGET}; use --backend cpu for this shape",
+    pub(crate) fn loop_budget_error(&self, op: &str, iterations: usize) -> Option<BackendError> {
+        (!self.within_loop_budget(iterations)).then(|| BackendError::ShapeUnsupported {
+            op: op.to_string(),
+            detail: format!(
+                "needs {iterations} loop iterations per shader invocation, and {} stops a shader's loops after \
+                 {SOFTWARE_LOOP_BUDGET}",
                 self.ctx.report.name
-            )
+            ),
         })
     }
 
-    /// Panics with an explanation when a kernel's `iterations` per invocation exceed this adapter's loop
-    /// budget, instead of returning partial results (`check_step_shape` refuses a training run's shapes
-    /// with an error before this can happen).
-    pub(crate) fn require_loop_budget(&self, op: &str, iterations: usize) {
-        if let Some(why) = self.loop_budget_error(op, iterations) {
-            panic!("{why}");
+    /// Whether a kernel of `op` whose invocations run `iterations` loop iterations may run here. When not,
+    /// records the refusal, returned at the next synchronisation point, and the op must record nothing
+    /// (`check_step_shape` refuses a training run's shapes before this can happen).
+    #[must_use]
+    pub(crate) fn require_loop_budget(&self, op: &str, iterations: usize) -> bool {
+        match self.loop_budget_error(op, iterations) {
+            Some(refusal) => {
+                self.errors.record(refusal);
+                false
+            }
+            None => true,
         }
     }
 }

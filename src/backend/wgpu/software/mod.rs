@@ -29,9 +29,9 @@ pub(super) use loop_budget::{attention_iterations, column_sum_iterations, matmul
 use super::context::Context;
 use super::kernels::COMMON;
 use super::matmul::{vec4_rows, Gemm};
-use super::memory::Win;
 use super::params::{KernelParams, MatmulParams};
 use super::submit::{record_dispatch, window_key};
+use super::windows::Win;
 use super::{ceil_div, WgpuBackend};
 use tex_matmul::{Operand, Source, TexMatmul, Variant};
 
@@ -112,6 +112,15 @@ impl WgpuBackend {
         self.software.tex_matmul.is_some()
     }
 
+    /// Switches to the kernels a hardware adapter runs, as [`HARDWARE_KERNELS_ENV`] does at construction
+    /// (tests cannot set the environment safely while other tests run).
+    #[cfg(test)]
+    pub(crate) fn use_hardware_kernels_only(&mut self) {
+        self.software.hardware_only = true;
+        self.software.row_kernels = false;
+        self.software.tex_matmul = None;
+    }
+
     /// Drops the texture-fed kernel, so that tests can compare it with the storage-buffer one.
     #[cfg(test)]
     pub(crate) fn without_tex_matmul(&mut self) {
@@ -121,24 +130,25 @@ impl WgpuBackend {
     /// Kernel and grid of a reduction over `n` rows (or columns): `serial`, one invocation each running
     /// `serial_iterations` loop iterations, when [`Self::set_row_kernels`] is on and the loop budget allows
     /// it, else `tree`, one workgroup per `per_group` of them, whose invocations run `tree_iterations`
-    /// (refused past the budget like any kernel).
+    /// (`None`, refused, past the budget like any kernel).
     pub(super) fn per_row(
         &self,
         (tree, per_group, tree_iterations): (&'static str, usize, usize),
         (serial, serial_iterations): (&'static str, usize),
         n: usize,
-    ) -> (&'static str, (u32, u32)) {
+    ) -> Option<(&'static str, (u32, u32))> {
         if self.software.row_kernels && self.within_loop_budget(serial_iterations) {
-            return (serial, self.grid1d(n));
+            return Some((serial, self.grid1d(n)));
         }
-        self.require_loop_budget(tree, tree_iterations);
-        (tree, self.grid(ceil_div(n, per_group)))
+        self.require_loop_budget(tree, tree_iterations)
+            .then(|| (tree, self.grid(ceil_div(n, per_group))))
     }
 
     /// `x @ W^T` (B transposed: the texture holds W) and `X^T @ dY` (A transposed, m a multiple of 4 too:
     /// the texture holds X) on the texture-fed kernels, for a `vec4`-eligible gemm whose operands are not
     /// both row-major. `params` gives the kernel's parameters from A's and B's (texture) rows apart.
-    /// Returns false, recording nothing, when neither applies.
+    /// Returns whether the gemm is taken care of: recorded, or refused past the loop budget (which the
+    /// other kernels would exceed too); false, recording nothing, when neither kernel applies.
     pub(super) fn try_transposed_tex_matmul(
         &mut self,
         g: &Gemm,
@@ -153,7 +163,9 @@ impl WgpuBackend {
             if self.software.tex_matmul.is_none() || (a_t && g.m % 4 != 0) {
                 continue;
             }
-            self.require_loop_budget("matmul", iterations);
+            if !self.require_loop_budget("matmul", iterations) {
+                return true;
+            }
             if self.try_tex_matmul(g, wins, &params(a_rows, b_rows), variant) {
                 return true;
             }
