@@ -228,7 +228,8 @@ impl Context {
                 AdapterKind::HardwareOnly => "no usable hardware wgpu adapter",
             };
             let why = if found.is_empty() {
-                format!("{what}: wgpu found no Vulkan, Metal or DX12 adapter (is a driver and the Vulkan loader installed?)")
+                let hint = "is a driver and the Vulkan loader installed?";
+                format!("{what}: wgpu found no Vulkan, Metal or DX12 adapter ({hint})")
             } else {
                 format!("{what} among: {}", found.join("; "))
             };

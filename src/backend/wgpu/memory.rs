@@ -3,10 +3,10 @@
 //! partial sums, the embedding backward's token index).
 //!
 //! An allocation is one storage buffer, or, past the adapter's `max_buffer_size` (capped at
-//! [`MAX_SEGMENT_BYTES`](super::MAX_SEGMENT_BYTES)), several *segments* of at most that size; how views are bound is `windows.rs`.
-//! A view's `buf` indexes the table; a freed entry stays empty, so ids are never reused, and each wgpu
-//! buffer also has a [`BufferId`] from a counter for the bind-group cache, whose entries binding a freed
-//! buffer are dropped with it.
+//! [`MAX_SEGMENT_BYTES`](super::MAX_SEGMENT_BYTES)), several *segments* of at most that size; how views
+//! are bound is `windows.rs`. A view's `buf` indexes the table; a freed entry stays empty, so ids are never
+//! reused, and each wgpu buffer also has a [`BufferId`] from a counter for the bind-group cache, whose
+//! entries binding a freed buffer are dropped with it.
 
 use super::binding::BufferId;
 use super::windows::Win;

@@ -3,17 +3,16 @@
 //!
 //! Ops are recorded into one command encoder and submitted in batches: on `download`, `sum_squares`,
 //! `synchronize`, before an upload (so the upload lands after the ops recorded before it), and every
-//! [`MAX_PENDING`](super::MAX_PENDING) dispatches. Only `download` and `sum_squares` read back. Each dispatch stages its
-//! parameters in the next slot of the uniform ring; the batch's slots are written with one `write_buffer`
-//! just before its submit (wgpu runs it after the earlier submits, so the next batch reuses the ring from
-//! slot 0).
+//! [`MAX_PENDING`](super::MAX_PENDING) dispatches. Only `download` and `sum_squares` read back. Each
+//! dispatch stages its parameters in the next slot of the uniform ring; the batch's slots are written with
+//! one `write_buffer` just before its submit (wgpu runs it after the earlier submits, so the next batch
+//! reuses the ring from slot 0).
 //!
 //! `wait` and `read_back` are the synchronisation points: after the work has run they return the first
 //! device error recorded since the previous one (`device_errors.rs`).
 
 use super::binding::{BindGroupStats, BindKey, UniformRing, WindowKey};
-use super::kernels::Kernel;
-use super::kernels::WG;
+use super::kernels::{Kernel, WG};
 use super::params::KernelParams;
 use super::windows::Win;
 use super::{ceil_div, BackendError, WgpuBackend};
