@@ -18,6 +18,14 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).alloc_tokens(len)
     }
 
+    fn free(&mut self, view: View) {
+        (**self).free(view)
+    }
+
+    fn free_tokens(&mut self, view: TokenView) {
+        (**self).free_tokens(view)
+    }
+
     fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
         (**self).upload(dst, src)
     }

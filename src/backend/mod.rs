@@ -15,15 +15,21 @@
 //!
 //! Outputs never alias inputs, except where an op says so (`crossentropy_backward` may write `dlogits`
 //! over `logits`).
+//!
+//! Errors: the errors backends return are [`BackendError`]s (inside `anyhow::Error`). Ops do not return
+//! errors: a device failure, or a shape a backend refuses, during an op is recorded, and the first one is
+//! returned by the next synchronisation point (`synchronize`, `download`, `sum_squares`).
 
 mod boxed;
 pub mod cpu;
 pub mod cuda;
+mod error;
 pub mod factory;
 pub mod testing;
 mod view;
 pub mod wgpu;
 
+pub use error::BackendError;
 pub use view::{TokenView, View};
 
 use anyhow::Result;
@@ -74,7 +80,8 @@ pub struct AdamWStep {
 }
 
 /// The op set of a GPT-2 training step. Every method panics only on a programming error (views of the
-/// wrong length); anything that depends on the outside world returns `Result`.
+/// wrong length, a view into a freed buffer); anything that depends on the outside world returns `Result`
+/// now or, for ops, at the next synchronisation point.
 pub trait Backend {
     /// A short human-readable name, e.g. `cpu (f32, 2 threads)`.
     fn name(&self) -> String;
@@ -84,6 +91,12 @@ pub trait Backend {
     fn alloc(&mut self, len: usize) -> Result<View>;
     /// A new zero-filled token buffer of `len` elements.
     fn alloc_tokens(&mut self, len: usize) -> Result<TokenView>;
+    /// Frees the whole buffer `view` belongs to (not only the view's range). Every view into that buffer
+    /// becomes invalid: using one, or freeing it again, is a programming error. Buffer ids are never
+    /// reused, so a stale view cannot reach a later buffer. Work already recorded on the buffer completes.
+    fn free(&mut self, view: View);
+    /// [`Backend::free`] for a token buffer.
+    fn free_tokens(&mut self, view: TokenView);
     fn upload(&mut self, dst: View, src: &[f32]) -> Result<()>;
     fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()>;
     fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()>;
@@ -177,13 +190,14 @@ pub trait Backend {
     fn adamw(&mut self, params: View, grads: View, m: View, v: View, step: &AdamWStep);
     /// Checks, before any work, that training steps on `b` sequences of `t` tokens of a model `c` wide with
     /// `nh` heads stay within what this backend can compute, so that a limit gives a clear error at start
-    /// instead of a failure mid-step. The default accepts every shape.
+    /// ([`BackendError::ShapeUnsupported`]) instead of a failure mid-step. The default accepts every shape.
     fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
         let _ = (b, t, c, nh);
         Ok(())
     }
 
-    /// Waits for queued work; a no-op on synchronous backends.
+    /// Waits for queued work, then returns the first error recorded since the last synchronisation point
+    /// (see the module doc); a no-op on synchronous backends.
     fn synchronize(&mut self) -> Result<()> {
         Ok(())
     }

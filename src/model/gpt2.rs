@@ -29,6 +29,7 @@ struct BlockActs {
 struct Activations {
     b: usize,
     t: usize,
+    whole: View,        // every f32 view below lies in this one allocation
     tokens: TokenView,  // [b*t]
     targets: TokenView, // [b*t]
     encoded: View,      // [b*t, c]
@@ -67,6 +68,15 @@ impl Carver {
         self.next += len;
         v
     }
+
+    /// The allocation being carved (a placeholder while only counting).
+    fn allocation(&self) -> View {
+        self.whole.unwrap_or(View {
+            buf: usize::MAX,
+            offset: 0,
+            len: 0,
+        })
+    }
 }
 
 impl Activations {
@@ -98,6 +108,13 @@ impl Activations {
         Ok(acts)
     }
 
+    /// Frees the allocations behind every view of `self`.
+    fn free<B: Backend>(self, be: &mut B) {
+        be.free(self.whole);
+        be.free_tokens(self.tokens);
+        be.free_tokens(self.targets);
+    }
+
     fn carve(a: &mut Carver, cfg: &ModelConfig, b: usize, t: usize, tokens: TokenView, targets: TokenView) -> Self {
         let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
         let bt = b * t;
@@ -122,6 +139,7 @@ impl Activations {
         Activations {
             b,
             t,
+            whole: a.allocation(),
             tokens,
             targets,
             encoded,
@@ -184,7 +202,8 @@ impl Gpt2 {
         self.grads.sub(offset, len)
     }
 
-    /// Activations for a `[b, t]` batch, allocated on first use and reused while the shape stays the same.
+    /// Activations for a `[b, t]` batch, allocated on first use, reused while the shape stays the same and
+    /// reallocated (the old ones freed) when it changes.
     fn ensure_acts<B: Backend>(&mut self, be: &mut B, b: usize, t: usize) -> Result<Activations> {
         if t == 0 || t > self.config.n_positions {
             bail!("sequence length {t} is outside 1..={}", self.config.n_positions);
@@ -195,7 +214,10 @@ impl Gpt2 {
         match &self.acts {
             Some(a) if a.b == b && a.t == t => {}
             _ => {
-                self.acts = None;
+                // A new shape: the old activations' memory goes back before the new ones take theirs.
+                if let Some(old) = self.acts.take() {
+                    old.free(be);
+                }
                 self.acts = Some(Activations::new(be, &self.config, b, t)?);
             }
         }

@@ -6,15 +6,27 @@ pub mod real;
 
 pub use real::Real;
 
-use super::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View};
-use anyhow::{ensure, Result};
+use super::error::ensure_view;
+use super::{AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View};
+use anyhow::Result;
+use std::collections::HashSet;
 
 #[derive(Default)]
 pub struct CpuBackend<F: Real = f32> {
-    /// f32 (or f64) buffers, indexed by `View::buf`.
+    /// f32 (or f64) buffers, indexed by `View::buf`; a freed one is empty, so its views fail their bounds
+    /// checks.
     bufs: Vec<Vec<F>>,
-    /// Token buffers, indexed by `TokenView::buf`.
+    /// Token buffers, indexed by `TokenView::buf`; a freed one is empty.
     tokens: Vec<Vec<u32>>,
+    /// Which buffers of `bufs` and `tokens` were freed (an empty buffer may also be a live one of length 0).
+    freed: Freed,
+}
+
+/// Buffer ids freed so far, per kind.
+#[derive(Default)]
+struct Freed {
+    bufs: HashSet<usize>,
+    tokens: HashSet<usize>,
 }
 
 /// Borrows `N` writable and `M` read-only views of `bufs` at once. Panics (a programming error, not an input
@@ -73,6 +85,7 @@ impl<F: Real> CpuBackend<F> {
         CpuBackend {
             bufs: Vec::new(),
             tokens: Vec::new(),
+            freed: Freed::default(),
         }
     }
 
@@ -98,8 +111,10 @@ impl<F: Real> Backend for CpuBackend<F> {
 
     fn alloc(&mut self, len: usize) -> Result<View> {
         let mut buf = Vec::new();
-        buf.try_reserve_exact(len)
-            .map_err(|e| anyhow::anyhow!("cannot allocate {len} floats: {e}"))?;
+        buf.try_reserve_exact(len).map_err(|_| BackendError::OutOfMemory {
+            what: format!("a buffer of {len} {}", std::any::type_name::<F>()),
+            bytes: Some((len * size_of::<F>()) as u64),
+        })?;
         buf.resize(len, F::zero());
         self.bufs.push(buf);
         Ok(View {
@@ -110,7 +125,13 @@ impl<F: Real> Backend for CpuBackend<F> {
     }
 
     fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
-        self.tokens.push(vec![0; len]);
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(len).map_err(|_| BackendError::OutOfMemory {
+            what: format!("a buffer of {len} tokens"),
+            bytes: Some(len as u64 * 4),
+        })?;
+        buf.resize(len, 0);
+        self.tokens.push(buf);
         Ok(TokenView {
             buf: self.tokens.len() - 1,
             offset: 0,
@@ -118,8 +139,22 @@ impl<F: Real> Backend for CpuBackend<F> {
         })
     }
 
+    fn free(&mut self, view: View) {
+        assert!(self.freed.bufs.insert(view.buf), "buffer {} freed twice", view.buf);
+        self.bufs[view.buf] = Vec::new();
+    }
+
+    fn free_tokens(&mut self, view: TokenView) {
+        assert!(
+            self.freed.tokens.insert(view.buf),
+            "token buffer {} freed twice",
+            view.buf
+        );
+        self.tokens[view.buf] = Vec::new();
+    }
+
     fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
-        ensure!(
+        ensure_view!(
             src.len() == dst.len,
             "upload of {} floats into a view of {}",
             src.len(),
@@ -132,7 +167,7 @@ impl<F: Real> Backend for CpuBackend<F> {
     }
 
     fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()> {
-        ensure!(
+        ensure_view!(
             src.len() == dst.len,
             "upload of {} tokens into a view of {}",
             src.len(),
@@ -143,7 +178,7 @@ impl<F: Real> Backend for CpuBackend<F> {
     }
 
     fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
-        ensure!(
+        ensure_view!(
             src.len == dst.len(),
             "download of a view of {} into {} floats",
             src.len,
@@ -328,5 +363,44 @@ impl<F: Real> Backend for CpuBackend<F> {
         assert!(grads.len == params.len && m.len == params.len && v.len == params.len);
         let ([p, m, v], [g]) = borrow_views(&mut self.bufs, [params, m, v], [grads]);
         ops::adamw(p, g, m, v, step);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Freeing drops the memory and keeps ids stable: the next buffer gets a new id, a view into the freed
+    /// buffer panics instead of reaching another one, and so does a second free.
+    #[test]
+    fn free_keeps_ids_stable() {
+        let mut be = CpuBackend::<f32>::new();
+        let (old, keep) = (be.alloc(4).unwrap(), be.alloc(3).unwrap());
+        let tokens = be.alloc_tokens(2).unwrap();
+        be.fill(keep, 7.0);
+        be.free(old);
+        be.free_tokens(tokens);
+        assert!(be.bufs[old.buf].capacity() == 0 && be.tokens[tokens.buf].capacity() == 0);
+        let new = be.alloc(4).unwrap();
+        assert_ne!(new.buf, old.buf);
+        be.fill(new, 1.0);
+        assert_eq!(be.slice(new), &[1.0; 4]);
+        assert_eq!(be.slice(keep), &[7.0; 3]);
+        let stale = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.fill(old, 2.0)));
+        assert!(stale.is_err(), "a view into a freed buffer");
+        let twice = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| be.free(old)));
+        assert!(twice.is_err(), "a second free");
+    }
+
+    /// Transfer errors are typed.
+    #[test]
+    fn transfer_errors_are_backend_errors() {
+        let mut be = CpuBackend::<f32>::new();
+        let v = be.alloc(4).unwrap();
+        let err = be.upload(v, &[1.0; 3]).unwrap_err();
+        assert!(
+            matches!(err.downcast_ref(), Some(BackendError::InvalidView(_))),
+            "{err:#}"
+        );
     }
 }

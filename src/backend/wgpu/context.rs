@@ -1,6 +1,6 @@
 //! Adapter discovery and device creation: the only place that talks to wgpu's instance and adapters.
 
-use anyhow::{anyhow, bail, Context as _, Result};
+use crate::backend::BackendError;
 
 /// Which adapters [`WgpuBackend::new`](super::WgpuBackend::new) may pick.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -204,7 +204,9 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    pub fn new(selection: AdapterSelection) -> Result<Context> {
+    /// Opens the device of the adapter `selection` picks: [`BackendError::NoAdapter`] when none is usable,
+    /// [`BackendError::Driver`] when the device cannot be opened.
+    pub fn new(selection: AdapterSelection) -> Result<Context, BackendError> {
         let instance = instance();
         let all = sorted_adapters(&instance);
         let found: Vec<String> = all
@@ -225,10 +227,13 @@ impl Context {
                 AdapterKind::Any => "no usable wgpu adapter",
                 AdapterKind::HardwareOnly => "no usable hardware wgpu adapter",
             };
-            if found.is_empty() {
-                bail!("{what}: wgpu found no Vulkan, Metal or DX12 adapter (is a driver and the Vulkan loader installed?)");
-            }
-            bail!("{what} among: {}", found.join("; "));
+            let why = if found.is_empty() {
+                let hint = "is a driver and the Vulkan loader installed?";
+                format!("{what}: wgpu found no Vulkan, Metal or DX12 adapter ({hint})")
+            } else {
+                format!("{what} among: {}", found.join("; "))
+            };
+            return Err(BackendError::NoAdapter(why));
         }
         let pick = selection.index.unwrap_or(0) % candidates.len();
         let (index, adapter) = candidates
@@ -246,8 +251,7 @@ impl Context {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
-        .map_err(|e| anyhow!("{e}"))
-        .with_context(|| format!("cannot open a device on {}", report.name))?;
+        .map_err(|e| BackendError::Driver(format!("cannot open a device on {}: {e}", report.name)))?;
         Ok(Context {
             device,
             queue,

@@ -11,7 +11,9 @@
 //! Each call copies the operands into pooled rgba32f textures first (O(m·k + k·n) against the O(m·k·n)
 //! product). Hardware adapters keep the storage-buffer kernel: there the copies would only cost.
 
-use super::binding::{storage_entry, uniform_ring_entry, BindKey, BufferId, BufferIds, UniformRing, WindowKey};
+use crate::backend::wgpu::binding::{
+    storage_entry, uniform_ring_entry, BindKey, BufferId, BufferIds, UniformRing, WindowKey,
+};
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 
@@ -50,9 +52,9 @@ impl Variant {
 
     pub fn source(self) -> &'static str {
         match self {
-            Variant::Plain => include_str!("../../../shaders/matmul4t.wgsl"),
-            Variant::TransposedB => include_str!("../../../shaders/matmul4t_nt.wgsl"),
-            Variant::TransposedA => include_str!("../../../shaders/matmul4t_tn.wgsl"),
+            Variant::Plain => include_str!("../../../../shaders/matmul4t.wgsl"),
+            Variant::TransposedB => include_str!("../../../../shaders/matmul4t_nt.wgsl"),
+            Variant::TransposedA => include_str!("../../../../shaders/matmul4t_tn.wgsl"),
         }
     }
 }

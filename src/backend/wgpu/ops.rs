@@ -1,0 +1,616 @@
+//! The ops of [`Backend`] on the wgpu backend: each checks its views, binds them as windows, splits the
+//! work where a window would exceed a storage binding (element-wise ops, AdamW and `sum_squares` by
+//! ranges, the encoder by vocabulary rows, cross-entropy by rows, attention by sequence) and records its
+//! dispatches. Matmuls are planned in `matmul.rs`.
+//!
+//! Limits that remain: one cross-entropy row (`V` floats), one layer-norm `[n, c]` tensor and one
+//! sequence's attention `[nh, t, t]` must each fit a binding.
+
+use super::kernels::WG;
+use super::params::{
+    word, AdamWParams, AttentionParams, CrossEntropyParams, EncoderParams, GeluParams, KernelParams, LayerNormParams,
+    ReduceParams, ResidualParams,
+};
+use super::software::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
+use super::windows::Win;
+use super::{
+    ceil_div, AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View, WgpuBackend, SUM_BLOCK,
+};
+use anyhow::Result;
+
+/// `VPI` of residual4.wgsl: vec4s per invocation of the vec4 element-wise kernels.
+const VEC4_PER_INVOCATION: usize = 16;
+
+impl WgpuBackend {
+    /// Runs an element-wise kernel over equally long views (bound in this order), in ranges that fit a
+    /// binding window. `vec4`, the kernel's vec4 twin, runs the multiple-of-4 head when every view starts at
+    /// a multiple of 4 elements (windows then start 16-byte aligned), the scalar kernel the tail.
+    /// `params(n, offsets)` gives a range's parameters from its length and its windows' offsets (in vec4s
+    /// for the twin; 0 past the last view).
+    fn elementwise<P: KernelParams>(
+        &mut self,
+        kernel: &'static str,
+        vec4: Option<&'static str>,
+        views: &[View],
+        params: impl Fn(u32, [u32; 3]) -> P,
+    ) {
+        let len = views[0].len;
+        for v in views {
+            assert_eq!(v.len, len, "{kernel}: views of different lengths");
+        }
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let offsets = |wins: &[Win], unit: u32| std::array::from_fn(|i| wins.get(i).map_or(0, |w| w.off / unit));
+        let mut start = 0;
+        if let Some(k4) = vec4.filter(|_| len >= 4 && views.iter().all(|v| v.offset % 4 == 0)) {
+            let head = len / 4 * 4;
+            while start < head {
+                let n = chunk.min(head - start);
+                let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
+                if wins.iter().any(|w| w.off % 4 != 0 || w.start % 16 != 0) {
+                    // Unaligned window (an adapter with an odd offset alignment): scalar kernels for the rest.
+                    break;
+                }
+                let p = params(word(n / 4), offsets(&wins, 4));
+                let groups = self.grid(ceil_div(n / 4, WG as usize * VEC4_PER_INVOCATION));
+                self.dispatch(k4, &wins, &p, groups);
+                start += n;
+            }
+        }
+        while start < len {
+            let n = chunk.min(len - start);
+            let wins: Vec<Win> = views.iter().map(|v| self.win(v.sub(start, n))).collect();
+            let p = params(word(n), offsets(&wins, 1));
+            let groups = self.grid1d(n);
+            self.dispatch(kernel, &wins, &p, groups);
+            start += n;
+        }
+    }
+}
+
+/// Parameters of the residual family's kernels (`residual_forward`, `add_inplace`, `scale`, `fill`,
+/// `copy` and their vec4 twins) with scalar `s`: 0 for the kernels that read none.
+fn residual_params(s: f32) -> impl Fn(u32, [u32; 3]) -> ResidualParams {
+    move |n, [dst_off, a_off, b_off]| ResidualParams {
+        n,
+        dst_off,
+        a_off,
+        b_off,
+        s,
+    }
+}
+
+fn gelu_params(n: u32, [out_off, inp_off, dout_off]: [u32; 3]) -> GeluParams {
+    GeluParams {
+        n,
+        out_off,
+        inp_off,
+        dout_off,
+    }
+}
+
+/// The embedding backward's token index of `toks` (ids below `v`): the positions grouped by token, in
+/// `(b, t)` order within a token, as `[rows | starts | positions]` (u32): the `u` distinct tokens in
+/// increasing order, where each one's positions start (plus the end), then the positions. Returns `u` too.
+fn token_index(toks: &[u32], v: usize) -> (usize, Vec<u32>) {
+    assert!(
+        toks.iter().all(|&x| (x as usize) < v),
+        "token id out of the vocabulary of {v}"
+    );
+    let n = toks.len();
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    order.sort_by_key(|&i| (toks[i as usize], i));
+    let mut rows = Vec::new();
+    let mut starts = Vec::new();
+    for (j, &i) in order.iter().enumerate() {
+        let tok = toks[i as usize];
+        if rows.last() != Some(&tok) {
+            rows.push(tok);
+            starts.push(j as u32);
+        }
+    }
+    starts.push(n as u32);
+    let u = rows.len();
+    let mut index = rows;
+    index.extend_from_slice(&starts);
+    index.extend_from_slice(&order);
+    (u, index)
+}
+
+impl Backend for WgpuBackend {
+    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
+        let tokens = b * t;
+        let checks = [
+            ("attention", attention_iterations(t, c / nh.max(1))),
+            // The weight gradients sum over every token of the micro-batch (k = b * t; the strided kernel
+            // where the texture-fed one does not apply).
+            ("the weight-gradient matmul", matmul_iterations(tokens, false)),
+            ("the embedding backward", tokens),
+        ];
+        for (op, iterations) in checks {
+            if let Some(BackendError::ShapeUnsupported { op, detail }) = self.loop_budget_error(op, iterations) {
+                let detail = format!("{detail} (at batch size {b} and sequence length {t}: {tokens} tokens per rank)");
+                return Err(BackendError::ShapeUnsupported { op, detail }.into());
+            }
+        }
+        Ok(())
+    }
+
+    fn name(&self) -> String {
+        let r = &self.ctx.report;
+        format!("wgpu ({}, {}, {})", r.name, r.backend, r.device_type)
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<View> {
+        self.alloc_tensor(len)
+    }
+
+    fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
+        self.alloc_token_buffer(len)
+    }
+
+    fn free(&mut self, view: View) {
+        self.free_tensor(view.buf);
+    }
+
+    fn free_tokens(&mut self, view: TokenView) {
+        self.free_token_buffer(view.buf);
+    }
+
+    fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
+        self.write_tensor(dst, src)
+    }
+
+    fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()> {
+        self.write_tokens(dst, src)
+    }
+
+    fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
+        self.read_tensor(src, dst)
+    }
+
+    fn fill(&mut self, dst: View, value: f32) {
+        self.elementwise("fill", Some("fill4"), &[dst], residual_params(value));
+    }
+
+    fn copy(&mut self, dst: View, src: View) {
+        assert!(!dst.overlaps(&src), "copy between overlapping views");
+        self.elementwise("copy", Some("copy4"), &[dst, src], residual_params(0.0));
+    }
+
+    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
+        let n = b * t;
+        assert!(out.len == n * c && tokens.len == n && wpe.len >= t * c && c > 0 && wte.len % c == 0);
+        if n == 0 {
+            return;
+        }
+        let v = wte.len / c;
+        let (wout, wtok, wwpe) = (self.win(out), self.twin(tokens), self.win(wpe.sub(0, t * c)));
+        let rows = self.rows_per_window(c);
+        let mut v0 = 0;
+        while v0 < v {
+            let v1 = (v0 + rows).min(v);
+            let wwte = self.win(wte.sub(v0 * c, (v1 - v0) * c));
+            let p = EncoderParams {
+                n: word(n),
+                t: word(t),
+                c: word(c),
+                dst_off: wout.off,
+                src0_off: wwte.off,
+                src1_off: wwpe.off,
+                idx_off: wtok.off,
+                v0: word(v0),
+                v1: word(v1),
+            };
+            let groups = self.grid1d(n * c);
+            let wins = [wout.clone(), wwte, wwpe.clone(), wtok.clone()];
+            self.dispatch("encoder_forward", &wins, &p, groups);
+            v0 = v1;
+        }
+    }
+
+    fn encoder_backward(
+        &mut self,
+        dwte: View,
+        dwpe: View,
+        dout: View,
+        tokens: TokenView,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let n = b * t;
+        assert!(dout.len == n * c && tokens.len == n && dwpe.len >= t * c && c > 0 && dwte.len % c == 0);
+        if n == 0 {
+            return;
+        }
+        // A token's invocation adds up to every position of the batch.
+        if !self.require_loop_budget("the embedding backward", n) {
+            return;
+        }
+        let wdout = self.win(dout);
+        // dwpe: one invocation per (t, channel), summing the batch in order.
+        let wdwpe = self.win(dwpe.sub(0, t * c));
+        let p = EncoderParams {
+            n: word(b),
+            t: word(t),
+            c: word(c),
+            dst_off: wdwpe.off,
+            src0_off: wdout.off,
+            ..Default::default()
+        };
+        let groups = self.grid1d(t * c);
+        self.dispatch("encoder_backward_wpe", &[wdwpe, wdout.clone()], &p, groups);
+        // dwte: one invocation per (distinct token, channel), summing the token's positions in (b, t) order,
+        // grouped on the host.
+        let v = dwte.len / c;
+        let (u, index) = token_index(&self.token_buffer(tokens.buf).host[tokens.offset..tokens.offset + n], v);
+        let waux = self.write_embed_index(&index);
+        let rows_per = self.rows_per_window(c);
+        let mut v0 = 0;
+        while v0 < v {
+            let v1 = (v0 + rows_per).min(v);
+            let wdwte = self.win(dwte.sub(v0 * c, (v1 - v0) * c));
+            let p = EncoderParams {
+                n: word(u),
+                t: word(t),
+                c: word(c),
+                dst_off: wdwte.off,
+                src0_off: wdout.off,
+                v0: word(v0),
+                v1: word(v1),
+                ..Default::default()
+            };
+            let groups = self.grid1d(u * c);
+            let wins = [wdwte, wdout.clone(), self.dummy_win(), waux.clone()];
+            self.dispatch("encoder_backward_wte", &wins, &p, groups);
+            v0 = v1;
+        }
+    }
+
+    fn layernorm_forward(
+        &mut self,
+        out: View,
+        mean: View,
+        rstd: View,
+        inp: View,
+        weight: View,
+        bias: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
+        assert!(weight.len == c && bias.len == c);
+        if n == 0 {
+            return;
+        }
+        let w = [out, mean, rstd, inp, weight, bias].map(|v| self.win(v));
+        let p = LayerNormParams {
+            n: word(n),
+            c: word(c),
+            out_off: w[0].off,
+            mean_off: w[1].off,
+            rstd_off: w[2].off,
+            inp_off: w[3].off,
+            w_off: w[4].off,
+            b_off: w[5].off,
+            dout_off: 0,
+            dw_off: 0,
+        };
+        let Some((kernel, groups)) = self.per_row(
+            ("layernorm_forward", 1, tree_iterations(c, WG as usize, 3, 2, 8)),
+            ("layernorm_forward_rows", 3 * c),
+            n,
+        ) else {
+            return;
+        };
+        self.dispatch(kernel, &w, &p, groups);
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: View,
+        dout: View,
+        inp: View,
+        weight: View,
+        mean: View,
+        rstd: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
+        assert!(weight.len == c && dweight.len == c && dbias.len == c);
+        if n == 0 {
+            return;
+        }
+        let w = [dinp, mean, rstd, inp, weight, dbias, dout, dweight].map(|v| self.win(v));
+        let p = LayerNormParams {
+            n: word(n),
+            c: word(c),
+            out_off: w[0].off,
+            mean_off: w[1].off,
+            rstd_off: w[2].off,
+            inp_off: w[3].off,
+            w_off: w[4].off,
+            b_off: w[5].off,
+            dout_off: w[6].off,
+            dw_off: w[7].off,
+        };
+        // Both passes read the same parameter block: the input gradient by rows, then dweight/dbias by columns.
+        let Some((kernel, groups)) = self.per_row(
+            ("layernorm_backward", 1, tree_iterations(c, WG as usize, 2, 2, 8)),
+            ("layernorm_backward_rows", 2 * c),
+            n,
+        ) else {
+            return;
+        };
+        self.dispatch(kernel, &w[..7], &p, groups);
+        let Some((kernel, groups)) = self.per_row(
+            ("layernorm_backward_params", 16, column_sum_iterations(n)),
+            ("layernorm_backward_params_cols", n),
+            c,
+        ) else {
+            return;
+        };
+        self.dispatch(kernel, &w, &p, groups);
+    }
+
+    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
+        assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
+        assert!(bias.is_none_or(|b| b.len == s.oc));
+        self.matmul_forward_gemm(out, inp, weight, bias, s);
+    }
+
+    fn matmul_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: Option<View>,
+        dout: View,
+        inp: View,
+        weight: View,
+        s: MatmulShape,
+    ) {
+        assert!(dinp.len == s.n * s.c && inp.len == s.n * s.c && dout.len == s.n * s.oc);
+        assert!(weight.len == s.c * s.oc && dweight.len == s.c * s.oc);
+        assert!(dbias.is_none_or(|b| b.len == s.oc));
+        self.matmul_backward_gemms(dinp, dweight, dout, inp, weight, s);
+        if let Some(db) = dbias {
+            self.matmul_bias_gradient(db, dout, s.n, s.oc);
+        }
+    }
+
+    fn attention_forward(&mut self, out: View, att: View, qkv: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(out.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
+        assert!(nh > 0 && c % nh == 0);
+        if b == 0 || t == 0 {
+            return;
+        }
+        if !self.require_loop_budget("attention", attention_iterations(t, c / nh)) {
+            return;
+        }
+        let whole = self.fits(att.offset, att.end()) && self.fits(qkv.offset, qkv.end());
+        let per = if whole { b } else { 1 };
+        for b0 in (0..b).step_by(per) {
+            let nb = per.min(b - b0);
+            let o = out.sub(b0 * t * c, nb * t * c);
+            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
+            let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let w = [o, a, q].map(|v| self.win(v));
+            let p = AttentionParams {
+                b: word(nb),
+                t: word(t),
+                c: word(c),
+                nh: word(nh),
+                out_off: w[0].off,
+                att_off: w[1].off,
+                qkv_off: w[2].off,
+                datt_off: 0,
+                dout_off: 0,
+            };
+            let g1 = self.grid1d(nb * nh * t);
+            self.dispatch("attention_forward", &w, &p, g1);
+            let g2 = self.grid1d(nb * t * c);
+            self.dispatch("attention_forward_out", &w, &p, g2);
+        }
+    }
+
+    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(dout.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
+        assert!(dqkv.len == qkv.len && datt.len == att.len && nh > 0 && c % nh == 0);
+        if b == 0 || t == 0 {
+            return;
+        }
+        if !self.require_loop_budget("attention backward", attention_iterations(t, c / nh)) {
+            return;
+        }
+        let whole = [att, datt, qkv, dqkv].iter().all(|v| self.fits(v.offset, v.end()));
+        let per = if whole { b } else { 1 };
+        for b0 in (0..b).step_by(per) {
+            let nb = per.min(b - b0);
+            let dq = dqkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
+            let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
+            let da = datt.sub(b0 * nh * t * t, nb * nh * t * t);
+            let d = dout.sub(b0 * t * c, nb * t * c);
+            let w = [dq, a, q, da, d].map(|v| self.win(v));
+            let p = AttentionParams {
+                b: word(nb),
+                t: word(t),
+                c: word(c),
+                nh: word(nh),
+                out_off: w[0].off,
+                att_off: w[1].off,
+                qkv_off: w[2].off,
+                datt_off: w[3].off,
+                dout_off: w[4].off,
+            };
+            let g1 = self.grid1d(nb * nh * t);
+            self.dispatch("attention_backward", &w, &p, g1);
+            let g2 = self.grid1d(nb * t * c);
+            self.dispatch("attention_backward_dq", &w[..4], &p, g2);
+            self.dispatch("attention_backward_dkv", &w, &p, g2);
+        }
+    }
+
+    fn gelu_forward(&mut self, out: View, inp: View) {
+        self.elementwise("gelu_forward", None, &[out, inp], gelu_params);
+    }
+
+    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
+        self.elementwise("gelu_backward", None, &[dinp, inp, dout], gelu_params);
+    }
+
+    fn residual_forward(&mut self, out: View, a: View, b: View) {
+        self.elementwise(
+            "residual_forward",
+            Some("residual_forward4"),
+            &[out, a, b],
+            residual_params(0.0),
+        );
+    }
+
+    fn add_inplace(&mut self, dst: View, src: View) {
+        self.elementwise("add_inplace", Some("add_inplace4"), &[dst, src], residual_params(0.0));
+    }
+
+    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
+        assert!(losses.len == n && logits.len == n * v && targets.len == n && v > 0);
+        let rows = self.rows_per_window(v);
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + rows).min(n);
+            let (wl, wx, wt) = (
+                self.win(losses.sub(r0, r1 - r0)),
+                self.win(logits.sub(r0 * v, (r1 - r0) * v)),
+                self.twin(targets.sub(r0, r1 - r0)),
+            );
+            let p = CrossEntropyParams {
+                n: word(r1 - r0),
+                v: word(v),
+                out_off: wl.off,
+                logits_off: wx.off,
+                tgt_off: wt.off,
+                dloss: 0.0,
+            };
+            let Some((kernel, groups)) = self.per_row(
+                ("crossentropy_forward", 1, tree_iterations(v, WG as usize, 2, 2, 8)),
+                ("crossentropy_forward_rows", 2 * v),
+                r1 - r0,
+            ) else {
+                return;
+            };
+            self.dispatch(kernel, &[wl, wx, wt], &p, groups);
+            r0 = r1;
+        }
+    }
+
+    fn crossentropy_backward(
+        &mut self,
+        dlogits: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    ) {
+        assert!(dlogits.len == n * v && logits.len == n * v && targets.len == n && v > 0);
+        if dlogits != logits {
+            self.copy(dlogits, logits);
+        }
+        let rows = self.rows_per_window(v);
+        let mut r0 = 0;
+        while r0 < n {
+            let r1 = (r0 + rows).min(n);
+            let (wx, wt) = (
+                self.win(dlogits.sub(r0 * v, (r1 - r0) * v)),
+                self.twin(targets.sub(r0, r1 - r0)),
+            );
+            let p = CrossEntropyParams {
+                n: word(r1 - r0),
+                v: word(v),
+                out_off: 0,
+                logits_off: wx.off,
+                tgt_off: wt.off,
+                dloss,
+            };
+            let Some((kernel, groups)) = self.per_row(
+                ("crossentropy_backward", 1, tree_iterations(v, WG as usize, 3, 2, 8)),
+                ("crossentropy_backward_rows", 3 * v),
+                r1 - r0,
+            ) else {
+                return;
+            };
+            let wins = [self.dummy_win(), wx, wt];
+            self.dispatch(kernel, &wins, &p, groups);
+            r0 = r1;
+        }
+    }
+
+    fn sum_squares(&mut self, x: View) -> Result<f64> {
+        if x.len == 0 {
+            self.check_device_errors()?;
+            return Ok(0.0);
+        }
+        let blocks = ceil_div(x.len, SUM_BLOCK);
+        let partial = self.sum_squares_partials(blocks)?;
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let mut start = 0;
+        while start < x.len {
+            let n = chunk.min(x.len - start);
+            let wx = self.win(x.sub(start, n));
+            let wp = self.win_of(&partial.buffer, Some(partial.id), blocks, 0, blocks);
+            let p = ReduceParams {
+                n: word(n),
+                x_off: wx.off,
+                out_off: word(start / SUM_BLOCK),
+            };
+            let groups = self.grid(ceil_div(n, SUM_BLOCK));
+            self.dispatch("sum_squares", &[wp, wx], &p, groups);
+            start += n;
+        }
+        let bytes = self.read_back(&[(partial.buffer, 0, blocks as u64 * 4)])?;
+        let sums: &[f32] = bytemuck::cast_slice(&bytes);
+        Ok(sums.iter().map(|&s| s as f64).sum())
+    }
+
+    fn scale(&mut self, x: View, s: f32) {
+        self.elementwise("scale", Some("scale4"), &[x], residual_params(s));
+    }
+
+    fn adamw(&mut self, params: View, grads: View, m: View, v: View, h: &AdamWStep) {
+        let len = params.len;
+        assert!(grads.len == len && m.len == len && v.len == len);
+        let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
+        let mut start = 0;
+        while start < len {
+            let n = chunk.min(len - start);
+            let w = [params, grads, m, v].map(|x| self.win(x.sub(start, n)));
+            let p = AdamWParams {
+                n: word(n),
+                p_off: w[0].off,
+                g_off: w[1].off,
+                m_off: w[2].off,
+                v_off: w[3].off,
+                lr: h.lr,
+                beta1: h.beta1,
+                beta2: h.beta2,
+                eps: h.eps,
+                weight_decay: h.weight_decay,
+                step_size: h.step_size,
+                bc2_sqrt: h.bias_correction2_sqrt,
+                grad_scale: h.grad_scale,
+            };
+            let groups = self.grid1d(n);
+            self.dispatch("adamw", &w, &p, groups);
+            start += n;
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(self.wait()?)
+    }
+}

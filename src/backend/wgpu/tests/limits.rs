@@ -1,0 +1,143 @@
+//! Limits: the window and buffer caps, and llvmpipe's loop budget, on every kind of kernel choice.
+
+use super::{assert_close, run, wgpu_or_skip};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{AttentionShape, Backend, BackendError, MatmulShape, View, WeightLayout};
+
+#[test]
+fn tiny_buffer_caps_still_leave_room_for_a_reduction_block() {
+    for bytes in [0, 1, 4096, 16_384, 16_500] {
+        let Some(be) = wgpu_or_skip(Some(bytes)) else { return };
+        assert!(
+            be.max_window_elems() >= crate::backend::wgpu::SUM_BLOCK,
+            "cap {bytes}: windows of {} elements",
+            be.max_window_elems()
+        );
+    }
+}
+
+/// GPT-2's own attention shape (T = 1024, 64-wide heads) needs about 20 K loop iterations per invocation,
+/// under the 65535 after which llvmpipe silently stops a shader's loops (one term per iteration needed
+/// 66 K, and the last rows came out wrong); forward and backward match the CPU. On a software adapter a
+/// shape past the budget is refused, its error returned by the next synchronisation, instead of computed
+/// partly.
+#[test]
+fn attention_fits_the_software_loop_budget_at_gpt2_length() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let s = AttentionShape {
+        b: 1,
+        t: 1024,
+        c: 64,
+        nh: 1,
+    };
+    let (b, t, c, nh) = (s.b, s.t, s.c, s.nh);
+    // out, att, qkv | dqkv, datt, dout
+    let lens = [
+        b * t * c,
+        b * nh * t * t,
+        b * t * 3 * c,
+        b * t * 3 * c,
+        b * nh * t * t,
+        b * t * c,
+    ];
+    let op = move |be: &mut dyn Backend, v: &[View]| {
+        be.attention_forward(v[0], v[1], v[2], s);
+        be.attention_backward(v[3], v[4], v[5], v[2], v[1], s);
+    };
+    let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 3, &op);
+    let got = run(&mut be, &lens, 0, 3, &op);
+    assert_close("attention at T = 1024", &got, &want, 2e-5, 1e-4);
+
+    if be.adapter().is_software {
+        let long = AttentionShape {
+            b: 1,
+            t: 4096,
+            c: 64,
+            nh: 1,
+        };
+        let (out, att, qkv) = (
+            be.alloc(4096 * 64).unwrap(),
+            be.alloc(4096 * 4096).unwrap(),
+            be.alloc(4096 * 192).unwrap(),
+        );
+        be.attention_forward(out, att, qkv, long);
+        let err = be.synchronize().expect_err("T = 4096 exceeds the loop budget");
+        assert!(
+            matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { op, .. }) if op == "attention"),
+            "{err:#}"
+        );
+        assert!(format!("{err:#}").contains("stops a shader's loops"), "{err:#}");
+        be.synchronize().expect("a refusal is reported once");
+    }
+}
+
+/// A training run whose shapes exceed llvmpipe's loop budget is refused before any work, with the limit
+/// named; GPT-2's own shapes at a modest batch are accepted. Hardware adapters accept both.
+#[test]
+fn step_shapes_past_the_software_loop_budget_are_refused_up_front() {
+    let Some(be) = wgpu_or_skip(None) else { return };
+    be.check_step_shape(8, 1024, 768, 12).expect("GPT-2 at 8 x 1024 tokens");
+    let big = be.check_step_shape(128, 1024, 768, 12);
+    if be.adapter().is_software {
+        let err = big.expect_err("128 x 1024 tokens exceed the budget");
+        assert!(
+            matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { .. })),
+            "{err:#}"
+        );
+        let text = format!("{err:#}");
+        assert!(
+            text.contains("stops a shader's loops") && text.contains("batch size 128 and sequence length 1024"),
+            "{text}"
+        );
+        assert!(!text.contains("--"), "no command-line flags in backend errors: {text}");
+    } else {
+        big.expect("hardware adapters have no loop budget");
+    }
+}
+
+/// With only the kernels a hardware adapter runs, a software adapter still refuses what its loop budget
+/// cannot compute: a weight gradient summing more tokens than the budget (k = 70000 on the strided kernel)
+/// and a training shape past it; both within budget on hardware adapters.
+#[test]
+fn hardware_kernels_keep_the_loop_budget() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    be.use_hardware_kernels_only();
+    assert!(be.hardware_kernels_only() && !be.row_kernels() && !be.has_tex_matmul());
+    let s = MatmulShape {
+        n: 70_000,
+        c: 4,
+        oc: 4,
+        layout: WeightLayout::InOut,
+    };
+    let [dinp, dweight, dout, inp, weight] =
+        [s.n * s.c, s.c * s.oc, s.n * s.oc, s.n * s.c, s.c * s.oc].map(|len| be.alloc(len).unwrap());
+    be.matmul_backward(dinp, dweight, None, dout, inp, weight, s);
+    let result = be.synchronize();
+    let step = be.check_step_shape(128, 1024, 768, 12);
+    if be.adapter().is_software {
+        let err = result.expect_err("k = 70000 exceeds the loop budget");
+        assert!(
+            matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { op, .. }) if op == "matmul"),
+            "{err:#}"
+        );
+        step.expect_err("128 x 1024 tokens exceed the budget");
+    } else {
+        result.unwrap();
+        step.unwrap();
+    }
+}
+
+/// An allocation past the adapter's `max_buffer_size` is refused with a typed error before any memory is
+/// asked for.
+#[test]
+fn allocations_past_the_buffer_limit_are_refused() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let Ok(len) = usize::try_from(be.ctx.limits.max_buffer_size / 4 + 1) else {
+        return;
+    };
+    let err = be.alloc_tokens(len).expect_err("past max_buffer_size");
+    assert!(
+        matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { .. })),
+        "{err:#}"
+    );
+}
