@@ -39,6 +39,9 @@ cargo clippy --workspace --all-targets --profile test --features ringtrain/cuda 
 # One build of the test profile serves the rest: the tests, then the `cuda` feature's library and binary,
 # which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
 cargo test --workspace
+# The wgpu conformance and training tests again, with a software adapter (lavapipe) running only the kernels
+# a hardware GPU runs (tree reductions, plain and strided matmuls), so CI checks those kernels too.
+RINGTRAIN_WGPU_HARDWARE_KERNELS=1 cargo test -p ringtrain --test conformance --test wgpu_training
 cargo build --profile test -p ringtrain --features cuda --lib --bins
 
 # The benchmark harness that lives outside the workspace (its own lock file) must keep building too.

@@ -16,7 +16,7 @@ Each kernel's first line names the command that wrote it; tests/generated_shader
 and fails when a committed kernel differs from the generator's output.
 
 R must be a multiple of 8 (rows are fetched 8 at a time, one per subgroup lane). The tile is 8R x 32C;
-update TILE_M / TILE_N in src/backend/wgpu/tex_matmul.rs to match. bench/wgpu/RESULTS.md has the
+update TILE_M / TILE_N in src/backend/wgpu/software/tex_matmul.rs to match. bench/wgpu/RESULTS.md has the
 measurements behind 32 x 2.
 """
 import sys

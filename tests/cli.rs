@@ -351,3 +351,40 @@ fn bench_allreduce_prints_an_nccl_tests_table() {
     assert_eq!(rows.len(), 2, "{stdout}");
     fails_with(&["bench", "allreduce", "--nproc", "2", "--size", "3B"], "multiple of 4");
 }
+
+/// Backend errors reach the user with the flag that avoids them: a shape past llvmpipe's loop budget names
+/// --batch-size (the library's wording names only the quantities), and CUDA names what is missing.
+#[test]
+fn backend_errors_name_the_flags_that_avoid_them() {
+    fails_with(&with(&SMALL, &["--backend", "cuda"]), "cuda");
+    let adapters = ringtrain::backend::wgpu::list_adapters();
+    let software = adapters.iter().any(|a| a.is_software && a.unsupported.is_none());
+    let found = if software {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!("no software adapter with a loop budget"))
+    };
+    if ringtrain::backend::testing::open_or_skip(ringtrain::backend::testing::Device::Wgpu, found).is_none() {
+        return;
+    }
+    // 1024 sequences of 64 tokens: 65536 tokens per rank, one past what a software adapter's loops reach.
+    let args = [
+        "train",
+        "--model",
+        "tiny",
+        "--n-layer",
+        "1",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "1024",
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--backend",
+        "wgpu",
+    ];
+    fails_with(&args, "--batch-size");
+    fails_with(&args, "65535");
+}

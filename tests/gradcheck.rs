@@ -1,7 +1,8 @@
 //! Finite-difference gradient checks, in f64, for every op of the CPU reference backend and for the whole
 //! GPT-2 model. Each op's backward is checked against central differences of `L = sum(out * r)` for a random
-//! `r`; tolerance: |analytic - numeric| <= 1e-6 * max(1, |numeric|) with step h = 1e-5 (the truncation
-//! error of a central difference is O(h^2) ~ 1e-10, rounding O(eps/h) ~ 1e-11).
+//! `r`; tolerance: |analytic - numeric| <= 1e-6 * max(1, |numeric|) with step h = 1e-5 for the ops (the
+//! truncation error of a central difference is O(h^2) ~ 1e-10, rounding O(eps/h) ~ 1e-11) and h = 1e-6 for
+//! the whole model (see `H_MODEL`).
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -2,7 +2,7 @@
 //! with progress, metrics, evaluation and checkpoints.
 
 use super::args::TrainArgs;
-use super::backend::{open_backend, parse_backend};
+use super::backend::{open_backend, parse_backend, with_flag_hints};
 use super::progress::Progress;
 use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
@@ -103,7 +103,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let resuming = matches!(s.source, ModelSource::Resume(_));
     let comm = connect(&s)?;
     let is_rank0 = s.launch.rank == 0;
-    let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm)?;
+    let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     let result = run_steps(
         &mut trainer,
         s.metrics_path.as_deref(),
@@ -156,7 +156,7 @@ fn run_steps<B: Backend>(
     }
     let mut last: Option<StepMetrics> = None;
     while trainer.step < opts.steps {
-        let mut m = trainer.train_step()?;
+        let mut m = trainer.train_step().map_err(with_flag_hints)?;
         if m.skipped {
             progress.message(&format!("step {}: non-finite gradients, update skipped", m.step));
         }
@@ -207,7 +207,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     let s = setup(args)?;
     let (be, _) = open_backend(s.backend, s.launch.local_rank)?;
     let comm = connect(&s)?;
-    let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm)?;
+    let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     for _ in 0..warmup {
         trainer.train_step()?;
     }

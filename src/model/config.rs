@@ -1,4 +1,5 @@
-//! GPT-2 model hyper-parameters: the presets, custom values, and the Hugging Face `config.json` mapping.
+//! GPT-2 model hyper-parameters: the presets, custom values and their limits (the Hugging Face `config.json`
+//! mapping is `checkpoint/hf_config.rs`).
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};

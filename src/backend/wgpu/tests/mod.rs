@@ -16,25 +16,15 @@ mod lifecycle;
 mod limits;
 
 use super::{AdapterSelection, BindGroupStats, WgpuBackend};
+use crate::backend::testing::{open_or_skip, Device};
 use crate::backend::{Backend, View};
 
 pub(super) fn wgpu_or_skip(max_buffer: Option<u64>) -> Option<WgpuBackend> {
-    match WgpuBackend::new(AdapterSelection::any()) {
-        Ok(mut be) => {
-            if let Some(b) = max_buffer {
-                be.set_max_buffer_bytes(b);
-            }
-            Some(be)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "CI=true but no wgpu adapter: {e:#}"
-            );
-            eprintln!("SKIP: no wgpu adapter ({e:#})");
-            None
-        }
+    let mut be = open_or_skip(Device::Wgpu, WgpuBackend::new(AdapterSelection::any()))?;
+    if let Some(b) = max_buffer {
+        be.set_max_buffer_bytes(b);
     }
+    Some(be)
 }
 
 /// Deterministic values in [-1, 1).
