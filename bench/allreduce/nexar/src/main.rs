@@ -48,6 +48,8 @@ async fn main() -> nexar::Result<()> {
             let c = Arc::clone(c);
             handles.push(tokio::spawn(async move {
                 let mut data = vec![c.rank() as f32 + 1.0; count];
+                // SAFETY: `buf` addresses `data`'s `count` f32s (count * 4 bytes); `data` is neither moved nor
+                // resized while `buf` is used, and both live until the end of this task.
                 let mut buf = unsafe { BufferRef::<Host>::new(data.as_mut_ptr() as u64, count * 4) };
                 for _ in 0..warmup {
                     c.all_reduce_host(&mut buf, count, DataType::F32, ReduceOp::Sum).await?;
