@@ -1,6 +1,6 @@
 """GPT-2 model presets shared by the helper scripts in this folder.
 
-They mirror ringtrain's `--model tiny|small|gpt2` presets (DESIGN.md, "Numerics contract"): pre-LN blocks,
+They mirror ringtrain's `--model tiny|small|gpt2` presets (ARCHITECTURE.md, "Numerics"): pre-LN blocks,
 layer-norm eps 1e-5, gelu_new, no dropout, LM head tied to wte, fp32.
 
 Import only the plain dict from here; `hf_config()` imports transformers lazily so that a missing install

@@ -1,4 +1,4 @@
-//! The `ringtrain` command line (the contract is in DESIGN.md; flags are stable).
+//! The `ringtrain` command line. Its flags are stable: outside scripts depend on them.
 
 mod cli;
 

@@ -1,6 +1,6 @@
 //! Which windows form each global batch, and how a global batch is cut among ranks and micro-steps.
 //!
-//! The data contract (DESIGN.md): window j is tokens `[j·T, j·T + T + 1)`; global step s uses windows
+//! The data contract (ARCHITECTURE.md): window j is tokens `[j·T, j·T + T + 1)`; global step s uses windows
 //! `[s·G, (s+1)·G)` of the epoch's order, where the order is the identity (`--shuffle off`) or a permutation
 //! seeded by (seed, epoch). The set of windows in a global batch depends only on (step, G, seed, shuffle),
 //! never on the world size, so the loss at step s does not depend on how many ranks share the work.

@@ -1,4 +1,4 @@
-//! The training loop: replicate, shard, local compute, synchronise, update (DESIGN.md's five stages).
+//! The training loop: replicate, shard, local compute, synchronise, update (the five stages in ARCHITECTURE.md).
 //!
 //! Every rank runs the same `Trainer` over a [`Collective`]; with one rank the collective is never used.
 //! - Replicate: at start the ranks compare parameter hashes; on a mismatch rank 0's parameters win.

@@ -1,7 +1,7 @@
 //! The mapping between [`ModelConfig`] and a Hugging Face `GPT2Config` (`config.json`).
 //!
 //! Writing produces a config `transformers` accepts for `GPT2LMHeadModel`. Reading accepts any GPT-2 config
-//! whose numerics match ours (see DESIGN.md, "Numerics contract") and rejects, with the field named, the
+//! whose numerics match ours (ARCHITECTURE.md, "Numerics") and rejects, with the field named, the
 //! options that would make our forward pass differ from the one the weights were trained with.
 
 use anyhow::{bail, Context, Result};
