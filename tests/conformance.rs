@@ -27,8 +27,9 @@
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::cpu::CpuBackend;
+use ringtrain::backend::matmul_bench::MatmulBench;
 use ringtrain::backend::testing::{open_or_skip, Device};
-use ringtrain::backend::wgpu::{bench_matmul, list_adapters, AdapterSelection, WgpuBackend};
+use ringtrain::backend::wgpu::{list_adapters, AdapterSelection, WgpuBackend};
 use ringtrain::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -713,7 +714,10 @@ fn wgpu_adapters_listed_and_selected() {
 #[test]
 fn wgpu_bench_matmul_runs() {
     let Some(mut be) = shared_wgpu() else { return };
-    let gflops = bench_matmul(&mut be, 130, 70, 129, 3).unwrap();
+    let gflops = MatmulBench::new(&mut *be, 130, 70, 129)
+        .unwrap()
+        .gflops(&mut *be, 3)
+        .unwrap();
     eprintln!("matmul 130x70x129: {gflops:.2} GFLOP/s");
     assert!(gflops.is_finite() && gflops > 0.0);
 }
@@ -724,7 +728,10 @@ fn wgpu_bench_matmul_runs() {
 fn wgpu_bench_matmul_gpt2_shape() {
     let Some(mut be) = shared_wgpu() else { return };
     for (m, k, n) in [(512, 768, 768), (512, 768, 3072), (1024, 768, 2304)] {
-        let gflops = bench_matmul(&mut be, m, k, n, 5).unwrap();
+        let gflops = MatmulBench::new(&mut *be, m, k, n)
+            .unwrap()
+            .gflops(&mut *be, 5)
+            .unwrap();
         eprintln!("{}: matmul {m}x{k}x{n}: {gflops:.2} GFLOP/s", be.name());
     }
 }

@@ -25,6 +25,7 @@ pub mod cpu;
 pub mod cuda;
 mod error;
 pub mod factory;
+pub mod matmul_bench;
 pub mod testing;
 mod view;
 pub mod wgpu;

@@ -8,7 +8,8 @@
 use super::backend::{open_backend, parse_backend};
 use anyhow::{ensure, Result};
 use ringtrain::backend::factory::{self, BackendChoice, BackendKind};
-use ringtrain::backend::{Backend, MatmulShape, View, WeightLayout};
+use ringtrain::backend::matmul_bench::MatmulBench;
+use ringtrain::backend::Backend;
 use std::time::Instant;
 
 /// Elements of the elementwise benchmark: 128M f32 (512 MiB per operand), past any L3 cache (this
@@ -38,7 +39,7 @@ fn bench_all<B: Backend>(mut be: B, with_cpu_reference: bool, sizes: &[usize], i
         None
     };
     for &s in sizes {
-        let mut subject = MatmulBench::new(&mut be, s)?;
+        let mut subject = MatmulBench::new(&mut be, s, s, s)?;
         let Some(cpu) = cpu.as_mut() else {
             let gflops = subject.gflops(&mut be, iters)?;
             println!(
@@ -47,7 +48,7 @@ fn bench_all<B: Backend>(mut be: B, with_cpu_reference: bool, sizes: &[usize], i
             );
             continue;
         };
-        let mut reference = MatmulBench::new(cpu, s)?;
+        let mut reference = MatmulBench::new(cpu, s, s, s)?;
         let (mut rounds, mut ratios) = (Vec::new(), Vec::new());
         for _ in 0..REFERENCE_ROUNDS {
             let (mine, theirs) = (subject.gflops(&mut be, iters)?, reference.gflops(cpu, iters)?);
@@ -80,42 +81,6 @@ fn bench_all<B: Backend>(mut be: B, with_cpu_reference: bool, sizes: &[usize], i
 fn min_max(values: &[f64]) -> (f64, f64) {
     let min = values.iter().copied().fold(f64::INFINITY, f64::min);
     (min, values.iter().copied().fold(f64::NEG_INFINITY, f64::max))
-}
-
-/// `[s, s] @ [s, s]` forward matmuls on one backend's buffers, warmed up once when made.
-struct MatmulBench {
-    a: View,   // [s, s]
-    w: View,   // [s, s], InOut
-    out: View, // [s, s]
-    shape: MatmulShape,
-}
-
-impl MatmulBench {
-    fn new<B: Backend>(be: &mut B, s: usize) -> Result<Self> {
-        let (a, w, out) = (be.alloc(s * s)?, be.alloc(s * s)?, be.alloc(s * s)?);
-        be.fill(a, 0.5);
-        be.fill(w, 0.25);
-        let shape = MatmulShape {
-            n: s,
-            c: s,
-            oc: s,
-            layout: WeightLayout::InOut,
-        };
-        be.matmul_forward(out, a, w, None, shape);
-        be.synchronize()?;
-        Ok(MatmulBench { a, w, out, shape })
-    }
-
-    /// `iters` matmuls queued, then synchronized: GFLOP/s (2·s³ per matmul).
-    fn gflops<B: Backend>(&mut self, be: &mut B, iters: usize) -> Result<f64> {
-        let started = Instant::now();
-        for _ in 0..iters {
-            be.matmul_forward(self.out, self.a, self.w, None, self.shape);
-        }
-        be.synchronize()?;
-        let secs = started.elapsed().as_secs_f64();
-        Ok(2.0 * (self.shape.n as f64).powi(3) * iters as f64 / secs / 1e9)
-    }
 }
 
 /// `dst += src` over [`ELEMENTWISE_LEN`] elements: bytes moved = 3 × 4 × len per call (read both, write one).

@@ -10,9 +10,7 @@
 use super::params::{word, MatmulParams};
 use super::software::{column_sum_iterations, matmul_iterations};
 use super::windows::Win;
-use super::{ceil_div, Backend, MatmulShape, View, WeightLayout, WgpuBackend};
-use anyhow::Result;
-use std::time::Instant;
+use super::{ceil_div, MatmulShape, View, WeightLayout, WgpuBackend};
 
 /// C tile of one matmul workgroup (`TM` x `TN` of matmul.wgsl).
 const MATMUL_TILE_M: usize = 128;
@@ -349,26 +347,4 @@ impl WgpuBackend {
             self.dispatch("matmul", &wins, &p, groups);
         }
     }
-}
-
-/// Times `iters` forward matmuls `[m, k] @ [k, n]` (after one warm-up) and returns GFLOP/s.
-pub fn bench_matmul(be: &mut WgpuBackend, m: usize, k: usize, n: usize, iters: usize) -> Result<f64> {
-    let (a, w, o) = (be.alloc(m * k)?, be.alloc(k * n)?, be.alloc(m * n)?);
-    be.fill(a, 0.5);
-    be.fill(w, 0.25);
-    let shape = MatmulShape {
-        n: m,
-        c: k,
-        oc: n,
-        layout: WeightLayout::InOut,
-    };
-    be.matmul_forward(o, a, w, None, shape);
-    be.synchronize()?;
-    let start = Instant::now();
-    for _ in 0..iters {
-        be.matmul_forward(o, a, w, None, shape);
-    }
-    be.synchronize()?;
-    let secs = start.elapsed().as_secs_f64();
-    Ok(2.0 * (m * k * n * iters) as f64 / secs / 1e9)
 }

@@ -61,7 +61,6 @@ mod windows;
 
 pub use binding::BindGroupStats;
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
-pub use matmul::bench_matmul;
 pub use software::HARDWARE_KERNELS_ENV;
 
 use super::{AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View, WeightLayout};
