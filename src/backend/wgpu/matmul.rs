@@ -210,10 +210,7 @@ impl WgpuBackend {
     /// `dbias [oc] += column sums of dout [n, oc]`: one invocation per column, split by rows of `dout` when
     /// it exceeds a window.
     pub(super) fn matmul_bias_gradient(&mut self, dbias: View, dout: View, n: usize, oc: usize) {
-        let rows = self.rows_per_window(oc);
-        let mut r0 = 0;
-        while r0 < n {
-            let r1 = (r0 + rows).min(n);
+        for (r0, r1) in self.row_windows(n, oc) {
             let (wdb, wd) = (self.win(dbias), self.win(dout.sub(r0 * oc, (r1 - r0) * oc)));
             // C is dbias (one row), A is the rows of dout; the kernel reads m, n, the offsets and strides.
             let p = MatmulParams {
@@ -230,7 +227,6 @@ impl WgpuBackend {
                 return;
             }
             self.dispatch("matmul_backward_bias", &[wdb, wd], &p, groups);
-            r0 = r1;
         }
     }
 

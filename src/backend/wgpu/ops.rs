@@ -185,10 +185,7 @@ impl Backend for WgpuBackend {
         }
         let v = wte.len / c;
         let (wout, wtok, wwpe) = (self.win(out), self.twin(tokens), self.win(wpe.sub(0, t * c)));
-        let rows = self.rows_per_window(c);
-        let mut v0 = 0;
-        while v0 < v {
-            let v1 = (v0 + rows).min(v);
+        for (v0, v1) in self.row_windows(v, c) {
             let wwte = self.win(wte.sub(v0 * c, (v1 - v0) * c));
             let p = EncoderParams {
                 n: word(n),
@@ -204,7 +201,6 @@ impl Backend for WgpuBackend {
             let groups = self.grid1d(n * c);
             let wins = [wout.clone(), wwte, wwpe.clone(), wtok.clone()];
             self.dispatch("encoder_forward", &wins, &p, groups);
-            v0 = v1;
         }
     }
 
@@ -245,10 +241,7 @@ impl Backend for WgpuBackend {
         let v = dwte.len / c;
         let (u, index) = token_index(&self.token_buffer(tokens.buf).host[tokens.offset..tokens.offset + n], v);
         let waux = self.write_embed_index(&index);
-        let rows_per = self.rows_per_window(c);
-        let mut v0 = 0;
-        while v0 < v {
-            let v1 = (v0 + rows_per).min(v);
+        for (v0, v1) in self.row_windows(v, c) {
             let wdwte = self.win(dwte.sub(v0 * c, (v1 - v0) * c));
             let p = EncoderParams {
                 n: word(u),
@@ -263,7 +256,6 @@ impl Backend for WgpuBackend {
             let groups = self.grid1d(u * c);
             let wins = [wdwte, wdout.clone(), self.dummy_win(), waux.clone()];
             self.dispatch("encoder_backward_wte", &wins, &p, groups);
-            v0 = v1;
         }
     }
 
@@ -479,10 +471,7 @@ impl Backend for WgpuBackend {
 
     fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
         assert!(losses.len == n && logits.len == n * v && targets.len == n && v > 0);
-        let rows = self.rows_per_window(v);
-        let mut r0 = 0;
-        while r0 < n {
-            let r1 = (r0 + rows).min(n);
+        for (r0, r1) in self.row_windows(n, v) {
             let (wl, wx, wt) = (
                 self.win(losses.sub(r0, r1 - r0)),
                 self.win(logits.sub(r0 * v, (r1 - r0) * v)),
@@ -504,7 +493,6 @@ impl Backend for WgpuBackend {
                 return;
             };
             self.dispatch(kernel, &[wl, wx, wt], &p, groups);
-            r0 = r1;
         }
     }
 
@@ -521,10 +509,7 @@ impl Backend for WgpuBackend {
         if dlogits != logits {
             self.copy(dlogits, logits);
         }
-        let rows = self.rows_per_window(v);
-        let mut r0 = 0;
-        while r0 < n {
-            let r1 = (r0 + rows).min(n);
+        for (r0, r1) in self.row_windows(n, v) {
             let (wx, wt) = (
                 self.win(dlogits.sub(r0 * v, (r1 - r0) * v)),
                 self.twin(targets.sub(r0, r1 - r0)),
@@ -546,7 +531,6 @@ impl Backend for WgpuBackend {
             };
             let wins = [self.dummy_win(), wx, wt];
             self.dispatch(kernel, &wins, &p, groups);
-            r0 = r1;
         }
     }
 

@@ -137,7 +137,13 @@ impl WgpuBackend {
     }
 
     /// Rows of `[rows, row_len]` that one window can hold.
-    pub(super) fn rows_per_window(&self, row_len: usize) -> usize {
+    fn rows_per_window(&self, row_len: usize) -> usize {
         (self.max_window_elems() / row_len.max(1)).max(1)
+    }
+
+    /// The row ranges `[r0, r1)` of a `[rows, row_len]` tensor, in order, each as many rows as one window holds.
+    pub(super) fn row_windows(&self, rows: usize, row_len: usize) -> impl Iterator<Item = (usize, usize)> {
+        let per = self.rows_per_window(row_len);
+        (0..rows).step_by(per).map(move |r0| (r0, (r0 + per).min(rows)))
     }
 }
