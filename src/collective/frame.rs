@@ -104,6 +104,40 @@ pub enum FrameError {
 }
 
 impl Header {
+    /// The header of the data frame that carries ring message `msg` at collective `seq` of `step`.
+    pub fn of_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Header {
+        let (kind, len) = match &msg.payload {
+            Payload::F32(v) => (Kind::F32, v.len() * 4),
+            Payload::F32Le(p) => (Kind::F32, p.len_bytes()),
+            Payload::Bytes(v) => (Kind::Bytes, v.len()),
+        };
+        Header {
+            kind,
+            job,
+            step,
+            seq,
+            phase: msg.phase,
+            chunk: msg.chunk,
+            sub: msg.sub,
+            len: u32::try_from(len).expect("payload fits in u32"),
+        }
+    }
+
+    /// The header of a frame outside the ring's sequence (authentication, control, abort): step, sequence
+    /// and position are zero; [`encode_frame`] sets the length.
+    pub fn unsequenced(kind: Kind, job: u64) -> Header {
+        Header {
+            kind,
+            job,
+            step: 0,
+            seq: 0,
+            phase: 0,
+            chunk: 0,
+            sub: 0,
+            len: 0,
+        }
+    }
+
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
@@ -189,21 +223,8 @@ pub fn decode_frame(b: &[u8], max_payload: usize) -> Result<(Header, &[u8]), Fra
 
 /// Encodes a ring message as a data frame.
 pub fn encode_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Vec<u8> {
-    let (kind, len) = match &msg.payload {
-        Payload::F32(v) => (Kind::F32, v.len() * 4),
-        Payload::F32Le(p) => (Kind::F32, p.len_bytes()),
-        Payload::Bytes(v) => (Kind::Bytes, v.len()),
-    };
-    let h = Header {
-        kind,
-        job,
-        step,
-        seq,
-        phase: msg.phase,
-        chunk: msg.chunk,
-        sub: msg.sub,
-        len: u32::try_from(len).expect("payload fits in u32"),
-    };
+    let h = Header::of_msg(job, step, seq, msg);
+    let len = h.len as usize;
     let mut out = Vec::with_capacity(HEADER_LEN + len);
     h.encode(&mut out);
     match &msg.payload {

@@ -38,17 +38,7 @@ fn auth_token(key: &[u8; 32], conn: &Connection, role: u8) -> Result<blake3::Has
 
 /// The frame that carries one side's authentication token.
 fn auth_frame(token: &blake3::Hash) -> Vec<u8> {
-    let h = Header {
-        kind: Kind::Auth,
-        job: 0,
-        step: 0,
-        seq: 0,
-        phase: 0,
-        chunk: 0,
-        sub: 0,
-        len: 0,
-    };
-    frame::encode_frame(h, token.as_bytes())
+    frame::encode_frame(Header::unsequenced(Kind::Auth, 0), token.as_bytes())
 }
 
 /// Whether a received frame is an authentication frame holding exactly `want` (compared in constant time

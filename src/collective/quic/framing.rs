@@ -140,24 +140,11 @@ pub(super) async fn read_control(recv: &mut RecvStream, job: Option<u64>) -> Res
 /// The chunks of one data frame: the header, then the payload as its own buffer or buffers (no copy for
 /// f32; an owned buffer's storage returns to `pool` once quinn is done with it).
 pub(super) fn data_frame_chunks(job: u64, step: u64, seq: u64, m: Msg, pool: &Arc<BufferPool>) -> Vec<bytes::Bytes> {
-    let (kind, payload) = match m.payload {
-        Payload::F32(v) => (
-            Kind::F32,
-            vec![bytes::Bytes::from_owner(PooledLeF32::new(v, pool.clone()))],
-        ),
-        Payload::F32Le(p) => (Kind::F32, p.pieces),
-        Payload::Bytes(v) => (Kind::Bytes, vec![bytes::Bytes::from(v)]),
-    };
-    let len: usize = payload.iter().map(|b| b.len()).sum();
-    let h = Header {
-        kind,
-        job,
-        step,
-        seq,
-        phase: m.phase,
-        chunk: m.chunk,
-        sub: m.sub,
-        len: u32::try_from(len).expect("payload fits in u32"),
+    let h = Header::of_msg(job, step, seq, &m);
+    let payload = match m.payload {
+        Payload::F32(v) => vec![bytes::Bytes::from_owner(PooledLeF32::new(v, pool.clone()))],
+        Payload::F32Le(p) => p.pieces,
+        Payload::Bytes(v) => vec![bytes::Bytes::from(v)],
     };
     let mut hb = Vec::with_capacity(HEADER_LEN);
     h.encode(&mut hb);
@@ -169,17 +156,7 @@ pub(super) fn data_frame_chunks(job: u64, step: u64, seq: u64, m: Msg, pool: &Ar
 
 pub(super) fn control_frame(job: u64, c: &Control) -> Vec<u8> {
     let payload = serde_json::to_vec(c).expect("control messages serialize");
-    let h = Header {
-        kind: Kind::Control,
-        job,
-        step: 0,
-        seq: 0,
-        phase: 0,
-        chunk: 0,
-        sub: 0,
-        len: 0,
-    };
-    frame::encode_frame(h, &payload)
+    frame::encode_frame(Header::unsequenced(Kind::Control, job), &payload)
 }
 
 /// Abort notice: `chunk` = the rank blamed, `sub` = 1 when it is dead rather than aborting.
@@ -189,14 +166,9 @@ pub(super) fn abort_frame(job: u64, rank: usize, dead: bool, reason: &str) -> Ve
         r = &r[..MAX_REASON];
     }
     let h = Header {
-        kind: Kind::Abort,
-        job,
-        step: 0,
-        seq: 0,
-        phase: 0,
         chunk: rank as u32,
         sub: dead as u32,
-        len: 0,
+        ..Header::unsequenced(Kind::Abort, job)
     };
     frame::encode_frame(h, r)
 }
