@@ -1,0 +1,28 @@
+//! The AdamW update, element by element.
+
+use super::ELEMENTWISE_GRAIN;
+use crate::backend::cpu::real::Real;
+use crate::backend::AdamWStep;
+use rayon::prelude::*;
+
+/// torch.optim.AdamW (single-tensor path), element by element:
+/// `p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g^2; p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)`.
+pub fn adamw<F: Real>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], h: &AdamWStep) {
+    let f = |x: f32| F::from_f32(x);
+    let (lr, wd, b1, b2, eps) = (f(h.lr), f(h.weight_decay), f(h.beta1), f(h.beta2), f(h.eps));
+    let (step_size, bc2_sqrt, gs) = (f(h.step_size), f(h.bias_correction2_sqrt), f(h.grad_scale));
+    let decay = F::one() - lr * wd;
+    params
+        .par_iter_mut()
+        .zip(grads.par_iter())
+        .zip(m.par_iter_mut().zip(v.par_iter_mut()))
+        .with_min_len(ELEMENTWISE_GRAIN)
+        .for_each(|((p, &g), (m, v))| {
+            let g = g * gs;
+            *p = *p * decay;
+            *m = *m + (g - *m) * (F::one() - b1);
+            *v = *v * b2 + g * g * (F::one() - b2);
+            let denom = v.sqrt() / bc2_sqrt + eps;
+            *p = *p - step_size * (*m / denom);
+        });
+}

@@ -1,0 +1,88 @@
+//! Layer norm over the channel dimension, saving mean and 1/std for backward.
+
+use super::c;
+use crate::backend::cpu::real::Real;
+use rayon::prelude::*;
+
+pub const LAYERNORM_EPS: f64 = 1e-5;
+
+/// Layer norm of each row of `inp [n, c]`; saves the row mean and 1/std for backward.
+pub fn layernorm_forward<F: Real>(
+    out: &mut [F],
+    mean: &mut [F],
+    rstd: &mut [F],
+    inp: &[F],
+    weight: &[F],
+    bias: &[F],
+    ch: usize,
+) {
+    out.par_chunks_mut(ch)
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+        .enumerate()
+        .for_each(|(row, (o, (m, s)))| {
+            let x = &inp[row * ch..][..ch];
+            let n = F::from_f64(ch as f64);
+            let mu = x.iter().copied().fold(F::zero(), |a, b| a + b) / n;
+            let var = x.iter().fold(F::zero(), |a, &v| a + (v - mu) * (v - mu)) / n;
+            let r = F::one() / (var + c(LAYERNORM_EPS)).sqrt();
+            for i in 0..ch {
+                o[i] = (x[i] - mu) * r * weight[i] + bias[i];
+            }
+            *m = mu;
+            *s = r;
+        });
+}
+
+/// Accumulates the layer-norm gradients: `dinp += ...`, `dweight += ...`, `dbias += ...`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward<F: Real>(
+    dinp: &mut [F],
+    dweight: &mut [F],
+    dbias: &mut [F],
+    dout: &[F],
+    inp: &[F],
+    weight: &[F],
+    mean: &[F],
+    rstd: &[F],
+    ch: usize,
+) {
+    let n = F::from_f64(ch as f64);
+    // Input gradient, one row per task.
+    dinp.par_chunks_mut(ch).enumerate().for_each(|(row, di)| {
+        let x = &inp[row * ch..][..ch];
+        let d = &dout[row * ch..][..ch];
+        let (mu, r) = (mean[row], rstd[row]);
+        let mut dnorm_mean = F::zero();
+        let mut dnorm_norm_mean = F::zero();
+        for i in 0..ch {
+            let norm = (x[i] - mu) * r;
+            let dnorm = weight[i] * d[i];
+            dnorm_mean = dnorm_mean + dnorm;
+            dnorm_norm_mean = dnorm_norm_mean + dnorm * norm;
+        }
+        dnorm_mean = dnorm_mean / n;
+        dnorm_norm_mean = dnorm_norm_mean / n;
+        for i in 0..ch {
+            let norm = (x[i] - mu) * r;
+            let dnorm = weight[i] * d[i];
+            di[i] = di[i] + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+        }
+    });
+    // Parameter gradients: one column per task, rows summed in order.
+    let rows = mean.len();
+    dweight
+        .par_iter_mut()
+        .zip(dbias.par_iter_mut())
+        .enumerate()
+        .for_each(|(i, (dw, db))| {
+            let (mut sw, mut sb) = (F::zero(), F::zero());
+            for row in 0..rows {
+                let norm = (inp[row * ch + i] - mean[row]) * rstd[row];
+                let d = dout[row * ch + i];
+                sw = sw + norm * d;
+                sb = sb + d;
+            }
+            *dw = *dw + sw;
+            *db = *db + sb;
+        });
+}

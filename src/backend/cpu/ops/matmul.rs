@@ -1,0 +1,141 @@
+//! The linear layers: `inp @ W (+ bias)` and its backward, through the strided gemm of [`Real`].
+
+use crate::backend::cpu::real::{Real, Strided, StridedMut};
+use crate::backend::{MatmulShape, WeightLayout};
+use rayon::prelude::*;
+
+/// The weight as a `c x oc` matrix (what the forward multiplies by).
+fn weight_as_in_out<F>(w: &[F], s: MatmulShape) -> Strided<'_, F> {
+    match s.layout {
+        WeightLayout::InOut => Strided {
+            data: w,
+            rs: s.oc,
+            cs: 1,
+        },
+        WeightLayout::OutIn => Strided {
+            data: w,
+            rs: 1,
+            cs: s.c,
+        },
+    }
+}
+
+/// `out [n, oc] = inp [n, c] @ W (+ bias [oc])`.
+pub fn matmul_forward<F: Real>(out: &mut [F], inp: &[F], weight: &[F], bias: Option<&[F]>, s: MatmulShape) {
+    F::gemm(
+        s.n,
+        s.c,
+        s.oc,
+        Strided {
+            data: inp,
+            rs: s.c,
+            cs: 1,
+        },
+        weight_as_in_out(weight, s),
+        F::zero(),
+        StridedMut {
+            data: out,
+            rs: s.oc,
+            cs: 1,
+        },
+    );
+    if let Some(bias) = bias {
+        out.par_chunks_mut(s.oc).for_each(|row| {
+            for (o, &b) in row.iter_mut().zip(bias) {
+                *o = *o + b;
+            }
+        });
+    }
+}
+
+/// `dinp = dout @ W^T`; `dW += inp^T @ dout` (in W's layout); `dbias += sum over rows of dout`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward<F: Real>(
+    dinp: &mut [F],
+    dweight: &mut [F],
+    dbias: Option<&mut [F]>,
+    dout: &[F],
+    inp: &[F],
+    weight: &[F],
+    s: MatmulShape,
+) {
+    // W as an `oc x c` matrix is the transpose of the forward view.
+    let w = weight_as_in_out(weight, s);
+    let w_t = Strided {
+        data: w.data,
+        rs: w.cs,
+        cs: w.rs,
+    };
+    F::gemm(
+        s.n,
+        s.oc,
+        s.c,
+        Strided {
+            data: dout,
+            rs: s.oc,
+            cs: 1,
+        },
+        w_t,
+        F::zero(),
+        StridedMut {
+            data: dinp,
+            rs: s.c,
+            cs: 1,
+        },
+    );
+    match s.layout {
+        // dW [c, oc] += inp^T [c, n] @ dout [n, oc]
+        WeightLayout::InOut => F::gemm(
+            s.c,
+            s.n,
+            s.oc,
+            Strided {
+                data: inp,
+                rs: 1,
+                cs: s.c,
+            },
+            Strided {
+                data: dout,
+                rs: s.oc,
+                cs: 1,
+            },
+            F::one(),
+            StridedMut {
+                data: dweight,
+                rs: s.oc,
+                cs: 1,
+            },
+        ),
+        // dW [oc, c] += dout^T [oc, n] @ inp [n, c]
+        WeightLayout::OutIn => F::gemm(
+            s.oc,
+            s.n,
+            s.c,
+            Strided {
+                data: dout,
+                rs: 1,
+                cs: s.oc,
+            },
+            Strided {
+                data: inp,
+                rs: s.c,
+                cs: 1,
+            },
+            F::one(),
+            StridedMut {
+                data: dweight,
+                rs: s.c,
+                cs: 1,
+            },
+        ),
+    }
+    if let Some(dbias) = dbias {
+        dbias.par_iter_mut().enumerate().for_each(|(o, db)| {
+            let mut sum = F::zero();
+            for row in 0..s.n {
+                sum = sum + dout[row * s.oc + o];
+            }
+            *db = *db + sum;
+        });
+    }
+}
