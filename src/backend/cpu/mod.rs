@@ -3,6 +3,7 @@
 
 pub mod ops;
 pub mod real;
+pub mod transcendental;
 
 pub use real::Real;
 

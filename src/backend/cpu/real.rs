@@ -1,11 +1,12 @@
 //! The float type of the CPU backend. The reference ops are generic so that the same readable code runs in
 //! f32 (training) and in f64 (finite-difference gradient checks).
 
+use super::transcendental::SliceTanh;
 use num_traits::Float;
 use rayon::prelude::*;
 use std::fmt::Debug;
 
-pub trait Real: Float + Send + Sync + Debug + Default + std::iter::Sum + 'static {
+pub trait Real: Float + SliceTanh + Send + Sync + Debug + Default + std::iter::Sum + 'static {
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
     fn from_f64(x: f64) -> Self;

@@ -12,17 +12,18 @@ pub fn adamw<F: Real>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], h
     let (lr, wd, b1, b2, eps) = (f(h.lr), f(h.weight_decay), f(h.beta1), f(h.beta2), f(h.eps));
     let (step_size, bc2_sqrt, gs) = (f(h.step_size), f(h.bias_correction2_sqrt), f(h.grad_scale));
     let decay = F::one() - lr * wd;
-    params
-        .par_iter_mut()
-        .zip(grads.par_iter())
-        .zip(m.par_iter_mut().zip(v.par_iter_mut()))
-        .with_min_len(ELEMENTWISE_GRAIN)
-        .for_each(|((p, &g), (m, v))| {
+    let chunks = params
+        .par_chunks_mut(ELEMENTWISE_GRAIN)
+        .zip(grads.par_chunks(ELEMENTWISE_GRAIN))
+        .zip(m.par_chunks_mut(ELEMENTWISE_GRAIN).zip(v.par_chunks_mut(ELEMENTWISE_GRAIN)));
+    chunks.for_each(|((params, grads), (m, v))| {
+        for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
             let g = g * gs;
             *p = *p * decay;
             *m = *m + (g - *m) * (F::one() - b1);
             *v = *v * b2 + g * g * (F::one() - b2);
             let denom = v.sqrt() / bc2_sqrt + eps;
             *p = *p - step_size * (*m / denom);
-        });
+        }
+    });
 }

@@ -6,6 +6,9 @@ use rayon::prelude::*;
 
 pub const LAYERNORM_EPS: f64 = 1e-5;
 
+/// Columns per task in the parameter-gradient sweep.
+const COLUMNS_PER_TASK: usize = 64;
+
 /// Layer norm of each row of `inp [n, c]`; saves the row mean and 1/std for backward.
 pub fn layernorm_forward<F: Real>(
     out: &mut [F],
@@ -68,21 +71,31 @@ pub fn layernorm_backward<F: Real>(
             di[i] = di[i] + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
         }
     });
-    // Parameter gradients: one column per task, rows summed in order.
+    // Parameter gradients: each task owns a block of columns and sweeps the rows in order, so every
+    // column is summed row after row (the same order as one column at a time) while the inner loop runs
+    // along contiguous memory.
     let rows = mean.len();
     dweight
-        .par_iter_mut()
-        .zip(dbias.par_iter_mut())
+        .par_chunks_mut(COLUMNS_PER_TASK)
+        .zip(dbias.par_chunks_mut(COLUMNS_PER_TASK))
         .enumerate()
-        .for_each(|(i, (dw, db))| {
-            let (mut sw, mut sb) = (F::zero(), F::zero());
+        .for_each(|(block, (dw, db))| {
+            let (first, width) = (block * COLUMNS_PER_TASK, dw.len());
+            // [width] each: this block's running sums over the rows seen so far.
+            let (mut sum_w, mut sum_b) = (vec![F::zero(); width], vec![F::zero(); width]);
             for row in 0..rows {
-                let norm = (inp[row * ch + i] - mean[row]) * rstd[row];
-                let d = dout[row * ch + i];
-                sw = sw + norm * d;
-                sb = sb + d;
+                let (mu, r) = (mean[row], rstd[row]);
+                let x = &inp[row * ch + first..][..width];
+                let d = &dout[row * ch + first..][..width];
+                for i in 0..width {
+                    let norm = (x[i] - mu) * r;
+                    sum_w[i] = sum_w[i] + norm * d[i];
+                    sum_b[i] = sum_b[i] + d[i];
+                }
             }
-            *dw = *dw + sw;
-            *db = *db + sb;
+            for i in 0..width {
+                dw[i] = dw[i] + sum_w[i];
+                db[i] = db[i] + sum_b[i];
+            }
         });
 }

@@ -130,12 +130,25 @@ pub fn matmul_backward<F: Real>(
         ),
     }
     if let Some(dbias) = dbias {
-        dbias.par_iter_mut().enumerate().for_each(|(o, db)| {
-            let mut sum = F::zero();
-            for row in 0..s.n {
-                sum = sum + dout[row * s.oc + o];
-            }
-            *db = *db + sum;
-        });
+        add_column_sums(dbias, dout, s.oc);
     }
+}
+
+/// `sums[j] += sum over the rows of m [rows, sums.len()] of m[row, j]`, rows added in order. Each task owns
+/// a block of columns and sweeps the rows, so the inner loop runs along contiguous memory.
+fn add_column_sums<F: Real>(sums: &mut [F], m: &[F], width: usize) {
+    const COLUMNS_PER_TASK: usize = 64;
+    sums.par_chunks_mut(COLUMNS_PER_TASK).enumerate().for_each(|(block, out)| {
+        let first = block * COLUMNS_PER_TASK;
+        // [out.len()]: the running sums of this block's columns.
+        let mut acc = vec![F::zero(); out.len()];
+        for row in m.chunks_exact(width) {
+            for (a, &x) in acc.iter_mut().zip(&row[first..first + out.len()]) {
+                *a = *a + x;
+            }
+        }
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = *o + a;
+        }
+    });
 }
