@@ -332,6 +332,48 @@ fn launch_trains_data_parallel_over_quic() {
     assert_eq!((state.world_size, state.step), (2, 6));
 }
 
+/// Each rank gets the host's cores divided by the ranks `launch` starts on it, unless `--threads` says
+/// otherwise; a thread count of 0 is refused.
+#[test]
+fn launch_divides_the_cores_among_its_ranks() {
+    let train = [
+        "train",
+        "--model",
+        "tiny",
+        "--n-layer",
+        "1",
+        "--seq-len",
+        "8",
+        "--batch-size",
+        "1",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = vec!["launch", "--nproc", "2", "--"];
+        args.extend_from_slice(&train);
+        args.extend_from_slice(&["--steps", "1", "--eval-every", "0"]);
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+            .args(&args)
+            .env_remove("RAYON_NUM_THREADS")
+            .output()
+            .expect("run ringtrain");
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{args:?} failed:\n{stderr}");
+        stderr
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let each = (cores / 2).max(1);
+    let plural = if each == 1 { "" } else { "s" };
+    let want = format!("{each} compute thread{plural} ({cores} cores / 2 local rank(s))");
+    let stderr = run(&[]);
+    assert!(stderr.contains(&want), "expected {want:?} in\n{stderr}");
+    let stderr = run(&["--threads", "3"]);
+    assert!(stderr.contains("3 compute threads (--threads)"), "{stderr}");
+    let mut zero = train.to_vec();
+    zero.extend_from_slice(&["--threads", "0"]);
+    fails_with(&zero, "--threads 0 must be between 1 and 1024");
+}
+
 #[test]
 fn bench_allreduce_prints_an_nccl_tests_table() {
     let out = ringtrain(&[

@@ -121,6 +121,7 @@ fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collecti
         rank,
         world_size: cfg.workers,
         local_rank: rank,
+        local_world_size: cfg.workers,
         master_addr: "127.0.0.1".into(),
         master_port: port,
         source: LaunchSource::Flags,

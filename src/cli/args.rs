@@ -145,6 +145,9 @@ pub struct TrainArgs {
     /// File holding the cluster secret (or set RINGTRAIN_SECRET)
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
+    /// Compute threads of this rank (default: RAYON_NUM_THREADS, else the host's cores / ranks on this host)
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 impl TrainArgs {

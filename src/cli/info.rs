@@ -7,8 +7,8 @@ use ringtrain::backend::wgpu::list_adapters;
 pub fn run_info() -> Result<()> {
     println!("ringtrain {}", env!("CARGO_PKG_VERSION"));
     println!(
-        "cpu:  reference backend, {} threads (set RAYON_NUM_THREADS to change)",
-        rayon::current_num_threads()
+        "cpu:  reference backend, {} cores (train uses them all, or --threads N; launch divides them among its ranks)",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     let adapters = list_adapters();
     if adapters.is_empty() {

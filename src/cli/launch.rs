@@ -45,6 +45,7 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) ->
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", nproc.to_string())
             .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("RINGTRAIN_SECRET", &secret)

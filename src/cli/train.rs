@@ -9,7 +9,9 @@ use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::Backend;
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, DataSplits};
-use ringtrain::dist::{detect_launch, join, load_secret, JoinOptions, LaunchEnv, LaunchFlags};
+use ringtrain::dist::{
+    detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
+};
 use ringtrain::metrics::{MetricsWriter, StepMetrics};
 use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
@@ -27,6 +29,8 @@ struct RunSetup {
     timeout: Duration,
     /// Digest of everything the ranks must agree on (model shape and batch layout), sent in the hello.
     job_hash: u64,
+    /// This rank's compute threads, already installed.
+    threads: ThreadBudget,
 }
 
 /// Default deadline of one collective: generous, since it also covers waiting for the slowest rank's
@@ -43,6 +47,11 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         master_port: args.master_port,
     };
     let launch = detect_launch(&flags, |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let rayon_env = std::env::var("RAYON_NUM_THREADS").ok();
+    let threads = thread_budget(args.threads, rayon_env.as_deref(), launch.local_world_size, cores)
+        .map_err(anyhow::Error::msg)?;
+    threads::install(threads).map_err(anyhow::Error::msg)?;
     let timeout_secs = args.timeout.unwrap_or(DEFAULT_TIMEOUT_SECS);
     ensure!(
         timeout_secs.is_finite() && timeout_secs > 0.0,
@@ -80,6 +89,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         secret_file: args.secret_file.clone(),
         timeout: Duration::from_secs_f64(timeout_secs),
         job_hash,
+        threads,
     })
 }
 
@@ -109,7 +119,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         s.metrics_path.as_deref(),
         resuming,
         is_rank0,
-        &selection.reason,
+        &format!("{}; {}", selection.reason, s.threads),
     );
     if let Err(e) = &result {
         trainer.abort(&format!("{e:#}"));

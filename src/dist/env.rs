@@ -31,6 +31,9 @@ pub struct LaunchEnv {
     pub world_size: usize,
     /// Picks the GPU on a multi-GPU host.
     pub local_rank: usize,
+    /// Ranks on this host (torchrun's LOCAL_WORLD_SIZE, Slurm's tasks on this node; 1 when unknown): the
+    /// host's cores are divided among them.
+    pub local_world_size: usize,
     pub master_addr: String,
     pub master_port: u16,
     pub source: LaunchSource,
@@ -87,6 +90,15 @@ pub fn detect_launch(flags: &LaunchFlags, getenv: impl Fn(&str) -> Option<String
     let s_rank: Option<usize> = parse("SLURM_PROCID", getenv("SLURM_PROCID"))?;
     let s_world: Option<usize> = parse("SLURM_NTASKS", getenv("SLURM_NTASKS"))?;
     let s_local: Option<usize> = parse("SLURM_LOCALID", getenv("SLURM_LOCALID"))?;
+    let t_local_world: Option<usize> = parse("LOCAL_WORLD_SIZE", getenv("LOCAL_WORLD_SIZE"))?;
+    let s_node: Option<usize> = parse("SLURM_NODEID", getenv("SLURM_NODEID"))?;
+    let s_local_world = match getenv("SLURM_TASKS_PER_NODE") {
+        Some(list) => Some(
+            slurm_tasks_on_node(&list, s_node.unwrap_or(0))
+                .ok_or_else(|| format!("environment variable SLURM_TASKS_PER_NODE={list:?} is not valid"))?,
+        ),
+        None => None,
+    };
     let s_addr = getenv("SLURM_JOB_NODELIST")
         .or_else(|| getenv("SLURM_NODELIST"))
         .and_then(|l| first_slurm_host(&l));
@@ -103,6 +115,11 @@ pub fn detect_launch(flags: &LaunchFlags, getenv: impl Fn(&str) -> Option<String
     let world_size = flags.world_size.or(t_world).or(s_world).unwrap_or(1);
     let rank = flags.rank.or(t_rank).or(s_rank).unwrap_or(0);
     let local_rank = flags.local_rank.or(t_local).or(s_local).unwrap_or(0);
+    let local_world_size = match source {
+        LaunchSource::Slurm => s_local_world,
+        _ => t_local_world,
+    }
+    .unwrap_or(1);
     let master_addr = flags
         .master_addr
         .clone()
@@ -120,10 +137,29 @@ pub fn detect_launch(flags: &LaunchFlags, getenv: impl Fn(&str) -> Option<String
         rank,
         world_size,
         local_rank,
+        local_world_size,
         master_addr,
         master_port,
         source,
     })
+}
+
+/// The tasks on node `node` of a Slurm task list such as `2(x3),1` (nodes 0-2 run 2 tasks, node 3 runs 1).
+/// `None` when the list is malformed or has no such node.
+pub fn slurm_tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut first_node = 0usize;
+    for group in list.trim().split(',') {
+        let (tasks, repeat) = match group.split_once("(x") {
+            Some((tasks, rest)) => (tasks, rest.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (group, 1),
+        };
+        let tasks: usize = tasks.parse().ok()?;
+        if node < first_node.checked_add(repeat)? {
+            return Some(tasks);
+        }
+        first_node += repeat;
+    }
+    None
 }
 
 /// The cluster secret: `--secret-file` first, then `RINGTRAIN_SECRET`; `None` when neither is set.
@@ -242,6 +278,52 @@ mod tests {
         assert_eq!((f.rank, f.world_size, f.source), (1, 2, LaunchSource::Flags));
         assert!(detect_launch(&LaunchFlags::default(), env(&[("RANK", "4"), ("WORLD_SIZE", "4")])).is_err());
         assert!(detect_launch(&LaunchFlags::default(), env(&[("RANK", "x")])).is_err());
+    }
+
+    #[test]
+    fn local_world_size() {
+        let t = detect_launch(
+            &LaunchFlags::default(),
+            env(&[("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2")]),
+        )
+        .unwrap();
+        assert_eq!(t.local_world_size, 2);
+        let s = detect_launch(
+            &LaunchFlags::default(),
+            env(&[
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "7"),
+                ("SLURM_NODEID", "3"),
+                ("SLURM_TASKS_PER_NODE", "2(x3),1"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.local_world_size, 1);
+        assert_eq!(
+            detect_launch(&LaunchFlags::default(), env(&[]))
+                .unwrap()
+                .local_world_size,
+            1
+        );
+        let bad = detect_launch(
+            &LaunchFlags::default(),
+            env(&[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_TASKS_PER_NODE", "2(x"),
+            ]),
+        );
+        assert!(bad.unwrap_err().contains("SLURM_TASKS_PER_NODE"));
+    }
+
+    #[test]
+    fn slurm_task_lists() {
+        assert_eq!(slurm_tasks_on_node("4", 0), Some(4));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(slurm_tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(slurm_tasks_on_node("x", 0), None);
+        assert_eq!(slurm_tasks_on_node("1(x18446744073709551615),1", 5), Some(1));
     }
 
     #[test]

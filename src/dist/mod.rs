@@ -3,8 +3,10 @@
 //! the sim and the tests. The rendezvous itself and its messages live in [`crate::collective::quic`].
 
 pub mod env;
+pub mod threads;
 
 pub use env::{detect_launch, generate_secret, load_secret, resolve_master, LaunchEnv, LaunchFlags, LaunchSource};
+pub use threads::{thread_budget, ThreadBudget};
 
 use std::time::Duration;
 

@@ -83,7 +83,12 @@ mod tests {
             x += 1.0 / 16384.0;
         }
         println!("largest |tanh_f32 - tanh|: {:e} at x = {}", worst.0, worst.1);
-        assert!(worst.0 <= TANH_F32_MAX_ABS_ERROR, "error {:e} at x = {}", worst.0, worst.1);
+        assert!(
+            worst.0 <= TANH_F32_MAX_ABS_ERROR,
+            "error {:e} at x = {}",
+            worst.0,
+            worst.1
+        );
         for tiny in [0.0f32, -0.0, 1e-30, -1e-30, f32::MIN_POSITIVE, 1e-8] {
             assert!((tanh_f32(tiny) as f64 - (tiny as f64).tanh()).abs() <= TANH_F32_MAX_ABS_ERROR);
         }

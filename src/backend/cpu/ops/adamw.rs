@@ -15,7 +15,10 @@ pub fn adamw<F: Real>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], h
     let chunks = params
         .par_chunks_mut(ELEMENTWISE_GRAIN)
         .zip(grads.par_chunks(ELEMENTWISE_GRAIN))
-        .zip(m.par_chunks_mut(ELEMENTWISE_GRAIN).zip(v.par_chunks_mut(ELEMENTWISE_GRAIN)));
+        .zip(
+            m.par_chunks_mut(ELEMENTWISE_GRAIN)
+                .zip(v.par_chunks_mut(ELEMENTWISE_GRAIN)),
+        );
     chunks.for_each(|((params, grads), (m, v))| {
         for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
             let g = g * gs;

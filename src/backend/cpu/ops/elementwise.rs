@@ -39,7 +39,10 @@ pub fn gelu_forward<F: Real>(out: &mut [F], inp: &[F]) {
 pub fn gelu_backward<F: Real>(dinp: &mut [F], inp: &[F], dout: &[F]) {
     let k = gelu_scale::<F>();
     dinp.par_chunks_mut(ELEMENTWISE_GRAIN)
-        .zip(inp.par_chunks(ELEMENTWISE_GRAIN).zip(dout.par_chunks(ELEMENTWISE_GRAIN)))
+        .zip(
+            inp.par_chunks(ELEMENTWISE_GRAIN)
+                .zip(dout.par_chunks(ELEMENTWISE_GRAIN)),
+        )
         .for_each(|(dinp, (inp, dout))| {
             // `dinp` holds tanh(arg) until the last pass overwrites it with the gradient.
             gelu_tanh_arg(dinp, inp);

@@ -138,17 +138,19 @@ pub fn matmul_backward<F: Real>(
 /// a block of columns and sweeps the rows, so the inner loop runs along contiguous memory.
 fn add_column_sums<F: Real>(sums: &mut [F], m: &[F], width: usize) {
     const COLUMNS_PER_TASK: usize = 64;
-    sums.par_chunks_mut(COLUMNS_PER_TASK).enumerate().for_each(|(block, out)| {
-        let first = block * COLUMNS_PER_TASK;
-        // [out.len()]: the running sums of this block's columns.
-        let mut acc = vec![F::zero(); out.len()];
-        for row in m.chunks_exact(width) {
-            for (a, &x) in acc.iter_mut().zip(&row[first..first + out.len()]) {
-                *a = *a + x;
+    sums.par_chunks_mut(COLUMNS_PER_TASK)
+        .enumerate()
+        .for_each(|(block, out)| {
+            let first = block * COLUMNS_PER_TASK;
+            // [out.len()]: the running sums of this block's columns.
+            let mut acc = vec![F::zero(); out.len()];
+            for row in m.chunks_exact(width) {
+                for (a, &x) in acc.iter_mut().zip(&row[first..first + out.len()]) {
+                    *a = *a + x;
+                }
             }
-        }
-        for (o, a) in out.iter_mut().zip(acc) {
-            *o = *o + a;
-        }
-    });
+            for (o, a) in out.iter_mut().zip(acc) {
+                *o = *o + a;
+            }
+        });
 }
