@@ -1,17 +1,46 @@
 #!/usr/bin/env bash
-# CPU training-step benchmark: ringtrain's CPU backend against PyTorch eager fp32 on the same cores, in one
-# run, alternating the two so that background load hits both alike. Prints one JSON line per measurement.
-# usage: bench/cpu_step.sh [rounds]   (needs: cargo; python3 with torch + transformers for the reference)
+# CPU training-step benchmark: ringtrain's CPU backend against PyTorch eager fp32 on the same shapes and
+# thread counts, in one run. Each round runs every (threads, model) point for both, ringtrain first in odd
+# rounds and PyTorch first in even ones, so background load hits both alike. Prints one JSON line per
+# measurement, then a table of medians over the rounds (of each run's mean ms/step).
+# usage: bench/cpu_step.sh [rounds] [out.jsonl]   (needs: cargo; python3 with torch + transformers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=${1:-3}
-threads=$(nproc)
+rounds=${1:-5}
+out=${2:-$(mktemp --suffix=.jsonl)}
+steps=20
+warmup=3
 cargo build --release -q
-echo "# machine: $(lscpu | sed -n 's/^Model name: *//p'), ${threads} cores; $(date -u +%F)"
+echo "# machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $(date -u '+%F %H:%M') UTC; commit $(git rev-parse --short HEAD)"
+: >"$out"
+ringtrain() {
+  target/release/ringtrain bench step --backend cpu --model "$1" --batch-size "$2" --seq-len "$3" \
+    --threads "$4" --steps $steps --warmup-steps $warmup 2>/dev/null |
+    python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d.update(model=sys.argv[1], threads=int(sys.argv[2])); print(json.dumps(d))' "$1" "$4"
+}
+pytorch() {
+  python3 scripts/bench_torch_cpu.py --model "$1" --batch-size "$2" --seq-len "$3" --threads "$4" \
+    --steps $steps --warmup $warmup
+}
 for round in $(seq "$rounds"); do
-  for spec in "tiny 4 64" "small 4 128"; do
-    set -- $spec
-    RAYON_NUM_THREADS=$threads target/release/ringtrain bench step --model "$1" --batch-size "$2" --seq-len "$3" --steps 20 --warmup-steps 3 2>/dev/null
-    python3 scripts/bench_torch_cpu.py --model "$1" --batch-size "$2" --seq-len "$3" --steps 20 --warmup 3 --threads "$threads"
+  for threads in 1 2; do
+    for spec in "tiny 8 64" "small 8 128"; do
+      set -- $spec
+      if ((round % 2)); then order="ringtrain pytorch"; else order="pytorch ringtrain"; fi
+      for impl in $order; do
+        $impl "$1" "$2" "$3" "$threads" | tee -a "$out"
+      done
+    done
   done
 done
+python3 - "$out" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+key = lambda r: (r["model"], r["batch"], r["seq"], r["threads"])
+print(f"\n{'model':6} {'B x T':8} {'thr':>3} {'ringtrain ms':>13} {'PyTorch ms':>11} {'ratio':>6}  (medians of {len(rows)//8} rounds; ratio = PyTorch ms / ringtrain ms)")
+for k in sorted({key(r) for r in rows}, key=lambda k: (k[0] != "tiny", k[3])):
+    ms = lambda impl: statistics.median(r["ms_per_step"] for r in rows if key(r) == k and r["impl"] == impl)
+    rt, pt = ms("ringtrain"), ms("pytorch-eager-cpu")
+    print(f"{k[0]:6} {k[1]}x{k[2]:<6} {k[3]:>3} {rt:13.2f} {pt:11.2f} {pt / rt:6.2f}")
+print(f"raw lines: {sys.argv[1]}")
+EOF
