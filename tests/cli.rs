@@ -374,6 +374,27 @@ fn launch_divides_the_cores_among_its_ranks() {
     fails_with(&zero, "--threads 0 must be between 1 and 1024");
 }
 
+/// A run whose memory plan cannot fit (terabytes of activations) is refused at start, with the plan's
+/// largest term named, instead of failing on an allocation.
+#[test]
+fn a_run_that_cannot_fit_is_refused_at_start() {
+    let args = [
+        "train",
+        "--model",
+        "gpt2",
+        "--batch-size",
+        "4096",
+        "--seq-len",
+        "1024",
+        "--steps",
+        "1",
+    ];
+    fails_with(&args, "the largest term is activations");
+    let out = ringtrain(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("memory plan: parameters 474.7 MiB"), "{stderr}");
+}
+
 #[test]
 fn bench_allreduce_prints_an_nccl_tests_table() {
     let out = ringtrain(&[

@@ -2,7 +2,7 @@
 //! code generic over `B: Backend` (the trainer, the model) runs on the `Box<dyn Backend>` the
 //! [factory](super::factory) returns.
 
-use super::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View};
+use super::{AdamWStep, AttentionShape, Backend, BackendMemory, MatmulShape, TokenView, View};
 use anyhow::Result;
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -164,6 +164,10 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
         (**self).check_step_shape(b, t, c, nh)
+    }
+
+    fn memory(&self) -> BackendMemory {
+        (**self).memory()
     }
 
     fn synchronize(&mut self) -> Result<()> {

@@ -80,6 +80,15 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// Where a backend keeps its buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendMemory {
+    /// In the process's own memory, beside the host staging buffers (the CPU backend).
+    Host,
+    /// On a device; `available` is the free device memory in bytes where the driver reports it.
+    Device { available: Option<u64> },
+}
+
 /// The op set of a GPT-2 training step. Every method panics only on a programming error (views of the
 /// wrong length, a view into a freed buffer); anything that depends on the outside world returns `Result`
 /// now or, for ops, at the next synchronisation point.
@@ -195,6 +204,11 @@ pub trait Backend {
     fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
         let _ = (b, t, c, nh);
         Ok(())
+    }
+
+    /// Where this backend's buffers live and how much room is left there, for the memory plan.
+    fn memory(&self) -> BackendMemory {
+        BackendMemory::Device { available: None }
     }
 
     /// Waits for queued work, then returns the first error recorded since the last synchronisation point

@@ -13,7 +13,7 @@ use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
 };
 use ringtrain::metrics::{MetricsWriter, StepMetrics};
-use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
+use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
 
 /// Everything a run needs, resolved from flags, the TOML file and the launch environment.
@@ -31,6 +31,8 @@ struct RunSetup {
     job_hash: u64,
     /// This rank's compute threads, already installed.
     threads: ThreadBudget,
+    /// What this rank will allocate, checked against the room it has once the backend is open.
+    plan: MemoryPlan,
 }
 
 /// Default deadline of one collective: generous, since it also covers waiting for the slowest rank's
@@ -79,6 +81,15 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
     let backend = parse_backend(args.backend.as_deref())?;
     let job_hash = opts.job_hash(&model, launch.world_size);
+    let resume = matches!(source, ModelSource::Resume(_));
+    let plan = MemoryPlan::new(
+        &model,
+        opts.batch_size,
+        opts.seq_len,
+        opts.grad_accum,
+        launch.world_size,
+        resume,
+    );
     Ok(RunSetup {
         source,
         data,
@@ -90,7 +101,20 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         timeout: Duration::from_secs_f64(timeout_secs),
         job_hash,
         threads,
+        plan,
     })
+}
+
+/// Prints this rank's memory plan and refuses to go on when it does not fit the backend's memory.
+fn check_memory_plan(s: &RunSetup, be: &dyn Backend) -> Result<()> {
+    let who = match s.launch.world_size {
+        1 => String::new(),
+        _ => format!("rank {}: ", s.launch.rank),
+    };
+    eprintln!("{who}{}", s.plan);
+    s.plan
+        .check(be.memory(), host_available())
+        .map_err(|e| anyhow::anyhow!("{who}{e}"))
 }
 
 /// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise.
@@ -110,6 +134,7 @@ fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let s = setup(args)?;
     let (be, selection) = open_backend(s.backend, s.launch.local_rank)?;
+    check_memory_plan(&s, &*be)?;
     let resuming = matches!(s.source, ModelSource::Resume(_));
     let comm = connect(&s)?;
     let is_rank0 = s.launch.rank == 0;
@@ -216,7 +241,9 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     args.save = None;
     let s = setup(args)?;
     let (be, _) = open_backend(s.backend, s.launch.local_rank)?;
+    check_memory_plan(&s, &*be)?;
     let comm = connect(&s)?;
+    let plan_peak = s.plan.peak();
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     for _ in 0..warmup {
         trainer.train_step()?;
@@ -239,6 +266,8 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
         "ms_per_step": secs * 1e3 / timed as f64,
         "tokens_per_s": tokens / secs,
         "gflops": flops / secs / 1e9,
+        "plan_peak_bytes": plan_peak,
+        "measured_peak_bytes": measured_peak(),
     });
     println!("{line}");
     Ok(())

@@ -81,30 +81,14 @@ impl Carver {
 
 impl Activations {
     fn new<B: Backend>(be: &mut B, cfg: &ModelConfig, b: usize, t: usize) -> Result<Self> {
-        let mut counter = Carver { whole: None, next: 0 };
-        Self::carve(
-            &mut counter,
-            cfg,
-            b,
-            t,
-            TokenView {
-                buf: usize::MAX,
-                offset: 0,
-                len: 0,
-            },
-            TokenView {
-                buf: usize::MAX,
-                offset: 0,
-                len: 0,
-            },
-        );
+        let total = Gpt2::activation_floats(cfg, b, t);
         let mut carver = Carver {
-            whole: Some(be.alloc(counter.next)?),
+            whole: Some(be.alloc(total)?),
             next: 0,
         };
         let (tokens, targets) = (be.alloc_tokens(b * t)?, be.alloc_tokens(b * t)?);
         let acts = Self::carve(&mut carver, cfg, b, t, tokens, targets);
-        debug_assert_eq!(carver.next, counter.next);
+        debug_assert_eq!(carver.next, total);
         Ok(acts)
     }
 
@@ -171,6 +155,19 @@ pub struct Gpt2 {
 }
 
 impl Gpt2 {
+    /// f32 elements of the activations (and backward scratch) of one `[b, t]` micro-batch: what the first
+    /// forward allocates, counted by the same carving code. The two token buffers come on top.
+    pub fn activation_floats(config: &ModelConfig, b: usize, t: usize) -> usize {
+        let mut counter = Carver { whole: None, next: 0 };
+        let unallocated = TokenView {
+            buf: usize::MAX,
+            offset: 0,
+            len: 0,
+        };
+        Activations::carve(&mut counter, config, b, t, unallocated, unallocated);
+        counter.next
+    }
+
     /// Allocates parameters and gradients on the backend and uploads `init` (layout order).
     pub fn new<B: Backend>(be: &mut B, config: ModelConfig, init: &[f32]) -> Result<Self> {
         config.validate()?;

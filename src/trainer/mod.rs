@@ -24,7 +24,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+mod memory_plan;
 mod options;
+
+pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
 pub use options::{
     bucket_elems, default_lr, OnDivergence, OnNonFinite, TrainOptions, UpdateMode, DEFAULT_BATCH_SIZE,

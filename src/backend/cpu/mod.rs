@@ -8,7 +8,7 @@ pub mod transcendental;
 pub use real::Real;
 
 use super::error::ensure_view;
-use super::{AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View};
+use super::{AdamWStep, AttentionShape, Backend, BackendError, BackendMemory, MatmulShape, TokenView, View};
 use anyhow::Result;
 use std::collections::HashSet;
 
@@ -350,6 +350,10 @@ impl<F: Real> Backend for CpuBackend<F> {
         let tgt = tokens_below(&self.tokens, targets, v);
         let ([d], []) = borrow_views(&mut self.bufs, [dlogits], []);
         ops::crossentropy_backward_inplace(d, tgt, v, F::from_f32(dloss));
+    }
+
+    fn memory(&self) -> BackendMemory {
+        BackendMemory::Host
     }
 
     fn sum_squares(&mut self, x: View) -> Result<f64> {

@@ -1,0 +1,330 @@
+//! The memory plan of one rank: what a run will allocate, term by term, computed before anything large is
+//! allocated, and the check that refuses a run whose peak does not fit where it must live.
+//!
+//! Terms: parameters, gradients and the two AdamW moments (each `[P]` f32; every rank allocates full
+//! moments today, in both update modes), the activations and backward scratch of one micro-batch (counted
+//! by the model's own carving code), the host staging of the flat gradient and parameters for the
+//! collectives (`world > 1`), and the host copy of the initial parameters (and, on resume, the moments)
+//! while they are uploaded. The corpus is not counted: shards are memory-mapped, and text is small.
+
+use crate::backend::BackendMemory;
+use crate::model::{Gpt2, ModelConfig};
+use std::fmt;
+
+const F32: u64 = 4;
+const TOKEN: u64 = 4;
+
+/// One rank's planned allocations, in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub activations: u64,
+    pub staging: u64,
+    /// Host copies that live only while the model is built (initial parameters, resumed moments).
+    pub init_copy: u64,
+    /// What the plan was made for, so that a refusal can say what would fit.
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    shape: PlanShape,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PlanShape {
+    config: ModelConfig,
+    seq_len: usize,
+    world: usize,
+    resume: bool,
+}
+
+/// Free memory where a plan must fit, and where that figure came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Available {
+    pub bytes: u64,
+    pub source: &'static str,
+}
+
+impl MemoryPlan {
+    pub fn new(
+        config: &ModelConfig,
+        batch_size: usize,
+        seq_len: usize,
+        grad_accum: usize,
+        world: usize,
+        resume: bool,
+    ) -> Self {
+        let shape = PlanShape {
+            config: config.clone(),
+            seq_len,
+            world,
+            resume,
+        };
+        Self::for_shape(shape, batch_size, grad_accum)
+    }
+
+    fn for_shape(shape: PlanShape, batch_size: usize, grad_accum: usize) -> Self {
+        let p = shape.config.param_count() as u64;
+        let (b, t) = (batch_size, shape.seq_len);
+        let activations = Gpt2::activation_floats(&shape.config, b, t) as u64 * F32 + 2 * (b * t) as u64 * TOKEN;
+        let staging = if shape.world > 1 { 2 * p * F32 } else { 0 };
+        let init_copy = if shape.resume { 3 * p * F32 } else { p * F32 };
+        MemoryPlan {
+            params: p * F32,
+            grads: p * F32,
+            optimizer: 2 * p * F32,
+            activations,
+            staging,
+            init_copy,
+            batch_size,
+            grad_accum,
+            shape,
+        }
+    }
+
+    /// Peak bytes on the backend: the model state and the activations (the CPU backend adds the host terms,
+    /// see [`MemoryPlan::peak`]).
+    pub fn backend_peak(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.activations
+    }
+
+    /// Peak bytes in host memory beside the backend's: the staging buffers, plus the initial copy while
+    /// the model is built.
+    pub fn host_peak(&self) -> u64 {
+        self.staging + self.init_copy
+    }
+
+    /// Peak when everything shares one memory (the CPU backend). The initial copy is dropped before the
+    /// first forward allocates the activations, so the peak is the larger of the two phases.
+    pub fn peak(&self) -> u64 {
+        let state = self.params + self.grads + self.optimizer + self.staging;
+        state + self.init_copy.max(self.activations)
+    }
+
+    /// The terms, largest first, with their names.
+    fn terms(&self) -> [(&'static str, u64); 6] {
+        let mut terms = [
+            ("parameters", self.params),
+            ("gradients", self.grads),
+            ("optimizer state", self.optimizer),
+            ("activations", self.activations),
+            ("staging buffers", self.staging),
+            ("initial copy", self.init_copy),
+        ];
+        terms.sort_by(|a, b| b.1.cmp(&a.1));
+        terms
+    }
+
+    /// Refuses a plan that does not fit: on the CPU backend everything must fit in `host`; on a device the
+    /// backend's terms must fit in its free memory (where reported) and the rest in `host`.
+    pub fn check(&self, memory: BackendMemory, host: Option<Available>) -> Result<(), String> {
+        let fits = |plan: &MemoryPlan| match memory {
+            BackendMemory::Host => host.is_none_or(|h| plan.peak() <= h.bytes),
+            BackendMemory::Device { available } => {
+                available.is_none_or(|a| plan.backend_peak() <= a) && host.is_none_or(|h| plan.host_peak() <= h.bytes)
+            }
+        };
+        if fits(self) {
+            return Ok(());
+        }
+        let (need, room) = match (memory, host) {
+            (BackendMemory::Host, Some(h)) => (self.peak(), h),
+            (BackendMemory::Device { available: Some(a) }, _) if self.backend_peak() > a => (
+                self.backend_peak(),
+                Available {
+                    bytes: a,
+                    source: "free device memory",
+                },
+            ),
+            (_, Some(h)) => (self.host_peak(), h),
+            _ => unreachable!("a plan with no limit always fits"),
+        };
+        let (largest, largest_bytes) = self.terms()[0];
+        let mut msg = format!(
+            "memory plan: this rank needs {} but {} has {} free; the largest term is {largest} ({})",
+            gib(need),
+            room.source,
+            gib(room.bytes),
+            gib(largest_bytes)
+        );
+        let smaller = (1..self.batch_size)
+            .rev()
+            .filter(|b| self.batch_size % b == 0)
+            .map(|b| Self::for_shape(self.shape.clone(), b, self.grad_accum * (self.batch_size / b)))
+            .find(|plan| fits(plan));
+        match smaller {
+            Some(plan) => msg.push_str(&format!(
+                "; --batch-size {} --grad-accum {} keeps the global batch and needs {}",
+                plan.batch_size,
+                plan.grad_accum,
+                gib(if memory == BackendMemory::Host {
+                    plan.peak()
+                } else {
+                    plan.backend_peak()
+                })
+            )),
+            None => msg.push_str(
+                "; no smaller --batch-size fits: choose a shorter --seq-len or a smaller model (the parameters, \
+                 gradients and optimizer state alone do not fit)",
+            ),
+        }
+        Err(msg)
+    }
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "memory plan: parameters {}, gradients {}, optimizer state {}, activations {} (batch {} x {}), \
+             staging {}, initial copy {}; peak {}",
+            gib(self.params),
+            gib(self.grads),
+            gib(self.optimizer),
+            gib(self.activations),
+            self.batch_size,
+            self.shape.seq_len,
+            gib(self.staging),
+            gib(self.init_copy),
+            gib(self.peak())
+        )
+    }
+}
+
+/// Bytes as GiB (or MiB below one GiB), for messages.
+fn gib(bytes: u64) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (MIB * 1024.0))
+    } else {
+        format!("{:.1} MiB", bytes as f64 / MIB)
+    }
+}
+
+/// Free host memory for this process: the smaller of the kernel's `MemAvailable` and the room left under
+/// the cgroup's `memory.max` (containers). `None` where neither can be read.
+pub fn host_available() -> Option<Available> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let system = meminfo.as_deref().and_then(parse_mem_available).map(|bytes| Available {
+        bytes,
+        source: "the host (MemAvailable)",
+    });
+    let read = |name: &str| std::fs::read_to_string(format!("/sys/fs/cgroup/{name}")).ok();
+    let cgroup = cgroup_room(read("memory.max").as_deref(), read("memory.current").as_deref()).map(|bytes| Available {
+        bytes,
+        source: "the cgroup (memory.max)",
+    });
+    match (system, cgroup) {
+        (Some(s), Some(c)) => Some(if c.bytes < s.bytes { c } else { s }),
+        (s, c) => s.or(c),
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Bytes left under a cgroup v2 limit: `memory.max` (a number or `max`) minus `memory.current`.
+fn cgroup_room(max: Option<&str>, current: Option<&str>) -> Option<u64> {
+    let max: u64 = max?.trim().parse().ok()?;
+    let current: u64 = current?.trim().parse().ok()?;
+    Some(max.saturating_sub(current))
+}
+
+/// Peak resident memory of this process so far (`VmHWM`), in bytes; `None` off Linux.
+pub fn measured_peak() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn host(bytes: u64) -> Option<Available> {
+        Some(Available {
+            bytes,
+            source: "the host (MemAvailable)",
+        })
+    }
+
+    #[test]
+    fn terms_follow_the_model() {
+        let cfg = ModelConfig::gpt2();
+        let p = cfg.param_count() as u64;
+        let plan = MemoryPlan::new(&cfg, 1, 1024, 1, 2, false);
+        assert_eq!((plan.params, plan.grads, plan.optimizer), (4 * p, 4 * p, 8 * p));
+        assert_eq!(plan.staging, 8 * p);
+        assert_eq!(
+            plan.activations,
+            Gpt2::activation_floats(&cfg, 1, 1024) as u64 * 4 + 2 * 1024 * 4
+        );
+        // Activations grow with the batch; one rank needs no staging.
+        let single = MemoryPlan::new(&cfg, 4, 1024, 1, 1, false);
+        assert!(single.activations > 3 * plan.activations && single.staging == 0);
+    }
+
+    /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.
+    #[test]
+    fn a_plan_that_cannot_fit_names_its_largest_term_and_what_would_fit() {
+        let plan = MemoryPlan::new(&ModelConfig::gpt2(), 64, 1024, 1, 1, false);
+        let err = plan.check(BackendMemory::Host, host(24 * GIB)).unwrap_err();
+        assert!(err.contains("the largest term is activations"), "{err}");
+        assert!(err.contains("--grad-accum"), "{err}");
+        // The largest divisor of 64 whose plan fits, with the accumulation that keeps the global batch.
+        let fits = |b: usize| MemoryPlan::new(&ModelConfig::gpt2(), b, 1024, 64 / b, 1, false).peak() <= 24 * GIB;
+        let b = [32, 16, 8, 4, 2, 1]
+            .into_iter()
+            .find(|&b| fits(b))
+            .expect("batch 1 fits in 24 GiB");
+        assert!(b < 64 && fits(b) && (b == 32 || !fits(2 * b)));
+        let want = format!("--batch-size {b} --grad-accum {} keeps the global batch", 64 / b);
+        assert!(err.contains(&want), "expected {want:?} in {err}");
+        assert!(plan.check(BackendMemory::Host, host(1 << 50)).is_ok());
+        assert!(plan.check(BackendMemory::Host, None).is_ok(), "no reading, no refusal");
+    }
+
+    #[test]
+    fn device_plans_check_device_and_host_apart() {
+        let plan = MemoryPlan::new(&ModelConfig::gpt2(), 8, 1024, 1, 2, false);
+        let device = |gib| BackendMemory::Device {
+            available: Some(gib * GIB),
+        };
+        let err = plan.check(device(1), host(64 * GIB)).unwrap_err();
+        assert!(err.contains("free device memory"), "{err}");
+        assert!(plan.check(device(64), host(64 * GIB)).is_ok());
+        let err = plan.check(device(64), host(GIB / 2)).unwrap_err();
+        assert!(err.contains("MemAvailable"), "{err}");
+        assert!(plan
+            .check(BackendMemory::Device { available: None }, host(64 * GIB))
+            .is_ok());
+    }
+
+    #[test]
+    fn when_nothing_smaller_fits_it_says_so() {
+        let plan = MemoryPlan::new(&ModelConfig::gpt2(), 4, 1024, 1, 1, false);
+        let err = plan.check(BackendMemory::Host, host(GIB)).unwrap_err();
+        assert!(err.contains("no smaller --batch-size fits"), "{err}");
+        assert!(err.contains("the largest term is"), "{err}");
+    }
+
+    #[test]
+    fn host_readings_parse() {
+        assert_eq!(
+            parse_mem_available("MemTotal: 100 kB\nMemAvailable:   2048 kB\n"),
+            Some(2 << 20)
+        );
+        assert_eq!(parse_mem_available("MemTotal: 100 kB\n"), None);
+        assert_eq!(cgroup_room(Some("max\n"), Some("5")), None);
+        assert_eq!(cgroup_room(Some("1000\n"), Some("300\n")), Some(700));
+        assert_eq!(cgroup_room(Some("100"), Some("300")), Some(0));
+        assert!(measured_peak().is_some_and(|b| b > 0));
+    }
+}
