@@ -111,7 +111,7 @@ impl MemoryPlan {
             ("staging buffers", self.staging),
             ("initial copy", self.init_copy),
         ];
-        terms.sort_by(|a, b| b.1.cmp(&a.1));
+        terms.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
         terms
     }
 
