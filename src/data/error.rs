@@ -31,6 +31,15 @@ pub enum DataError {
     #[error("{path}: invalid UTF-8 at byte offset {offset}")]
     InvalidUtf8 { path: PathBuf, offset: usize },
 
+    #[error("{path}:{line}: invalid UTF-8 at byte offset {offset}")]
+    InvalidUtf8AtLine { path: PathBuf, line: u64, offset: u64 },
+
+    #[error("{path}:{line}: {detail}")]
+    BadDocument { path: PathBuf, line: u64, detail: String },
+
+    #[error("{dir}: already contains token shards ({found}); write into an empty or new directory")]
+    ShardsExist { dir: PathBuf, found: String },
+
     #[error("{path}: not an llm.c token shard: header magic is {found}, expected {expected}")]
     BadMagic { path: PathBuf, found: i32, expected: i32 },
 
