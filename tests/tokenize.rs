@@ -167,7 +167,7 @@ fn gpt2_shards_hold_the_reference_tokens_and_train() {
 
     let splits = load_splits(s(&out), None, TokenizerKind::Gpt2).unwrap();
     assert_eq!(splits.val_source, ValSource::ValShards);
-    assert_eq!(splits.train.len() + splits.val.unwrap().len(), want.len());
+    assert_eq!(splits.train.len() + splits.val.unwrap().len(), want.len() as u64);
     train_three_steps(&out, "gpt2");
 }
 

@@ -18,12 +18,10 @@ pub enum DataError {
     #[error("could not build the gpt2 (r50k_base) tokenizer: {0}")]
     TokenizerInit(String),
 
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The I/O error is part of the message rather than a `source`, so that printing the chain (`{:#}`)
+    /// does not repeat it.
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
 
     #[error("{path}: file is empty")]
     EmptyFile { path: PathBuf },
@@ -97,10 +95,10 @@ pub enum DataError {
 
 impl DataError {
     /// Wraps an I/O error with the path it concerns.
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         DataError::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 }
