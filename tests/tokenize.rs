@@ -56,10 +56,24 @@ fn files_in(dir: &Path) -> Vec<String> {
 fn read_shard(path: &Path) -> Vec<u32> {
     let bytes = std::fs::read(path).unwrap();
     let word = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
-    assert_eq!((word(0), word(1)), (20240520, 1), "{}: magic and version", path.display());
-    assert!((3..256).all(|i| word(i) == 0), "{}: reserved header words", path.display());
+    assert_eq!(
+        (word(0), word(1)),
+        (20240520, 1),
+        "{}: magic and version",
+        path.display()
+    );
+    assert!(
+        (3..256).all(|i| word(i) == 0),
+        "{}: reserved header words",
+        path.display()
+    );
     let count = word(2) as usize;
-    assert_eq!(bytes.len(), 1024 + 2 * count, "{}: size against the header count", path.display());
+    assert_eq!(
+        bytes.len(),
+        1024 + 2 * count,
+        "{}: size against the header count",
+        path.display()
+    );
     bytes[1024..]
         .chunks_exact(2)
         .map(|p| u32::from(u16::from_le_bytes([p[0], p[1]])))
@@ -98,7 +112,12 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog.\n\nIt's 3.14 o'
 
 fn jsonl_docs() -> Vec<String> {
     (0..40)
-        .map(|i| format!("Document {i}: \"quoted\" words, a newline\nand unicode é{}.", "ab ".repeat(i % 7)))
+        .map(|i| {
+            format!(
+                "Document {i}: \"quoted\" words, a newline\nand unicode é{}.",
+                "ab ".repeat(i % 7)
+            )
+        })
         .collect()
 }
 
@@ -219,7 +238,10 @@ fn byte_shards_use_the_separator_and_train() {
     assert!(shards[..shards.len() - 1].iter().all(|(_, t)| t.len() == 1000));
     let got: Vec<u32> = shards.into_iter().flat_map(|(_, t)| t).collect();
     assert_eq!(got, want);
-    assert!(stdout.contains("41 documents") && stdout.contains("1 val (1000 tokens)"), "{stdout}");
+    assert!(
+        stdout.contains("41 documents") && stdout.contains("1 val (1000 tokens)"),
+        "{stdout}"
+    );
     train_three_steps(&out, "byte");
 }
 
@@ -232,7 +254,12 @@ fn bad_input(inputs: &[&Path], extra: &[&str], needles: &[&str]) {
     args.extend(["-o", s(&out)]);
     args.extend(extra);
     fails_with(&args, needles);
-    assert_eq!(files_in(&out), Vec::<String>::new(), "files left behind in {}", out.display());
+    assert_eq!(
+        files_in(&out),
+        Vec::<String>::new(),
+        "files left behind in {}",
+        out.display()
+    );
 }
 
 fn write(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> PathBuf {
@@ -259,7 +286,11 @@ fn bad_jsonl_lines_name_file_and_line() {
     bad_input(&[&missing], &[], &["b.jsonl:2: no \"text\" field"]);
     bad_input(&[&missing], &["--field", "body"], &["b.jsonl:1: no \"body\" field"]);
     let number = write(&dir, "c.jsonl", b"{\"text\": \"ok\"}\n{\"text\": 42}\n");
-    bad_input(&[&number], &[], &["c.jsonl:2: field \"text\" is a number, not a string"]);
+    bad_input(
+        &[&number],
+        &[],
+        &["c.jsonl:2: field \"text\" is a number, not a string"],
+    );
     let array = write(&dir, "d.jsonl", b"[\"text\"]\n");
     bad_input(&[&array], &[], &["d.jsonl:1: expected a JSON object, found an array"]);
 }
@@ -268,7 +299,9 @@ fn bad_jsonl_lines_name_file_and_line() {
 fn an_error_after_full_shards_removes_them() {
     // Many good lines fill several shards before line 301 fails; none of them may stay.
     let dir = tempfile::tempdir().unwrap();
-    let mut lines: Vec<String> = (0..300).map(|i| format!("{{\"text\": \"document number {i}\"}}")).collect();
+    let mut lines: Vec<String> = (0..300)
+        .map(|i| format!("{{\"text\": \"document number {i}\"}}"))
+        .collect();
     lines.push("{\"text\": null}".into());
     let jsonl = write(&dir, "late.jsonl", lines.join("\n").as_bytes());
     bad_input(
@@ -309,11 +342,17 @@ fn bad_output_folders_are_refused() {
     // A folder that already holds shards is left alone.
     let out = dir.path().join("out");
     ok(&["tokenize", s(&input), "-o", s(&out), "--tokenizer", "byte"]);
-    let before: Vec<Vec<u8>> = files_in(&out).iter().map(|n| std::fs::read(out.join(n)).unwrap()).collect();
+    let before: Vec<Vec<u8>> = files_in(&out)
+        .iter()
+        .map(|n| std::fs::read(out.join(n)).unwrap())
+        .collect();
     fails_with(
         &["tokenize", s(&input), "-o", s(&out)],
         &["already contains token shards (byte_train_000001.bin, byte_val_000000.bin)"],
     );
-    let after: Vec<Vec<u8>> = files_in(&out).iter().map(|n| std::fs::read(out.join(n)).unwrap()).collect();
+    let after: Vec<Vec<u8>> = files_in(&out)
+        .iter()
+        .map(|n| std::fs::read(out.join(n)).unwrap())
+        .collect();
     assert_eq!(before, after);
 }

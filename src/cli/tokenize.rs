@@ -19,13 +19,7 @@ use ringtrain::data::shard_writer::Split;
 use ringtrain::data::TokenizerKind;
 
 /// `ringtrain tokenize INPUT... -o DIR [--tokenizer gpt2|byte] [--field text] [--shard-tokens N]`.
-pub fn run_tokenize(
-    inputs: &[PathBuf],
-    out_dir: &Path,
-    tokenizer: &str,
-    field: &str,
-    shard_tokens: u64,
-) -> Result<()> {
+pub fn run_tokenize(inputs: &[PathBuf], out_dir: &Path, tokenizer: &str, field: &str, shard_tokens: u64) -> Result<()> {
     let opts = TokenizeOptions {
         tokenizer: tokenizer.parse::<TokenizerKind>()?,
         field: field.to_string(),

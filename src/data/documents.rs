@@ -141,7 +141,10 @@ fn is_safe_cut(bytes: &[u8], i: usize) -> bool {
     while start > 0 && i - start < 4 && bytes[start] & 0xC0 == 0x80 {
         start -= 1;
     }
-    match std::str::from_utf8(&bytes[start..i]).ok().and_then(|s| s.chars().next_back()) {
+    match std::str::from_utf8(&bytes[start..i])
+        .ok()
+        .and_then(|s| s.chars().next_back())
+    {
         Some(c) => !c.is_whitespace(),
         None => false,
     }
@@ -348,7 +351,10 @@ mod tests {
         let p = write(&dir, "a.txt", text.as_bytes());
         let got = pieces(&p, 16, 1 << 20).unwrap();
         assert!(got.len() > 10);
-        assert_eq!(got.iter().flat_map(|p| p.bytes.clone()).collect::<Vec<u8>>(), text.as_bytes());
+        assert_eq!(
+            got.iter().flat_map(|p| p.bytes.clone()).collect::<Vec<u8>>(),
+            text.as_bytes()
+        );
         assert!(got[0].starts_document && got[1..].iter().all(|p| !p.starts_document));
         for p in &got {
             let before = &text.as_bytes()[..p.offset as usize];
@@ -367,15 +373,38 @@ mod tests {
     #[test]
     fn jsonl_lines_skip_blanks_and_name_lines() {
         let dir = tempfile::tempdir().unwrap();
-        let p = write(&dir, "d.jsonl", b"{\"text\": \"a\"}\r\n\n  \n{\"text\": 3}\n[1]\n{\"t\": \"x\"}\nnope");
+        let p = write(
+            &dir,
+            "d.jsonl",
+            b"{\"text\": \"a\"}\r\n\n  \n{\"text\": 3}\n[1]\n{\"t\": \"x\"}\nnope",
+        );
         let got = pieces(&p, 16, 1024).unwrap();
         assert_eq!(got.iter().map(|p| p.line).collect::<Vec<_>>(), vec![1, 4, 5, 6, 7]);
         assert_eq!(got[0].text(&p, "text").unwrap(), "a");
-        let errs: Vec<String> = got[1..].iter().map(|g| g.text(&p, "text").unwrap_err().to_string()).collect();
-        assert!(errs[0].ends_with("d.jsonl:4: field \"text\" is a number, not a string"), "{}", errs[0]);
-        assert!(errs[1].ends_with("d.jsonl:5: expected a JSON object, found an array"), "{}", errs[1]);
-        assert!(errs[2].ends_with("d.jsonl:6: no \"text\" field (choose another with --field)"), "{}", errs[2]);
-        assert!(errs[3].contains("d.jsonl:7: not valid JSON at column 2: expected ident"), "{}", errs[3]);
+        let errs: Vec<String> = got[1..]
+            .iter()
+            .map(|g| g.text(&p, "text").unwrap_err().to_string())
+            .collect();
+        assert!(
+            errs[0].ends_with("d.jsonl:4: field \"text\" is a number, not a string"),
+            "{}",
+            errs[0]
+        );
+        assert!(
+            errs[1].ends_with("d.jsonl:5: expected a JSON object, found an array"),
+            "{}",
+            errs[1]
+        );
+        assert!(
+            errs[2].ends_with("d.jsonl:6: no \"text\" field (choose another with --field)"),
+            "{}",
+            errs[2]
+        );
+        assert!(
+            errs[3].contains("d.jsonl:7: not valid JSON at column 2: expected ident"),
+            "{}",
+            errs[3]
+        );
         assert_eq!(got[3].text(&p, "t").unwrap(), "x");
     }
 
@@ -412,7 +441,9 @@ mod tests {
         let p = write(&dir, "t.txt", text.as_bytes());
         let tok = Tokenizer::new(TokenizerKind::Gpt2).unwrap();
         let got = pieces(&p, chunk, 1 << 20).unwrap();
-        got.iter().flat_map(|g| tok.encode(&g.text(&p, "text").unwrap())).collect()
+        got.iter()
+            .flat_map(|g| tok.encode(&g.text(&p, "text").unwrap()))
+            .collect()
     }
 
     #[test]

@@ -111,7 +111,15 @@ pub fn tokenize_files(
     std::thread::scope(|scope| -> Result<()> {
         let (tx, rx) = sync_channel(BATCHES_IN_FLIGHT);
         scope.spawn(move || read_batches(inputs, &tx));
-        encode_and_write(inputs, rx, &tokenizer, &opts.field, &mut writer, &mut progress, on_progress)
+        encode_and_write(
+            inputs,
+            rx,
+            &tokenizer,
+            &opts.field,
+            &mut writer,
+            &mut progress,
+            on_progress,
+        )
     })?;
     Ok(TokenizeSummary {
         input_bytes: progress.bytes,

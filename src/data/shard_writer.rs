@@ -139,7 +139,9 @@ impl Drop for OpenShard {
 
 #[cfg(unix)]
 fn fsync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| DataError::io(dir, e))
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| DataError::io(dir, e))
 }
 
 /// Directories cannot be opened for fsync on this platform; renames there are as durable as the OS makes them.
@@ -172,7 +174,11 @@ fn prepare_dir(dir: &Path) -> Result<()> {
     let more = found.len().saturating_sub(3);
     Err(DataError::ShardsExist {
         dir: dir.to_path_buf(),
-        found: if more > 0 { format!("{shown} and {more} more") } else { shown },
+        found: if more > 0 {
+            format!("{shown} and {more} more")
+        } else {
+            shown
+        },
     })
 }
 
@@ -224,7 +230,10 @@ impl ShardWriter {
                 self.scratch.extend_from_slice(&t.to_le_bytes());
             }
             let shard = self.open.as_mut().expect("shard_with_room leaves a shard open");
-            shard.file.write_all(&self.scratch).map_err(|e| DataError::io(&shard.temp_path, e))?;
+            shard
+                .file
+                .write_all(&self.scratch)
+                .map_err(|e| DataError::io(&shard.temp_path, e))?;
             shard.tokens += room as u64;
             rest = later;
         }
@@ -250,7 +259,10 @@ impl ShardWriter {
     /// Publishes the last shard (splitting a stream that fits in shard 0) and returns every shard written,
     /// in order.
     pub fn finish(mut self) -> Result<Vec<WrittenShard>> {
-        let mut last = self.open.take().expect("a writer always has an open shard until finish");
+        let mut last = self
+            .open
+            .take()
+            .expect("a writer always has an open shard until finish");
         if last.index == 0 {
             self.split_single_shard(last)?;
         } else if last.tokens > 0 {
@@ -333,11 +345,10 @@ mod tests {
             names(dir.path()),
             ["p_train_000001.bin", "p_train_000002.bin", "p_val_000000.bin"]
         );
-        assert_eq!(shards.iter().map(|s| (s.split, s.tokens)).collect::<Vec<_>>(), [
-            (Split::Val, 4),
-            (Split::Train, 4),
-            (Split::Train, 3)
-        ]);
+        assert_eq!(
+            shards.iter().map(|s| (s.split, s.tokens)).collect::<Vec<_>>(),
+            [(Split::Val, 4), (Split::Train, 4), (Split::Train, 3)]
+        );
         let joined: Vec<u32> = shards.iter().flat_map(|s| tokens_of(&s.path)).collect();
         assert_eq!(joined, all);
     }
@@ -380,7 +391,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut w = ShardWriter::create(dir.path(), "p", 2).unwrap();
         w.write(&[1, 2, 3, 4, 5]).unwrap();
-        assert_eq!(names(dir.path()).len(), 3, "two published shards and one temporary file");
+        assert_eq!(
+            names(dir.path()).len(),
+            3,
+            "two published shards and one temporary file"
+        );
         drop(w);
         assert!(names(dir.path()).is_empty());
     }
