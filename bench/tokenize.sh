@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tokenizer throughput: `ringtrain tokenize` (gpt2) against Python tiktoken's encode_ordinary_batch on the
-# same generated JSONL corpus, in one run, alternating the two. Prints one JSON line per measurement;
-# ringtrain's peak RSS comes from /usr/bin/time -v. The corpus and shards live in a temporary folder under
+# same generated JSONL corpus, in one run, alternating the two. Prints one JSON line per measurement with
+# wall time and CPU time (user + system: on a shared machine, wall time measures the load as much as the
+# code); ringtrain's peak RSS and CPU time come from /usr/bin/time -v. The corpus and shards live in a temporary folder under
 # /tmp that is removed at exit.
 # usage: bench/tokenize.sh [size_mb=1000] [rounds=1]   (needs: cargo; python3 with tiktoken; /usr/bin/time)
 set -euo pipefail
@@ -58,11 +59,12 @@ for round in $(seq "$rounds"); do
   tokens=$(sed -n 's/.* documents, \([0-9]*\) tokens.*/\1/p' "$work/summary.txt")
   documents=$(sed -n 's/^\([0-9]*\) documents, .*/\1/p' "$work/summary.txt")
   rss_kb=$(sed -n 's/.*Maximum resident set size (kbytes): *//p' "$work/time.txt")
+  cpu_s=$(sed -n 's/.*\(User\|System\) time (seconds): *//p' "$work/time.txt" | paste -sd+ | bc)
   bytes=$(stat -c %s "$corpus")
-  python3 -c "import json,sys; b,d,t,s,r=int(sys.argv[1]),int(sys.argv[2]),int(sys.argv[3]),float(sys.argv[4]),int(sys.argv[5])
+  python3 -c "import json,sys; b,d,t,s,r,c=int(sys.argv[1]),int(sys.argv[2]),int(sys.argv[3]),float(sys.argv[4]),int(sys.argv[5]),float(sys.argv[7])
 print(json.dumps({'impl':'ringtrain tokenize','round':int(sys.argv[6]),'file_bytes':b,'documents':d,'tokens':t,'seconds':round(s,2),
- 'mb_per_s':round(b/s/1e6,2),'tokens_per_s':round(t/s),'peak_rss_mb':round(r/1024,1)}))" \
-    "$bytes" "$documents" "$tokens" "$(echo "$end - $start" | bc)" "$rss_kb" "$round"
+ 'mb_per_s':round(b/s/1e6,2),'tokens_per_s':round(t/s),'cpu_seconds':round(c,2),'peak_rss_mb':round(r/1024,1)}))" \
+    "$bytes" "$documents" "$tokens" "$(echo "$end - $start" | bc)" "$rss_kb" "$round" "$cpu_s"
   rm -rf "$work/shards"
   python3 scripts/bench_tiktoken.py "$corpus" --threads 2 --expect-tokens "$tokens"
 done

@@ -3,8 +3,9 @@
 
 Tokenizes the documents of a JSONL file with GPT-2's r50k_base using `encode_ordinary_batch` on N threads,
 counting one end-of-text token per document as `ringtrain tokenize` writes it, and prints one JSON line:
-impl, file_bytes, documents, tokens, seconds, mb_per_s (10^6 bytes), tokens_per_s, peak_rss_mb, and
-`matches` when --expect-tokens is given (exit status 1 on a mismatch).
+impl, file_bytes, documents, tokens, seconds, mb_per_s (10^6 bytes), tokens_per_s, cpu_seconds (user +
+system, including loading the ranks), peak_rss_mb, and `matches` when --expect-tokens is given (exit
+status 1 on a mismatch).
 
 Works offline: the ranks come from the r50k_base.tiktoken file that tiktoken-rs ships in its crate source
 (found under ~/.cargo/registry unless --ranks is given) and are checked against OpenAI's published hash.
@@ -85,6 +86,7 @@ def main():
         documents += len(docs)
         tokens += len(docs) + sum(len(t) for t in encoded)
     seconds = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     report = {
         "impl": f"tiktoken {__import__('tiktoken').__version__} encode_ordinary_batch",
         "threads": args.threads,
@@ -94,7 +96,8 @@ def main():
         "seconds": round(seconds, 2),
         "mb_per_s": round(file_bytes / seconds / 1e6, 2),
         "tokens_per_s": round(tokens / seconds),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
     }
     if args.expect_tokens is not None:
         report["expected_tokens"] = args.expect_tokens
