@@ -3,7 +3,7 @@
 mod cli;
 
 use clap::{Parser, Subcommand};
-use cli::{args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, train};
+use cli::{args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, tokenize, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -78,6 +78,23 @@ enum Command {
     },
     /// Backends and adapters found, and why others are missing
     Info,
+    /// Tokenize text or JSONL files into llm.c shards (first shard validation, the rest training)
+    Tokenize {
+        /// Text files (each file one document) or `.jsonl` files (one document per line)
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+        /// Output directory (created if missing; must not already hold .bin files)
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+        #[arg(long, default_value = "gpt2")]
+        tokenizer: String,
+        /// The JSONL field holding each document's text
+        #[arg(long, default_value = "text")]
+        field: String,
+        /// Tokens per shard; shard 0 is validation
+        #[arg(long, default_value_t = ringtrain::data::pretokenize::DEFAULT_SHARD_TOKENS)]
+        shard_tokens: u64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -168,6 +185,13 @@ fn main() -> ExitCode {
         }
         Command::Plot { metrics, output } => plot::plot_file(&metrics, &output),
         Command::Info => info::run_info(),
+        Command::Tokenize {
+            inputs,
+            output,
+            tokenizer,
+            field,
+            shard_tokens,
+        } => tokenize::run_tokenize(&inputs, &output, &tokenizer, &field, shard_tokens),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

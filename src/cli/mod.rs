@@ -11,4 +11,5 @@ pub mod launch;
 pub mod plot;
 pub mod progress;
 pub mod sample;
+pub mod tokenize;
 pub mod train;

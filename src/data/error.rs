@@ -18,18 +18,25 @@ pub enum DataError {
     #[error("could not build the gpt2 (r50k_base) tokenizer: {0}")]
     TokenizerInit(String),
 
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The I/O error is part of the message rather than a `source`, so that printing the chain (`{:#}`)
+    /// does not repeat it.
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
 
     #[error("{path}: file is empty")]
     EmptyFile { path: PathBuf },
 
     #[error("{path}: invalid UTF-8 at byte offset {offset}")]
     InvalidUtf8 { path: PathBuf, offset: usize },
+
+    #[error("{path}:{line}: invalid UTF-8 at byte offset {offset}")]
+    InvalidUtf8AtLine { path: PathBuf, line: u64, offset: u64 },
+
+    #[error("{path}:{line}: {detail}")]
+    BadDocument { path: PathBuf, line: u64, detail: String },
+
+    #[error("{dir}: already contains token shards ({found}); write into an empty or new directory")]
+    ShardsExist { dir: PathBuf, found: String },
 
     #[error("{path}: not an llm.c token shard: header magic is {found}, expected {expected}")]
     BadMagic { path: PathBuf, found: i32, expected: i32 },
@@ -88,10 +95,10 @@ pub enum DataError {
 
 impl DataError {
     /// Wraps an I/O error with the path it concerns.
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         DataError::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 }

@@ -4,6 +4,8 @@
 //! - `tokenizer.rs`: `byte` (vocab 256) and `gpt2` (tiktoken r50k_base, vocab 50257, offline);
 //! - `shard.rs`: llm.c `.bin` token shards, validated then memory-mapped;
 //! - `text.rs`: UTF-8 `.txt` corpora;
+//! - `documents.rs`, `shard_writer.rs`, `pretokenize.rs`: `ringtrain tokenize`, corpus files read
+//!   incrementally, tokenized in parallel and written as llm.c shards with a validation split;
 //! - `synthetic.rs`: the built-in deterministic corpus and its documented grammar;
 //! - `stream.rs`: `TokenStream`, random access to u16 tokens without copying shards;
 //! - `sampler.rs`: windows, global batches, the per-rank split, batch filling, eval batches;
@@ -12,10 +14,13 @@
 //! This file resolves a `--data` spec (`synthetic`, a file, a directory or a glob) and builds the
 //! train/validation split.
 
+pub mod documents;
 mod error;
+pub mod pretokenize;
 mod rng;
 pub mod sampler;
 pub mod shard;
+pub mod shard_writer;
 pub mod stream;
 pub mod synthetic;
 pub mod text;

@@ -146,19 +146,22 @@ impl Shard {
     }
 }
 
+/// The header of a version-1 shard holding `count` tokens: magic, version, count, then zeros.
+pub fn shard_header(count: i32) -> [u8; HEADER_BYTES] {
+    let mut header = [0u8; HEADER_BYTES];
+    for (slot, value) in header.chunks_exact_mut(4).zip([SHARD_MAGIC, SHARD_VERSION, count]) {
+        slot.copy_from_slice(&value.to_le_bytes());
+    }
+    header
+}
+
 /// Writes tokens as an llm.c version-1 shard (used by tests and by tools that pre-tokenize a corpus).
 /// Fails if a token does not fit in u16 or there are more tokens than an i32 count can describe.
 pub fn write_shard(path: &Path, tokens: &[u32]) -> Result<()> {
     let count = i32::try_from(tokens.len())
         .map_err(|_| DataError::InvalidArgument(format!("{} tokens do not fit in one shard", tokens.len())))?;
     let mut buf = Vec::with_capacity(HEADER_BYTES + 2 * tokens.len());
-    let mut header = [0i32; HEADER_INTS];
-    header[0] = SHARD_MAGIC;
-    header[1] = SHARD_VERSION;
-    header[2] = count;
-    for h in header {
-        buf.extend_from_slice(&h.to_le_bytes());
-    }
+    buf.extend_from_slice(&shard_header(count));
     for (index, &t) in tokens.iter().enumerate() {
         let t = u16::try_from(t).map_err(|_| DataError::TokenTooLarge { token: t, index })?;
         buf.extend_from_slice(&t.to_le_bytes());

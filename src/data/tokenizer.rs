@@ -18,6 +18,9 @@ pub const GPT2_VOCAB_SIZE: usize = 50257;
 pub const GPT2_EOT: u32 = 50256;
 /// Byte-level vocabulary size.
 pub const BYTE_VOCAB_SIZE: usize = 256;
+/// The token `tokenize` puts before each document with the byte tokenizer, which has no end-of-text token:
+/// byte 0 (NUL), which text corpora do not contain. Training on a `.txt` file never inserts it.
+pub const BYTE_DOCUMENT_SEPARATOR: u32 = 0;
 
 /// Texts longer than this are split at safe line boundaries and encoded in parallel.
 const PARALLEL_ENCODE_MIN_BYTES: usize = 1 << 20;
@@ -123,6 +126,12 @@ impl Tokenizer {
             Tokenizer::Byte => None,
             Tokenizer::Gpt2(_) => Some(GPT2_EOT),
         }
+    }
+
+    /// The token that precedes each document in pre-tokenized shards: `<|endoftext|>` for gpt2 (as llm.c's
+    /// scripts do), [`BYTE_DOCUMENT_SEPARATOR`] for bytes.
+    pub fn document_separator(&self) -> u32 {
+        self.eot().unwrap_or(BYTE_DOCUMENT_SEPARATOR)
     }
 
     /// Encodes text as ordinary text: `<|endoftext|>` written in the text is *not* turned into the special
