@@ -21,7 +21,7 @@ RT=${RINGTRAIN_BIN:-$ROOT/target/release/ringtrain}
 
 WORK=$(mktemp -d /tmp/rt-hosts-check.XXXXXX)
 cleanup() {
-  hosts_down
+  hosts_down_if_owned
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -32,12 +32,12 @@ TRAIN=(train --model tiny --batch-size 4 --seq-len 64 --steps "$STEPS" --backend
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$WORK/secret"
 chmod 600 "$WORK/secret"
 
+hosts_up 2 "$RATE"
 echo "== loopback: ringtrain launch --nproc 2 -- ${TRAIN[*]}"
 "$RT" launch --nproc 2 -- "${TRAIN[@]}" --metrics "$WORK/loopback.jsonl" > "$WORK/loopback.log" 2>&1 ||
   { cat "$WORK/loopback.log" >&2; hosts_die "the loopback run failed"; }
 
 echo "== 2 emulated hosts at $RATE"
-hosts_up 2 "$RATE"
 pids=()
 for i in 0 1; do
   hosts_exec "$i" env RANK=$i WORLD_SIZE=2 MASTER_ADDR="$(hosts_addr 0)" MASTER_PORT=29650 \

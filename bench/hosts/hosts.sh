@@ -41,7 +41,10 @@ shift
 case $cmd in
   up)
     [ $# -eq 2 ] || usage
+    # A setup that fails half-way removes what it made.
+    trap '[ -n "${up_done:-}" ] || hosts_down_if_owned' EXIT
     hosts_up "$1" "$2"
+    up_done=1
     echo "up: $(hosts_count) hosts at $2; run 'bench/hosts/hosts.sh down' to remove them" >&2
     ;;
   down) hosts_down ;;
@@ -50,7 +53,7 @@ case $cmd in
     [ $# -ge 4 ] && [ "$3" = "--" ] || usage
     n=$1 rate=$2
     shift 3
-    trap hosts_down EXIT
+    trap hosts_down_if_owned EXIT
     trap 'exit 130' INT
     trap 'exit 143' TERM
     hosts_up "$n" "$rate"

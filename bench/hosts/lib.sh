@@ -89,6 +89,8 @@ hosts_up() {
   [ -e "$HOSTS_STATE" ] && hosts_die "$HOSTS_STATE exists: another run may be up; bench/hosts/hosts.sh down removes it"
   burst=$(hosts_burst "$bps")
   : > "$HOSTS_STATE"
+  # From here on this shell owns what the state file lists (see hosts_down_if_owned).
+  HOSTS_OWNED=1
   ip netns add "$HOSTS_SWITCH" && echo "$HOSTS_SWITCH" >> "$HOSTS_STATE" || hosts_die "cannot create $HOSTS_SWITCH"
   ip -n "$HOSTS_SWITCH" link add br0 type bridge
   ip -n "$HOSTS_SWITCH" link set br0 up
@@ -142,6 +144,12 @@ hosts_down() {
     ip netns del "$ns" || echo "hosts: could not delete namespace $ns" >&2
   done < "$HOSTS_STATE"
   rm -f "$HOSTS_STATE"
+}
+
+# hosts_down for exit traps: only when this shell's hosts_up got as far as creating the state file, so a
+# run refused because another run is up leaves that run alone.
+hosts_down_if_owned() {
+  [ -z "${HOSTS_OWNED:-}" ] || hosts_down
 }
 
 # Hosts currently up (from the state file).
