@@ -91,7 +91,9 @@ hosts_up() {
   : > "$HOSTS_STATE"
   # From here on this shell owns what the state file lists (see hosts_down_if_owned).
   HOSTS_OWNED=1
-  ip netns add "$HOSTS_SWITCH" && echo "$HOSTS_SWITCH" >> "$HOSTS_STATE" || hosts_die "cannot create $HOSTS_SWITCH"
+  ip netns add "$HOSTS_SWITCH" && echo "$HOSTS_SWITCH" >> "$HOSTS_STATE" ||
+    hosts_die "cannot create network namespace $HOSTS_SWITCH: needs CAP_SYS_ADMIN and CAP_NET_ADMIN (a container
+  has them only when started with --privileged or --cap-add SYS_ADMIN --cap-add NET_ADMIN)"
   ip -n "$HOSTS_SWITCH" link add br0 type bridge
   ip -n "$HOSTS_SWITCH" link set br0 up
   for ((i = 0; i < n; i++)); do
