@@ -3,7 +3,7 @@
 # own network namespace, links shaped to RATE) and the same job on loopback with `ringtrain launch --nproc 2`,
 # then compares the per-step loss and gradient norm of the two runs. They must be bit-identical (the ring's
 # reduction order does not depend on the transport's timing); prints both columns and exits 1 if they differ.
-# Needs root. Takes about 20 s on an idle 2-core machine.
+# Needs root. Took 3-6 s on the 2-core VM under a load of 7-9.
 #
 #   bench/hosts/check.sh [STEPS] [RATE]      defaults: 6 steps, 1gbit
 #
