@@ -51,6 +51,12 @@ def param_count(model):
     return V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
 
 
+def host_sysctl(name):
+    """A sysctl as host 0 sees it (namespaces inherit the TCP congestion control of the machine)."""
+    out = subprocess.run(["ip", "netns", "exec", ns(0), "sysctl", "-n", name], capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
 def loadavg():
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -302,7 +308,9 @@ def main():
                               "hosts": a.hosts, "rate": a.rate, "steps": a.steps, "warmup": a.warmup,
                               "model": a.model, "batch": a.batch_size, "seq": a.seq_len, "ddp_bucket_mb": a.bucket_mb,
                               "single_baseline": "alone" if a.single_alone else f"{a.hosts} concurrent",
-                              "queue_limit_bytes": int(os.environ.get("HOSTS_LIMIT", 1514000))}), flush=True)
+                              "queue_limit_bytes": int(os.environ.get("HOSTS_LIMIT", 1514000)),
+                              "tcp_congestion_control": host_sysctl("net.ipv4.tcp_congestion_control")}),
+                  flush=True)
             results = []
             for rnd in range(1, a.rounds + 1):
                 order = ["ringtrain", "ddp"] if rnd % 2 else ["ddp", "ringtrain"]
