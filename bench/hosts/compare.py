@@ -159,7 +159,6 @@ class Bench:
         # One compute thread per rank: --threads where the build has it, else rayon's variable.
         self.thread_flags = ["--threads", "1"] if "--threads" in help_text else []
         self.port = 29600
-        self.payload_per_rank = 0  # set per world size
 
     def next_port(self):
         self.port += 1
