@@ -292,4 +292,33 @@ mod tests {
             assert_close(&format!("datt block {block}"), &datt, &datt0);
         }
     }
+
+    /// Forward + backward time of one sequence per block size, for choosing [`BLOCK`]:
+    /// `cargo test --release --lib attention::tests::time_blocks -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "timing"]
+    fn time_blocks() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        for (t, c, nh) in [(64, 64, 4), (128, 128, 4)] {
+            let d = Dims::<f32>::of(AttentionShape { b: 1, t, c, nh });
+            let qkv: Vec<f32> = random(&mut rng, t * 3 * c).into_iter().map(|x| x as f32).collect();
+            let dout = qkv[..t * c].to_vec();
+            let (mut out, mut att) = (vec![0.0; t * c], vec![0.0; nh * t * t]);
+            let (mut dqkv, mut datt) = (vec![0.0; t * 3 * c], vec![0.0; nh * t * t]);
+            for round in 0..5 {
+                let mut line = format!("t {t} c {c} round {round}:");
+                for block in [8, 16, 32, 64, t] {
+                    let reps = 200;
+                    let start = std::time::Instant::now();
+                    for _ in 0..reps {
+                        sequence_forward(&mut out, &mut att, &qkv, d, block);
+                        sequence_backward(&mut dqkv, &mut datt, &dout, &qkv, &att, d, block);
+                    }
+                    let us = start.elapsed().as_secs_f64() * 1e6 / reps as f64;
+                    line += &format!("  block {block}: {us:.1} us");
+                }
+                println!("{line}");
+            }
+        }
+    }
 }
