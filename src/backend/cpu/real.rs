@@ -65,6 +65,7 @@ const ROWS_PER_TASK: usize = 16;
 const GEMM_MIN_WORK: usize = 1 << 16;
 
 /// A read-only matrix view: `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
 pub struct Strided<'a, F> {
     pub data: &'a [F],
     pub rs: usize,
