@@ -82,14 +82,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let backend = parse_backend(args.backend.as_deref())?;
     let job_hash = opts.job_hash(&model, launch.world_size);
     let resume = matches!(source, ModelSource::Resume(_));
-    let plan = MemoryPlan::new(
-        &model,
-        opts.batch_size,
-        opts.seq_len,
-        opts.grad_accum,
-        launch.world_size,
-        resume,
-    );
+    let plan = MemoryPlan::new(&model, &opts, launch.world_size, launch.rank, resume);
     Ok(RunSetup {
         source,
         data,

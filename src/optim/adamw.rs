@@ -7,6 +7,7 @@
 use crate::backend::{AdamWStep, Backend, View};
 use crate::model::ParamLayout;
 use anyhow::Result;
+use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWConfig {
@@ -27,23 +28,34 @@ impl Default for AdamWConfig {
     }
 }
 
-/// Optimizer state on the device: the two moments, laid out like the parameters, and the step count.
+/// Optimizer state on the device: the two moments of the parameters this optimizer owns, and the step
+/// count.
 pub struct AdamW {
     pub config: AdamWConfig,
-    /// [layout.total]: first moment (torch `exp_avg`).
+    /// The elements of the flat parameter buffer whose moments live here: all of them for a replicated
+    /// update, the rank's own chunk for a sharded (ZeRO-1) one.
+    pub owned: Range<usize>,
+    /// [owned.len()]: first moment (torch `exp_avg`) of the owned elements.
     pub m: View,
-    /// [layout.total]: second moment (torch `exp_avg_sq`).
+    /// [owned.len()]: second moment (torch `exp_avg_sq`) of the owned elements.
     pub v: View,
     /// Optimizer steps taken so far.
     pub step: u64,
 }
 
 impl AdamW {
+    /// An optimizer owning all `len` elements.
     pub fn new<B: Backend>(be: &mut B, config: AdamWConfig, len: usize) -> Result<Self> {
+        Self::for_range(be, config, 0..len)
+    }
+
+    /// An optimizer owning the elements `owned` of the flat buffers: moments are allocated for them only.
+    pub fn for_range<B: Backend>(be: &mut B, config: AdamWConfig, owned: Range<usize>) -> Result<Self> {
         Ok(AdamW {
             config,
-            m: be.alloc(len)?,
-            v: be.alloc(len)?,
+            m: be.alloc(owned.len())?,
+            v: be.alloc(owned.len())?,
+            owned,
             step: 0,
         })
     }
@@ -66,7 +78,8 @@ impl AdamW {
         }
     }
 
-    /// Updates the elements `[lo, hi)` of the flat buffers, then counts the step.
+    /// Updates the elements `[lo, hi)` of the flat buffers, which must lie in [`AdamW::owned`], then counts
+    /// the step.
     #[allow(clippy::too_many_arguments)]
     pub fn update_range<B: Backend>(
         &mut self,
@@ -79,6 +92,11 @@ impl AdamW {
         lr: f64,
         grad_scale: f64,
     ) {
+        assert!(
+            self.owned.start <= lo && hi <= self.owned.end,
+            "update of [{lo}, {hi}) outside the owned range {:?}",
+            self.owned
+        );
         let scalars = self.step_scalars(lr, grad_scale);
         for spec in &layout.specs {
             let start = spec.offset.max(lo);
@@ -94,8 +112,8 @@ impl AdamW {
             be.adamw(
                 params.sub(start, len),
                 grads.sub(start, len),
-                self.m.sub(start, len),
-                self.v.sub(start, len),
+                self.m.sub(start - self.owned.start, len),
+                self.v.sub(start - self.owned.start, len),
                 &step,
             );
         }

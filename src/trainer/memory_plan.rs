@@ -1,13 +1,15 @@
 //! The memory plan of one rank: what a run will allocate, term by term, computed before anything large is
 //! allocated, and the check that refuses a run whose peak does not fit where it must live.
 //!
-//! Terms: parameters, gradients and the two AdamW moments (each `[P]` f32; every rank allocates full
-//! moments today, in both update modes), the activations and backward scratch of one micro-batch (counted
+//! Terms: parameters and gradients (`[P]` f32 each), the two AdamW moments (`[P]` each, or the rank's
+//! chunk of about `P / N` in sharded mode), the activations and backward scratch of one micro-batch (counted
 //! by the model's own carving code), the host staging of the flat gradient and parameters for the
 //! collectives (`world > 1`), and the host copy of the initial parameters (and, on resume, the moments)
 //! while they are uploaded. The corpus is not counted: shards are memory-mapped, and text is small.
 
+use super::{TrainOptions, UpdateMode};
 use crate::backend::BackendMemory;
+use crate::collective::chunk_range;
 use crate::model::{Gpt2, ModelConfig};
 use std::fmt;
 
@@ -35,6 +37,8 @@ struct PlanShape {
     config: ModelConfig,
     seq_len: usize,
     world: usize,
+    /// Elements whose AdamW moments this rank keeps: all, or its chunk when sharded (ZeRO-1).
+    optimizer_elems: usize,
     resume: bool,
 }
 
@@ -46,21 +50,19 @@ pub struct Available {
 }
 
 impl MemoryPlan {
-    pub fn new(
-        config: &ModelConfig,
-        batch_size: usize,
-        seq_len: usize,
-        grad_accum: usize,
-        world: usize,
-        resume: bool,
-    ) -> Self {
+    /// The plan of rank `rank` of `world` for a run of `config` with `opts`; `resume` adds the resumed
+    /// moments to the initial copy.
+    pub fn new(config: &ModelConfig, opts: &TrainOptions, world: usize, rank: usize, resume: bool) -> Self {
+        let p = config.param_count();
+        let sharded = opts.update == UpdateMode::Sharded && world > 1;
         let shape = PlanShape {
             config: config.clone(),
-            seq_len,
+            seq_len: opts.seq_len,
             world,
+            optimizer_elems: if sharded { chunk_range(p, world, rank).len() } else { p },
             resume,
         };
-        Self::for_shape(shape, batch_size, grad_accum)
+        Self::for_shape(shape, opts.batch_size, opts.grad_accum)
     }
 
     fn for_shape(shape: PlanShape, batch_size: usize, grad_accum: usize) -> Self {
@@ -72,7 +74,7 @@ impl MemoryPlan {
         MemoryPlan {
             params: p * F32,
             grads: p * F32,
-            optimizer: 2 * p * F32,
+            optimizer: 2 * shape.optimizer_elems as u64 * F32,
             activations,
             staging,
             init_copy,
@@ -153,6 +155,15 @@ impl MemoryPlan {
             .filter(|b| self.batch_size % b == 0)
             .map(|b| Self::for_shape(self.shape.clone(), b, self.grad_accum * (self.batch_size / b)))
             .find(|plan| fits(plan));
+        let sharded = || {
+            let p = self.shape.config.param_count();
+            let replicated = self.shape.world > 1 && self.shape.optimizer_elems == p;
+            let shape = PlanShape {
+                optimizer_elems: chunk_range(p, self.shape.world, 0).len(),
+                ..self.shape.clone()
+            };
+            Some(Self::for_shape(shape, self.batch_size, self.grad_accum)).filter(|plan| replicated && fits(plan))
+        };
         match smaller {
             Some(plan) => msg.push_str(&format!(
                 "; --batch-size {} --grad-accum {} keeps the global batch and needs {}",
@@ -163,6 +174,10 @@ impl MemoryPlan {
                 } else {
                     plan.backend_peak()
                 })
+            )),
+            None if sharded().is_some() => msg.push_str(&format!(
+                "; --update sharded keeps 1/{} of the optimizer state per rank and fits",
+                self.shape.world
             )),
             None => msg.push_str(
                 "; no smaller --batch-size fits: choose a shorter --seq-len or a smaller model (the parameters, \
@@ -249,6 +264,12 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
+    fn plan_for(config: &ModelConfig, batch: usize, seq: usize, accum: usize, world: usize) -> MemoryPlan {
+        let mut opts = TrainOptions::for_model(config);
+        (opts.batch_size, opts.seq_len, opts.grad_accum) = (batch, seq, accum);
+        MemoryPlan::new(config, &opts, world, 0, false)
+    }
+
     fn host(bytes: u64) -> Option<Available> {
         Some(Available {
             bytes,
@@ -260,7 +281,9 @@ mod tests {
     fn terms_follow_the_model() {
         let cfg = ModelConfig::gpt2();
         let p = cfg.param_count() as u64;
-        let plan = MemoryPlan::new(&cfg, 1, 1024, 1, 2, false);
+        let mut opts = TrainOptions::for_model(&cfg);
+        (opts.batch_size, opts.seq_len, opts.update) = (1, 1024, UpdateMode::Replicated);
+        let plan = MemoryPlan::new(&cfg, &opts, 2, 0, false);
         assert_eq!((plan.params, plan.grads, plan.optimizer), (4 * p, 4 * p, 8 * p));
         assert_eq!(plan.staging, 8 * p);
         assert_eq!(
@@ -268,19 +291,41 @@ mod tests {
             Gpt2::activation_floats(&cfg, 1, 1024) as u64 * 4 + 2 * 1024 * 4
         );
         // Activations grow with the batch; one rank needs no staging.
-        let single = MemoryPlan::new(&cfg, 4, 1024, 1, 1, false);
+        let single = plan_for(&cfg, 4, 1024, 1, 1);
         assert!(single.activations > 3 * plan.activations && single.staging == 0);
+    }
+
+    /// ZeRO-1: each of N sharded ranks keeps the moments of its own chunk, 1/N of the replicated state.
+    #[test]
+    fn sharded_ranks_plan_a_nth_of_the_optimizer_state() {
+        let cfg = ModelConfig::small();
+        let p = cfg.param_count();
+        let mut opts = TrainOptions::for_model(&cfg);
+        opts.update = UpdateMode::Replicated;
+        let replicated = MemoryPlan::new(&cfg, &opts, 3, 0, false).optimizer;
+        assert_eq!(replicated, 8 * p as u64);
+        opts.update = UpdateMode::Sharded;
+        let per_rank: Vec<u64> = (0..3)
+            .map(|r| MemoryPlan::new(&cfg, &opts, 3, r, false).optimizer)
+            .collect();
+        assert_eq!(per_rank.iter().sum::<u64>(), replicated);
+        assert!(
+            per_rank.iter().all(|&o| o.abs_diff(replicated / 3) <= 8),
+            "{per_rank:?}"
+        );
+        // One rank owns everything.
+        assert_eq!(MemoryPlan::new(&cfg, &opts, 1, 0, false).optimizer, replicated);
     }
 
     /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.
     #[test]
     fn a_plan_that_cannot_fit_names_its_largest_term_and_what_would_fit() {
-        let plan = MemoryPlan::new(&ModelConfig::gpt2(), 64, 1024, 1, 1, false);
+        let plan = plan_for(&ModelConfig::gpt2(), 64, 1024, 1, 1);
         let err = plan.check(BackendMemory::Host, host(24 * GIB)).unwrap_err();
         assert!(err.contains("the largest term is activations"), "{err}");
         assert!(err.contains("--grad-accum"), "{err}");
         // The largest divisor of 64 whose plan fits, with the accumulation that keeps the global batch.
-        let fits = |b: usize| MemoryPlan::new(&ModelConfig::gpt2(), b, 1024, 64 / b, 1, false).peak() <= 24 * GIB;
+        let fits = |b: usize| plan_for(&ModelConfig::gpt2(), b, 1024, 64 / b, 1).peak() <= 24 * GIB;
         let b = [32, 16, 8, 4, 2, 1]
             .into_iter()
             .find(|&b| fits(b))
@@ -294,7 +339,7 @@ mod tests {
 
     #[test]
     fn device_plans_check_device_and_host_apart() {
-        let plan = MemoryPlan::new(&ModelConfig::gpt2(), 8, 1024, 1, 2, false);
+        let plan = plan_for(&ModelConfig::gpt2(), 8, 1024, 1, 2);
         let device = |gib| BackendMemory::Device {
             available: Some(gib * GIB),
         };
@@ -310,10 +355,29 @@ mod tests {
 
     #[test]
     fn when_nothing_smaller_fits_it_says_so() {
-        let plan = MemoryPlan::new(&ModelConfig::gpt2(), 4, 1024, 1, 1, false);
+        let plan = plan_for(&ModelConfig::gpt2(), 4, 1024, 1, 1);
         let err = plan.check(BackendMemory::Host, host(GIB)).unwrap_err();
         assert!(err.contains("no smaller --batch-size fits"), "{err}");
         assert!(err.contains("the largest term is"), "{err}");
+    }
+
+    /// A replicated multi-rank run that only fits with sharded moments is told so.
+    #[test]
+    fn a_replicated_run_is_pointed_to_the_sharded_update() {
+        let cfg = ModelConfig::gpt2();
+        let mut opts = TrainOptions::for_model(&cfg);
+        (opts.batch_size, opts.seq_len, opts.update) = (1, 1024, UpdateMode::Replicated);
+        let replicated = MemoryPlan::new(&cfg, &opts, 4, 0, false);
+        opts.update = UpdateMode::Sharded;
+        let sharded = MemoryPlan::new(&cfg, &opts, 4, 0, false);
+        assert!(sharded.peak() < replicated.peak());
+        let room = (sharded.peak() + replicated.peak()) / 2;
+        let err = replicated.check(BackendMemory::Host, host(room)).unwrap_err();
+        assert!(
+            err.contains("--update sharded keeps 1/4 of the optimizer state"),
+            "{err}"
+        );
+        assert!(sharded.check(BackendMemory::Host, host(room)).is_ok());
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //!   all-gathers the parameters, so replicas are bit-identical by construction.
 
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
-use crate::backend::Backend;
+use crate::backend::{Backend, View};
 use crate::collective::{chunk_range, diverged_ranks, Collective};
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
@@ -119,7 +119,13 @@ impl<B: Backend> Trainer<B> {
         be.check_step_shape(opts.batch_size, opts.seq_len, config.n_embd, config.n_head)?;
         let model = Gpt2::new(&mut be, config, &params)?;
         model.zero_grads(&mut be);
-        let mut opt = AdamW::new(&mut be, opts.adamw, model.layout.total)?;
+        // ZeRO-1: a sharded rank keeps the moments of its own chunk only (the chunk its reduce-scatter
+        // leaves it); checkpoints gather them into full tensors.
+        let owned = match opts.update {
+            UpdateMode::Sharded if world > 1 => chunk_range(model.layout.total, world, rank),
+            _ => 0..model.layout.total,
+        };
+        let mut opt = AdamW::for_range(&mut be, opts.adamw, owned)?;
         let (mut step, mut tokens_seen) = (0, 0);
         if let Some(state) = resume {
             ensure!(
@@ -138,8 +144,8 @@ impl<B: Backend> Trainer<B> {
                 "--resume: the checkpoint stopped at window {}, which is not a whole number of global batches of {global}",
                 state.data_cursor
             );
-            be.upload(opt.m, &state.m)?;
-            be.upload(opt.v, &state.v)?;
+            be.upload(opt.m, &state.m[opt.owned.clone()])?;
+            be.upload(opt.v, &state.v[opt.owned.clone()])?;
             step = state.data_cursor / global as u64;
             tokens_seen = state.tokens_seen;
             opt.step = match state.extra.get("optimizer_step") {
@@ -185,13 +191,27 @@ impl<B: Backend> Trainer<B> {
         if self.world == 1 {
             return Ok(false);
         }
-        let hash = self.state_hash(true)?;
+        let hash = self.state_hash(self.moments_are_replicated())?;
         let hashes = self.comm.gather_hashes(hash)?;
         if diverged_ranks(&hashes).is_empty() {
             return Ok(false);
         }
         self.broadcast_state()?;
         Ok(true)
+    }
+
+    /// Whether every rank holds the whole optimizer state (replicated update, or one rank), so that the
+    /// moments are part of what replicas must agree on.
+    fn moments_are_replicated(&self) -> bool {
+        self.opt.owned.len() == self.model.layout.total
+    }
+
+    /// The views every replica must hold bit for bit: the parameters, plus the moments when replicated.
+    fn replicated_views(&self) -> Vec<View> {
+        match self.moments_are_replicated() {
+            true => vec![self.model.params, self.opt.m, self.opt.v],
+            false => vec![self.model.params],
+        }
     }
 
     /// blake3 over the parameters (and, when asked, both moments): the replica fingerprint.
@@ -202,18 +222,19 @@ impl<B: Backend> Trainer<B> {
         } else {
             vec![self.model.params]
         };
-        let mut host = vec![0f32; self.model.layout.total];
         for view in views {
+            let mut host = vec![0f32; view.len];
             self.be.download(view, &mut host)?;
             hash_into(&mut hasher, &host);
         }
         Ok(*hasher.finalize().as_bytes())
     }
 
-    /// Copies rank 0's parameters and moments to every rank.
+    /// Copies rank 0's replicated state (parameters, and moments when every rank holds them all) to every
+    /// rank.
     fn broadcast_state(&mut self) -> Result<()> {
-        let mut host = vec![0f32; self.model.layout.total];
-        for view in [self.model.params, self.opt.m, self.opt.v] {
+        for view in self.replicated_views() {
+            let mut host = vec![0f32; view.len];
             self.be.download(view, &mut host)?;
             self.comm.broadcast(&mut host, 0)?;
             self.be.upload(view, &host)?;
@@ -374,15 +395,8 @@ impl<B: Backend> Trainer<B> {
                             "step {}: rank(s) {diverged:?} diverged; resyncing from rank 0",
                             self.step + 1
                         );
-                        if self.opts.update == UpdateMode::Sharded {
-                            // Moments are per-shard in sharded mode; only the parameters are replicated.
-                            let mut host = vec![0f32; self.model.layout.total];
-                            self.be.download(self.model.params, &mut host)?;
-                            self.comm.broadcast(&mut host, 0)?;
-                            self.be.upload(self.model.params, &host)?;
-                        } else {
-                            self.broadcast_state()?;
-                        }
+                        // Sharded moments belong to their rank; only what is replicated is copied.
+                        self.broadcast_state()?;
                         return Ok(blake3::Hash::from(self.state_hash(with_moments)?).to_hex().to_string());
                     }
                 }
@@ -418,17 +432,13 @@ impl<B: Backend> Trainer<B> {
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         let params = self.model.download_params(&mut self.be)?;
         let total = self.model.layout.total;
+        let owned = self.opt.owned.clone();
         let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
-        self.be.download(self.opt.m, &mut m)?;
-        self.be.download(self.opt.v, &mut v)?;
-        if self.world > 1 && self.opts.update == UpdateMode::Sharded {
-            // Each rank's moments are only meaningful on its own chunk: gather the full tensors.
-            let owned = chunk_range(total, self.world, self.rank);
-            for moment in [&mut m, &mut v] {
-                let mut staged = vec![0f32; total];
-                staged[owned.clone()].copy_from_slice(&moment[owned.clone()]);
-                self.comm.all_gather(&mut staged)?;
-                *moment = staged;
+        for (moment, view) in [(&mut m, self.opt.m), (&mut v, self.opt.v)] {
+            self.be.download(view, &mut moment[owned.clone()])?;
+            if owned.len() < total {
+                // Sharded: each rank holds its own chunk; gather the full tensors.
+                self.comm.all_gather(moment)?;
             }
         }
         if self.rank != 0 {
