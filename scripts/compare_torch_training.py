@@ -11,14 +11,18 @@ usage:
     B=target/release/ringtrain
     # ringtrain's initial weights for --model small and seed 1337 (no step is run):
     $B train --model small --backend cpu --steps 0 --save /tmp/small-init
-    # ringtrain's run, with the flags to compare:
-    $B train --model small --backend cpu --steps 30 --metrics /tmp/small.jsonl
+    # ringtrain's default 200-step run; PyTorch repeats its first 30 steps:
+    $B train --model small --backend cpu --metrics /tmp/small.jsonl
     python3 scripts/compare_torch_training.py /tmp/small-init --steps 30 --metrics /tmp/small.jsonl
+    # The former defaults (no warmup), where both sides blow up at step 4:
+    $B train --model small --backend cpu --warmup 0 --metrics /tmp/small-w0.jsonl
+    python3 scripts/compare_torch_training.py /tmp/small-init --steps 30 --warmup 0 --metrics /tmp/small-w0.jsonl
 
 It prints one line per step (PyTorch's loss and gradient norm, ringtrain's, their relative differences)
 and the ratio loss[s] / loss[s-1] of each side's worst step. The schedule flags (--lr, --warmup,
 --min-lr, --total-steps) must be the ones the ringtrain run used; the defaults are ringtrain's defaults
-for the model (`default_lr` and `TrainOptions::for_model` in src/trainer/options.rs). The batches are the
+for the model (`default_lr`, `default_warmup` and `TrainOptions::for_model` in src/trainer/options.rs);
+pass --warmup 0 to compare a run made with --warmup 0. The batches are the
 `synthetic` corpus's shuffled windows (seed 1337), rebuilt in Python by ringtrain_data.py; only one rank
 and no gradient accumulation are modelled. Exits 0 after printing, 2 on bad usage.
 
@@ -73,7 +77,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, help="default: the model's n_positions")
     parser.add_argument("--lr", type=float, help="peak lr (default: ringtrain's default_lr for the model)")
-    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--warmup", type=int, help="warmup steps (default: a tenth of --total-steps)")
     parser.add_argument("--min-lr", type=float, help="cosine floor (default lr/10)")
     parser.add_argument("--total-steps", type=int, default=200, help="schedule length (ringtrain's --steps)")
     parser.add_argument("--grad-clip", type=float, default=1.0)
@@ -96,8 +100,7 @@ def main():
     t = args.seq_len or min(cfg.n_positions, 1024)
     lr = args.lr if args.lr is not None else (3e-3 if cfg.n_embd <= 256 else 6e-4)
     min_lr = args.min_lr if args.min_lr is not None else lr / 10
-    if args.lr is None:
-        print(f"note: --lr not given, using {lr:g} (the pre-change default_lr); pass the run's --lr", file=sys.stderr)
+    warmup = args.warmup if args.warmup is not None else args.total_steps // 10
 
     tokens = np.frombuffer(ringtrain_data.synthetic_text(ringtrain_data.TRAIN_SEED,
                                                          ringtrain_data.TRAIN_TARGET_BYTES).encode(), dtype=np.uint8)
@@ -116,7 +119,7 @@ def main():
     for step in range(args.steps):
         inputs, targets = ringtrain_data.batch(tokens, sampler.windows_for_step(step), t)
         inputs, targets = torch.from_numpy(inputs), torch.from_numpy(targets)
-        step_lr = lr_at(step, lr, args.warmup, min_lr, args.total_steps)
+        step_lr = lr_at(step, lr, warmup, min_lr, args.total_steps)
         for group in opt.param_groups:
             group["lr"] = step_lr
         opt.zero_grad(set_to_none=True)
