@@ -77,7 +77,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, help="default: the model's n_positions")
     parser.add_argument("--lr", type=float, help="peak lr (default: ringtrain's default_lr for the model)")
-    parser.add_argument("--warmup", type=int, help="warmup steps (default: a tenth of --total-steps)")
+    parser.add_argument("--warmup", type=int, help="warmup steps (default: a fifth of --total-steps)")
     parser.add_argument("--min-lr", type=float, help="cosine floor (default lr/10)")
     parser.add_argument("--total-steps", type=int, default=200, help="schedule length (ringtrain's --steps)")
     parser.add_argument("--grad-clip", type=float, default=1.0)
@@ -100,7 +100,7 @@ def main():
     t = args.seq_len or min(cfg.n_positions, 1024)
     lr = args.lr if args.lr is not None else (3e-3 if cfg.n_embd <= 256 else 6e-4)
     min_lr = args.min_lr if args.min_lr is not None else lr / 10
-    warmup = args.warmup if args.warmup is not None else args.total_steps // 10
+    warmup = args.warmup if args.warmup is not None else args.total_steps // 5
 
     tokens = np.frombuffer(ringtrain_data.synthetic_text(ringtrain_data.TRAIN_SEED,
                                                          ringtrain_data.TRAIN_TARGET_BYTES).encode(), dtype=np.uint8)

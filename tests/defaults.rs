@@ -4,7 +4,9 @@
 //! Without warmup, `small` at its default rate blew up at step 4 (loss 4.43 -> 6.97, gradient norm 111
 //! against 2.4 a step before) and `tiny`'s norm jumped 2.6-fold at step 6; PyTorch does the same from the same
 //! weights on the same batches (scripts/compare_torch_training.py), so these tests guard the defaults, not
-//! the numerics. They run the first steps of the default 200-step schedule, where the warmup acts.
+//! the numerics. A warmup over the first tenth of the run only moved the blow-up: `tiny` with seed 1 then
+//! jumped from 3.88 to 6.04 at step 17 (norm 94). They run the first steps of the default 200-step schedule,
+//! where the warmup acts.
 //! Later in a run, at low loss, consecutive batches of 8 sequences differ by up to 30% on their own
 //! (scripts/check_spikes.py says how 200-step runs are judged).
 
@@ -20,9 +22,11 @@ const MAX_LOSS_RATIO: f64 = 1.2;
 /// A step's gradient norm may exceed the largest norm of the steps before it by at most this factor.
 const MAX_NORM_GROWTH: f64 = 2.0;
 
-/// The first `steps` steps of a default run of `cfg` (the default options, schedule and seed, synthetic data).
-fn default_run(cfg: ModelConfig, steps: u64) -> Vec<StepMetrics> {
-    let opts = TrainOptions::for_model(&cfg);
+/// The first `steps` steps of a default run of `cfg` (the default options and schedule, synthetic data),
+/// with the default seed unless `seed` is given.
+fn default_run(cfg: ModelConfig, steps: u64, seed: Option<u64>) -> Vec<StepMetrics> {
+    let mut opts = TrainOptions::for_model(&cfg);
+    opts.seed = seed.unwrap_or(opts.seed);
     assert!(steps <= opts.steps);
     let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
     let mut trainer = Trainer::new(CpuBackend::<f32>::new(), ModelSource::Fresh(cfg), data, opts, solo()).unwrap();
@@ -59,7 +63,7 @@ fn spikes(run: &[StepMetrics]) -> Vec<String> {
 
 #[test]
 fn tiny_default_run_starts_without_spikes() {
-    let run = default_run(ModelConfig::tiny(), 40);
+    let run = default_run(ModelConfig::tiny(), 40, None);
     assert_eq!(spikes(&run), Vec::<String>::new());
     // The warmup must not stall learning: from ln 256 = 5.55 to below 3 in 40 steps.
     let last = run.last().unwrap().loss;
@@ -67,8 +71,14 @@ fn tiny_default_run_starts_without_spikes() {
 }
 
 #[test]
+fn tiny_default_schedule_with_seed_1_starts_without_spikes() {
+    let run = default_run(ModelConfig::tiny(), 40, Some(1));
+    assert_eq!(spikes(&run), Vec::<String>::new());
+}
+
+#[test]
 fn small_default_run_starts_without_spikes() {
-    let run = default_run(ModelConfig::small(), 16);
+    let run = default_run(ModelConfig::small(), 16, None);
     assert_eq!(spikes(&run), Vec::<String>::new());
     let last = run.last().unwrap().loss;
     assert!(last < 4.0, "loss {last} after 16 steps");

@@ -71,7 +71,7 @@ pub struct TrainArgs {
     /// constant or cosine
     #[arg(long)]
     pub lr_schedule: Option<String>,
-    /// Linear warmup steps [default: a tenth of --steps]
+    /// Linear warmup steps [default: a fifth of --steps]
     #[arg(long)]
     pub warmup: Option<u64>,
     /// Floor of the cosine schedule (default lr/10)
@@ -338,7 +338,7 @@ mod tests {
         let schedule = LrSchedule {
             kind: ScheduleKind::Cosine,
             lr: 3e-3,
-            warmup: 20,
+            warmup: 40,
             min_lr: 3e-3 / 10.0,
             total_steps: 200,
         };
@@ -366,13 +366,13 @@ mod tests {
         // A wide model gets GPT-2's rate, and the sequence is capped at 1024.
         let gpt2 = args.resolve(&ModelConfig::gpt2(), 1).unwrap();
         assert_eq!((gpt2.schedule.lr, gpt2.seq_len), (6e-4, 1024));
-        // The default warmup is a tenth of the steps asked for.
+        // The default warmup is a fifth of the steps asked for.
         let short = TrainArgs {
             steps: Some(50),
             ..TrainArgs::default()
         };
         let schedule = short.resolve(&tiny, 1).unwrap().schedule;
-        assert_eq!((schedule.warmup, schedule.total_steps), (5, 50));
+        assert_eq!((schedule.warmup, schedule.total_steps), (10, 50));
     }
 
     #[test]
