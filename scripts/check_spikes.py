@@ -11,10 +11,11 @@ gradient norm exceeds the largest norm of all the steps before it by more than -
 2). --until N checks only steps 1..N. It prints the worst ratio of each kind, every failing step with the
 losses and norms around it, the last training loss and the last validation loss.
 
-Reading the result: a real spike moves the gradient norm too (the old `small` default: loss 4.43 -> 6.97
-at step 4 with norm 2.4 -> 111). Late in a 200-step run at low loss, batches of 8 sequences differ by up to
+Reading the result: a real spike moves the gradient norm too (the old `small` default: loss 4.43 -> 6.97 at
+step 4 with norm 2.4 -> 111). Late in a 200-step run at low loss, batches of 8 sequences differ by up to
 about 30% on their own, with a flat gradient norm: the final `small` model, held fixed, already shows
-consecutive batch losses 1.33 apart. So a late loss-ratio failure with a quiet norm is batch noise.
+consecutive batch losses up to 1.26 apart on steps 151..200 (scripts/batch_noise.py). So a late loss-ratio
+failure with a quiet norm is batch noise.
 
 Exits 0 when no checked step fails, 1 when one does, 2 on bad usage or an unreadable file. Needs no
 third-party package.
