@@ -71,7 +71,7 @@ pub struct TrainArgs {
     /// constant or cosine
     #[arg(long)]
     pub lr_schedule: Option<String>,
-    /// Linear warmup steps
+    /// Linear warmup steps [default: a fifth of --steps]
     #[arg(long)]
     pub warmup: Option<u64>,
     /// Floor of the cosine schedule (default lr/10)
@@ -206,11 +206,13 @@ impl TrainArgs {
     /// Validated options for the loop of a `model`-shaped run over `world` ranks: the trainer's defaults
     /// ([`TrainOptions::for_model`]) with the flags and file applied.
     pub fn resolve(&self, model: &ModelConfig, world: usize) -> Result<TrainOptions> {
-        let d = TrainOptions::for_model(model);
+        let defaults = TrainOptions::for_model(model);
+        let steps = self.steps.unwrap_or(defaults.steps);
+        // The defaults of a run of that length: the warmup follows the number of steps.
+        let d = defaults.with_steps(steps);
         let batch_size = positive("--batch-size", self.batch_size.unwrap_or(d.batch_size))?;
         let seq_len = positive("--seq-len", self.seq_len.unwrap_or(d.seq_len))?;
         let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(d.grad_accum))?;
-        let steps = self.steps.unwrap_or(d.steps);
         let global = world * batch_size * grad_accum;
         let base_batch = positive("--base-batch", self.base_batch.unwrap_or(batch_size * grad_accum))?;
         let scaling = match self.lr_scaling.as_deref() {
@@ -339,7 +341,7 @@ mod tests {
         let schedule = LrSchedule {
             kind: ScheduleKind::Cosine,
             lr: 3e-3,
-            warmup: 0,
+            warmup: 40,
             min_lr: 3e-3 / 10.0,
             total_steps: 200,
         };
@@ -367,6 +369,13 @@ mod tests {
         // A wide model gets GPT-2's rate, and the sequence is capped at 1024.
         let gpt2 = args.resolve(&ModelConfig::gpt2(), 1).unwrap();
         assert_eq!((gpt2.schedule.lr, gpt2.seq_len), (6e-4, 1024));
+        // The default warmup is a fifth of the steps asked for.
+        let short = TrainArgs {
+            steps: Some(50),
+            ..TrainArgs::default()
+        };
+        let schedule = short.resolve(&tiny, 1).unwrap().schedule;
+        assert_eq!((schedule.warmup, schedule.total_steps), (10, 50));
     }
 
     #[test]
