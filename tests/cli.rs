@@ -4,15 +4,11 @@
 use ringtrain::model::checkpoint::{load_model, load_trainer_state, resolve_checkpoint_dir};
 use ringtrain::model::ParamLayout;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
-fn ringtrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ringtrain"))
-        .args(args)
-        .output()
-        .expect("run ringtrain")
-}
+mod common;
+use common::ringtrain;
+use std::time::Duration;
 
 fn ok(args: &[&str]) -> String {
     let out = ringtrain(args);
@@ -21,16 +17,9 @@ fn ok(args: &[&str]) -> String {
     stderr
 }
 
-/// Runs a command that must fail cleanly: non-zero exit, an `error:` line containing `needle`, no panic.
+/// Runs a command that must fail cleanly, with `needle` in its error (see [`common::fails_with_all`]).
 fn fails_with(args: &[&str], needle: &str) {
-    let out = ringtrain(args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "ringtrain {args:?} should fail");
-    assert!(!stderr.contains("panicked"), "ringtrain {args:?} panicked:\n{stderr}");
-    assert!(
-        stderr.contains("error:") && stderr.contains(needle),
-        "ringtrain {args:?}: expected {needle:?} in\n{stderr}"
-    );
+    common::fails_with_all(args, &[needle]);
 }
 
 const SMALL: [&str; 12] = [

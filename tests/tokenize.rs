@@ -3,16 +3,11 @@
 //! and bad inputs give an error naming the file and line while leaving no shard or temporary file behind.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use ringtrain::data::{load_splits, TokenizerKind, ValSource};
 
-fn ringtrain(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ringtrain"))
-        .args(args)
-        .output()
-        .expect("run ringtrain")
-}
+mod common;
+use common::{fails_with_all as fails_with, ringtrain};
 
 /// Runs a command that must succeed; returns stdout.
 fn ok(args: &[&str]) -> String {
@@ -20,20 +15,6 @@ fn ok(args: &[&str]) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "ringtrain {args:?} failed:\n{stderr}");
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Runs a command that must fail cleanly: non-zero exit, an `error:` line containing every needle, no panic.
-fn fails_with(args: &[&str], needles: &[&str]) {
-    let out = ringtrain(args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "ringtrain {args:?} should fail");
-    assert!(!stderr.contains("panicked"), "ringtrain {args:?} panicked:\n{stderr}");
-    for needle in needles {
-        assert!(
-            stderr.contains("error:") && stderr.contains(needle),
-            "ringtrain {args:?}: expected {needle:?} in\n{stderr}"
-        );
-    }
 }
 
 fn s(p: &Path) -> &str {

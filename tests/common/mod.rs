@@ -3,6 +3,29 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// Runs the `ringtrain` binary built for these tests with `args`.
+pub fn ringtrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+        .args(args)
+        .output()
+        .expect("run ringtrain")
+}
+
+/// Runs a command that must fail cleanly: non-zero exit, an `error:` line containing every needle, no panic.
+pub fn fails_with_all(args: &[&str], needles: &[&str]) {
+    let out = ringtrain(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "ringtrain {args:?} should fail");
+    assert!(!stderr.contains("panicked"), "ringtrain {args:?} panicked:\n{stderr}");
+    for needle in needles {
+        assert!(
+            stderr.contains("error:") && stderr.contains(needle),
+            "ringtrain {args:?}: expected {needle:?} in\n{stderr}"
+        );
+    }
+}
 
 /// The PyTorch golden state for `tiny` kept in the repository (`tests/fixtures/gpt2-tiny-pytorch`, written
 /// by `scripts/make_reference.py`). Panics when it is missing: it is part of the repository, so a missing
