@@ -50,8 +50,7 @@ def main():
     if cfg.vocab_size != 256:
         parser.error(f"{args.checkpoint} has vocabulary {cfg.vocab_size}; only the byte-level synthetic corpus is modelled")
     t = args.seq_len or min(cfg.n_positions, 1024)
-    text = ringtrain_data.synthetic_text(ringtrain_data.TRAIN_SEED, ringtrain_data.TRAIN_TARGET_BYTES)
-    tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
+    tokens = ringtrain_data.synthetic_train_tokens()
     sampler = ringtrain_data.WindowSampler(len(tokens), t, args.batch_size, True, args.seed)
 
     losses = []

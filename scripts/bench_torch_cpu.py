@@ -24,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ringtrain_presets import PRESETS, hf_config  # noqa: E402
+from ringtrain_presets import PRESETS, adamw, hf_config  # noqa: E402
 
 
 def main():
@@ -59,10 +59,7 @@ def main():
     model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").float().train()
     n_params = sum(p.numel() for p in model.parameters())  # wte counted once: lm_head is tied
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(model, args.lr)
 
     V = cfg.vocab_size
     g = torch.Generator().manual_seed(args.seed)

@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ringtrain_data  # noqa: E402
+from ringtrain_presets import adamw  # noqa: E402
 
 
 def lr_at(step, lr, warmup, min_lr, total_steps):
@@ -102,15 +103,10 @@ def main():
     min_lr = args.min_lr if args.min_lr is not None else lr / 10
     warmup = args.warmup if args.warmup is not None else args.total_steps // 5
 
-    tokens = np.frombuffer(ringtrain_data.synthetic_text(ringtrain_data.TRAIN_SEED,
-                                                         ringtrain_data.TRAIN_TARGET_BYTES).encode(), dtype=np.uint8)
-    tokens = tokens.astype(np.int64)
+    tokens = ringtrain_data.synthetic_train_tokens()
     sampler = ringtrain_data.WindowSampler(len(tokens), t, args.batch_size, True, args.seed)
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(model, lr)
     theirs = read_metrics(args.metrics) if args.metrics else {}
 
     print(f"{'step':>4} {'lr':>9} {'torch loss':>10} {'torch norm':>10} | {'ours loss':>9} {'ours norm':>9} "

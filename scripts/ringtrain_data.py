@@ -182,6 +182,12 @@ class WindowSampler:
         return self.epoch_order(epoch)[start : start + self.g]
 
 
+def synthetic_train_tokens():
+    """The synthetic training corpus as byte-tokenizer ids, int64 [len]: what `--data synthetic` trains on."""
+    text = synthetic_text(TRAIN_SEED, TRAIN_TARGET_BYTES)
+    return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
+
+
 def batch(tokens, windows, t):
     """Inputs and targets [len(windows), t] of the windows, as `fill_batch` builds them."""
     inputs = np.stack([tokens[w * t : w * t + t] for w in windows])

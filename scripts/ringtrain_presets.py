@@ -3,8 +3,8 @@
 They mirror ringtrain's `--model tiny|small|gpt2` presets (ARCHITECTURE.md, "Numerics"): pre-LN blocks,
 layer-norm eps 1e-5, gelu_new, no dropout, LM head tied to wte, fp32.
 
-Import only the plain dict from here; `hf_config()` imports transformers lazily so that a missing install
-can be reported by the caller.
+Import only the plain dict from here; `hf_config()` and `adamw()` import transformers and torch lazily so
+that a missing install can be reported by the caller.
 """
 
 PRESETS = {
@@ -40,3 +40,14 @@ def hf_config(name):
         bos_token_id=special,
         eos_token_id=special,
     )
+
+
+def adamw(model, lr):
+    """torch.optim.AdamW with ringtrain's defaults: betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on tensors of
+    rank >= 2 only (not on biases or layer-norm parameters)."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)

@@ -31,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
-from ringtrain_presets import PRESETS, hf_config  # noqa: E402
+from ringtrain_presets import PRESETS, adamw, hf_config  # noqa: E402
 
 
 def env_int(name, default):
@@ -96,10 +96,7 @@ def main():
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").float().train()
     n_params = sum(p.numel() for p in model.parameters())  # wte counted once: lm_head is tied
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(model, args.lr)
     net = model
     if world > 1:
         # env:// reads MASTER_ADDR / MASTER_PORT; GLOO_SOCKET_IFNAME picks the host's interface.
