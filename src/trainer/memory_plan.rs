@@ -9,7 +9,6 @@
 
 use super::{TrainOptions, UpdateMode};
 use crate::backend::BackendMemory;
-use crate::collective::chunk_range;
 use crate::model::{Gpt2, ModelConfig};
 use std::fmt;
 
@@ -53,13 +52,11 @@ impl MemoryPlan {
     /// The plan of rank `rank` of `world` for a run of `config` with `opts`; `resume` adds the resumed
     /// moments to the initial copy.
     pub fn new(config: &ModelConfig, opts: &TrainOptions, world: usize, rank: usize, resume: bool) -> Self {
-        let p = config.param_count();
-        let sharded = opts.update == UpdateMode::Sharded && world > 1;
         let shape = PlanShape {
             config: config.clone(),
             seq_len: opts.seq_len,
             world,
-            optimizer_elems: if sharded { chunk_range(p, world, rank).len() } else { p },
+            optimizer_elems: opts.update.optimizer_range(config.param_count(), world, rank).len(),
             resume,
         };
         Self::for_shape(shape, opts.batch_size, opts.grad_accum)
@@ -159,7 +156,7 @@ impl MemoryPlan {
             let p = self.shape.config.param_count();
             let replicated = self.shape.world > 1 && self.shape.optimizer_elems == p;
             let shape = PlanShape {
-                optimizer_elems: chunk_range(p, self.shape.world, 0).len(),
+                optimizer_elems: UpdateMode::Sharded.optimizer_range(p, self.shape.world, 0).len(),
                 ..self.shape.clone()
             };
             Some(Self::for_shape(shape, self.batch_size, self.grad_accum)).filter(|plan| replicated && fits(plan))

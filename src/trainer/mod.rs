@@ -12,7 +12,7 @@
 
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::{Backend, View};
-use crate::collective::{chunk_range, diverged_ranks, Collective};
+use crate::collective::{diverged_ranks, Collective};
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
 use crate::model::checkpoint::{self, TrainerState};
@@ -121,10 +121,7 @@ impl<B: Backend> Trainer<B> {
         model.zero_grads(&mut be);
         // ZeRO-1: a sharded rank keeps the moments of its own chunk only (the chunk its reduce-scatter
         // leaves it); checkpoints gather them into full tensors.
-        let owned = match opts.update {
-            UpdateMode::Sharded if world > 1 => chunk_range(model.layout.total, world, rank),
-            _ => 0..model.layout.total,
-        };
+        let owned = opts.update.optimizer_range(model.layout.total, world, rank);
         let mut opt = AdamW::for_range(&mut be, opts.adamw, owned)?;
         let (mut step, mut tokens_seen) = (0, 0);
         if let Some(state) = resume {

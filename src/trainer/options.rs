@@ -58,6 +58,15 @@ pub enum UpdateMode {
 }
 
 impl UpdateMode {
+    /// The elements of a `total`-element flat buffer whose optimizer state rank `rank` of `world` keeps:
+    /// its reduce-scatter chunk when sharded over several ranks (ZeRO-1), else all of them.
+    pub fn optimizer_range(self, total: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+        match self {
+            UpdateMode::Sharded if world > 1 => crate::collective::chunk_range(total, world, rank),
+            _ => 0..total,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             UpdateMode::Sharded => "sharded",
