@@ -2,7 +2,7 @@
 //! code generic over `B: Backend` (the trainer, the model) runs on the `Box<dyn Backend>` the
 //! [factory](super::factory) returns.
 
-use super::{AdamWStep, AttentionShape, Backend, BackendMemory, MatmulShape, TokenView, View};
+use super::{AdamWStep, AttentionShape, Backend, BackendMemory, Download, MatmulShape, TokenView, View};
 use anyhow::Result;
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -164,6 +164,18 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
         (**self).check_step_shape(b, t, c, nh)
+    }
+
+    fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {
+        (**self).begin_download(src, host)
+    }
+
+    fn download_ready(&mut self, download: &Download) -> Result<bool> {
+        (**self).download_ready(download)
+    }
+
+    fn finish_download(&mut self, download: Download) -> Result<Vec<f32>> {
+        (**self).finish_download(download)
     }
 
     fn memory(&self) -> BackendMemory {

@@ -89,6 +89,17 @@ pub enum BackendMemory {
     Device { available: Option<u64> },
 }
 
+/// A read-back of a device range, begun by [`Backend::begin_download`] while later work may still be
+/// queued, and finished by [`Backend::finish_download`].
+#[derive(Debug)]
+pub enum Download {
+    /// The values are on the host already (synchronous backends copy at once).
+    Ready(Vec<f32>),
+    /// The copy is recorded on the device; `ticket` names it in the backend's own table, and `host` is the
+    /// buffer that will receive the values.
+    InFlight { ticket: u64, host: Vec<f32> },
+}
+
 /// The op set of a GPT-2 training step. Every method panics only on a programming error (views of the
 /// wrong length, a view into a freed buffer); anything that depends on the outside world returns `Result`
 /// now or, for ops, at the next synchronisation point.
@@ -204,6 +215,32 @@ pub trait Backend {
     fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
         let _ = (b, t, c, nh);
         Ok(())
+    }
+
+    /// Starts reading `src` back into `host` (resized to `src.len`), ordered after every op recorded so far
+    /// but without waiting for them or for what is recorded later: the gradient sync reads a finished
+    /// bucket while backward goes on. The default copies at once, which is what a synchronous backend wants.
+    fn begin_download(&mut self, src: View, mut host: Vec<f32>) -> Result<Download> {
+        host.resize(src.len, 0.0);
+        self.download(src, &mut host)?;
+        Ok(Download::Ready(host))
+    }
+
+    /// Whether `download` has arrived, without blocking.
+    fn download_ready(&mut self, download: &Download) -> Result<bool> {
+        Ok(matches!(download, Download::Ready(_)))
+    }
+
+    /// The values of a read-back begun by [`Backend::begin_download`], waiting for them if needed.
+    fn finish_download(&mut self, download: Download) -> Result<Vec<f32>> {
+        match download {
+            Download::Ready(host) => Ok(host),
+            Download::InFlight { ticket, .. } => Err(BackendError::InvalidView(format!(
+                "{}: read-back #{ticket} was not begun by this backend",
+                self.name()
+            ))
+            .into()),
+        }
     }
 
     /// Where this backend's buffers live and how much room is left there, for the memory plan.
