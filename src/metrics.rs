@@ -34,9 +34,14 @@ pub struct StepMetrics {
     /// Wall time of this step in milliseconds.
     #[serde(deserialize_with = "f64_or_nan")]
     pub step_ms: f64,
-    /// Exposed (not overlapped) communication time of this step in milliseconds.
+    /// Time this step's collectives ran (gradient buckets, scalars, the sharded parameter gather), in
+    /// milliseconds, whether or not backward hid it.
     #[serde(deserialize_with = "f64_or_nan")]
     pub comm_ms: f64,
+    /// The part of the step spent waiting for communication after backward ended, in milliseconds (files
+    /// written before it existed read as 0).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub exposed_comm_ms: f64,
     /// Number of ranks.
     pub world_size: usize,
     /// Update mode: `sharded` or `replicated`.
@@ -179,6 +184,7 @@ mod tests {
             tokens_per_s: 20_000.0,
             step_ms: 12.0,
             comm_ms: 1.5,
+            exposed_comm_ms: 0.0,
             world_size: 2,
             update: "sharded".into(),
             ..Default::default()

@@ -114,6 +114,9 @@ pub struct TrainArgs {
     /// Gradient bucket size for the AllReduce, MiB
     #[arg(long)]
     pub bucket_mb: Option<f64>,
+    /// on (communicate each gradient bucket while backward goes on) or off (after backward); same bits
+    #[arg(long)]
+    pub overlap: Option<String>,
     /// Checkpoint directory written at the end (and every --save-every steps)
     #[arg(long)]
     pub save: Option<PathBuf>,
@@ -267,6 +270,12 @@ impl TrainArgs {
             Some("resync") => OnDivergence::Resync,
             Some(other) => bail!("--on-divergence {other:?}: expected abort or resync"),
         };
+        let overlap = match self.overlap.as_deref() {
+            None => d.overlap,
+            Some("on") => true,
+            Some("off") => false,
+            Some(other) => bail!("--overlap {other:?}: expected on or off"),
+        };
         let bucket_elems = match self.bucket_mb {
             None => d.bucket_elems,
             Some(mb) => {
@@ -296,6 +305,7 @@ impl TrainArgs {
             verify_every: self.verify_every.unwrap_or(d.verify_every),
             on_divergence,
             bucket_elems,
+            overlap,
             args_json: serde_json::to_string(self)?,
         })
     }

@@ -282,6 +282,7 @@ mod tests {
             tokens_per_s: 20_000.0 + 1_500.0 * (s * 0.3).cos() - if step == 1 { 15_000.0 } else { 0.0 },
             step_ms: 12.5,
             comm_ms: 1.25,
+            exposed_comm_ms: 0.0,
             world_size: 2,
             update: "sharded".to_string(),
             param_hash: (step % 50 == 0).then(|| format!("{step:016x}")),

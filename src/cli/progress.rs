@@ -201,6 +201,7 @@ mod tests {
             tokens_per_s: 20_800.2,
             step_ms: 12.34,
             comm_ms: 0.0,
+            exposed_comm_ms: 0.0,
             world_size: 1,
             update: "replicated".into(),
             ..Default::default()
@@ -285,6 +286,7 @@ mod tests {
             tokens_per_s: 20_800.4,
             step_ms: 12.31,
             comm_ms: 2.0,
+            exposed_comm_ms: 0.0,
             world_size: 4,
             update: "sharded".into(),
             ..Default::default()

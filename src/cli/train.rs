@@ -183,8 +183,10 @@ fn run_steps<B: Backend>(
         ));
     }
     let mut last: Option<StepMetrics> = None;
+    let mut comm = CommTotals::default();
     while trainer.step < opts.steps {
         let mut m = trainer.train_step().map_err(with_flag_hints)?;
+        comm.add(&m);
         if m.skipped {
             progress.message(&format!("step {}: non-finite gradients, update skipped", m.step));
         }
@@ -219,11 +221,46 @@ fn run_steps<B: Backend>(
     if let (Some(m), true) = (last, is_rank0) {
         let val = m.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
         eprintln!(
-            "done: step {}, loss {:.4}{val}, {:.0} tokens/s",
-            m.step, m.loss, m.tokens_per_s
+            "done: step {}, loss {:.4}{val}, {:.0} tokens/s{}",
+            m.step,
+            m.loss,
+            m.tokens_per_s,
+            comm.summary(trainer.world())
         );
     }
     Ok(())
+}
+
+/// Communication over a run, for the summary line.
+#[derive(Default)]
+struct CommTotals {
+    steps: u64,
+    step_ms: f64,
+    comm_ms: f64,
+    exposed_ms: f64,
+}
+
+impl CommTotals {
+    fn add(&mut self, m: &StepMetrics) {
+        self.steps += 1;
+        self.step_ms += m.step_ms;
+        self.comm_ms += m.comm_ms;
+        self.exposed_ms += m.exposed_comm_ms;
+    }
+
+    /// `, communication 12.3 ms/step, 25% of it exposed (4% of the step)`; empty for one rank.
+    fn summary(&self, world: usize) -> String {
+        if world < 2 || self.steps == 0 {
+            return String::new();
+        }
+        let share = |part: f64, whole: f64| if whole > 0.0 { 100.0 * part / whole } else { 0.0 };
+        format!(
+            ", communication {:.1} ms/step, {:.0}% of it exposed ({:.0}% of the step)",
+            self.comm_ms / self.steps as f64,
+            share(self.exposed_ms, self.comm_ms),
+            share(self.exposed_ms, self.step_ms)
+        )
+    }
 }
 
 /// `ringtrain bench step`: warm-up steps, then timed steps; ms/step, tokens/s and model GFLOP/s.
@@ -242,8 +279,9 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
         trainer.train_step()?;
     }
     let started = std::time::Instant::now();
+    let mut comm = CommTotals::default();
     for _ in 0..timed {
-        trainer.train_step()?;
+        comm.add(&trainer.train_step()?);
     }
     let secs = started.elapsed().as_secs_f64();
     let tokens = trainer.tokens_per_step() as f64 * timed as f64;
@@ -259,6 +297,9 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
         "ms_per_step": secs * 1e3 / timed as f64,
         "tokens_per_s": tokens / secs,
         "gflops": flops / secs / 1e9,
+        "comm_ms": comm.comm_ms / timed as f64,
+        "exposed_comm_ms": comm.exposed_ms / timed as f64,
+        "world_size": trainer.world(),
         "plan_peak_bytes": plan_peak,
         "measured_peak_bytes": measured_peak(),
     });

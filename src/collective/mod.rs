@@ -5,6 +5,7 @@
 //! - [`frame`]: the bounded, versioned wire format.
 //! - [`quic`]: the QUIC transport (quinn), rendezvous and control plane included; [`buffer_pool`] recycles
 //!   its message buffers.
+//! - [`comm_thread`]: a rank's collectives on their own thread, behind handles (overlap with backward).
 //! - [`bench`](mod@bench): the all-reduce benchmark behind `ringtrain bench allreduce`.
 //!
 //! The layer knows no backend: it works on f32 and byte slices. Every transport implements [`Collective`]
@@ -13,6 +14,7 @@
 
 pub mod bench;
 pub mod buffer_pool;
+pub mod comm_thread;
 pub mod frame;
 pub mod le_pieces;
 pub mod mem;

@@ -315,6 +315,19 @@ impl Gpt2 {
     /// Backward pass of the last `forward`, accumulating into `grads`. `dloss` is the weight of each
     /// position's loss in the objective: `1 / (tokens in the global batch on this rank)`.
     pub fn backward<B: Backend>(&mut self, be: &mut B, dloss: f32) -> Result<()> {
+        self.backward_reporting(be, dloss, &mut |_, _| Ok(()))
+    }
+
+    /// [`Gpt2::backward`], calling `finished(be, from)` each time the gradients of the flat elements
+    /// `from..` are final: after the final layer norm, after each block (last to first), and at the end with
+    /// 0 (the token embedding `wte` is also the LM head, so it is final only after the embedding backward).
+    /// The gradient sync starts communicating a bucket as soon as it is reported.
+    pub fn backward_reporting<B: Backend>(
+        &mut self,
+        be: &mut B,
+        dloss: f32,
+        finished: &mut dyn FnMut(&mut B, usize) -> Result<()>,
+    ) -> Result<()> {
         let Some(acts) = self.acts.clone() else {
             bail!("backward called before forward")
         };
@@ -347,6 +360,7 @@ impl Gpt2 {
             n,
             c,
         );
+        finished(be, lay.ln_f_w)?;
         let attn_shape = AttentionShape {
             b,
             t,
@@ -416,10 +430,11 @@ impl Gpt2 {
             be.layernorm_backward(
                 acts.dres, dw.ln_1_w, dw.ln_1_b, acts.dbtc, residual, w.ln_1_w, a.ln1_mean, a.ln1_rstd, n, c,
             );
+            finished(be, bp.ln_1_w)?;
         }
         let (dwpe, wpe_len) = (lay.wpe, cfg.n_positions * c);
         be.encoder_backward(dwte, self.g(dwpe, wpe_len), acts.dres, acts.tokens, b, t, c);
-        Ok(())
+        finished(be, 0)
     }
 
     /// Per-position losses `[b*t]` of the last forward (tests read them at full precision).

@@ -1,8 +1,9 @@
 //! AdamW with `torch.optim.AdamW` semantics over the flat parameter buffer, plus global-norm clipping.
 //!
-//! The update works on any element range of the flat buffer, so the same code serves the replicated update
-//! (the whole range) and the ZeRO-1 sharded update (the shard a rank owns): each tensor of the layout that
-//! intersects the range is updated with its own weight decay (rank >= 2 tensors only).
+//! The update works on any set of element ranges of the flat buffer, so the same code serves the replicated
+//! update (the whole buffer) and the ZeRO-1 sharded update (the rank's chunk of every gradient bucket): each
+//! tensor of the layout that intersects a range is updated with its own weight decay (rank >= 2 tensors
+//! only), and the step is counted once per update, so bias correction does not depend on the ranges.
 
 use crate::backend::{AdamWStep, Backend, View};
 use crate::model::ParamLayout;
@@ -32,12 +33,12 @@ impl Default for AdamWConfig {
 /// count.
 pub struct AdamW {
     pub config: AdamWConfig,
-    /// The elements of the flat parameter buffer whose moments live here: all of them for a replicated
-    /// update, the rank's own chunk for a sharded (ZeRO-1) one.
-    pub owned: Range<usize>,
-    /// [owned.len()]: first moment (torch `exp_avg`) of the owned elements.
+    /// The elements of the flat parameter buffer whose moments live here, ascending and disjoint: all of
+    /// them for a replicated update, the rank's chunk of every gradient bucket for a sharded (ZeRO-1) one.
+    pub owned: Vec<Range<usize>>,
+    /// [sum of owned lengths]: first moment (torch `exp_avg`) of the owned elements, range after range.
     pub m: View,
-    /// [owned.len()]: second moment (torch `exp_avg_sq`) of the owned elements.
+    /// [sum of owned lengths]: second moment (torch `exp_avg_sq`) of the owned elements, range after range.
     pub v: View,
     /// Optimizer steps taken so far.
     pub step: u64,
@@ -46,18 +47,43 @@ pub struct AdamW {
 impl AdamW {
     /// An optimizer owning all `len` elements.
     pub fn new<B: Backend>(be: &mut B, config: AdamWConfig, len: usize) -> Result<Self> {
-        Self::for_range(be, config, 0..len)
+        Self::for_ranges(be, config, vec![0..len])
     }
 
-    /// An optimizer owning the elements `owned` of the flat buffers: moments are allocated for them only.
-    pub fn for_range<B: Backend>(be: &mut B, config: AdamWConfig, owned: Range<usize>) -> Result<Self> {
+    /// An optimizer owning the elements `owned` (ascending, disjoint) of the flat buffers: moments are
+    /// allocated for them only.
+    pub fn for_ranges<B: Backend>(be: &mut B, config: AdamWConfig, owned: Vec<Range<usize>>) -> Result<Self> {
+        assert!(
+            owned.windows(2).all(|w| w[0].end <= w[1].start),
+            "owned ranges must be ascending and disjoint: {owned:?}"
+        );
+        let len = owned.iter().map(|r| r.len()).sum();
         Ok(AdamW {
             config,
-            m: be.alloc(owned.len())?,
-            v: be.alloc(owned.len())?,
+            m: be.alloc(len)?,
+            v: be.alloc(len)?,
             owned,
             step: 0,
         })
+    }
+
+    /// Elements owned.
+    pub fn owned_len(&self) -> usize {
+        self.m.len
+    }
+
+    /// The owned elements of a full flat tensor (a saved moment), range after range: `[owned_len]`.
+    pub fn cut(&self, full: &[f32]) -> Vec<f32> {
+        self.owned.iter().flat_map(|r| full[r.clone()].iter().copied()).collect()
+    }
+
+    /// Writes owned values (`[owned_len]`, range after range) to their places in a full flat tensor.
+    pub fn place(&self, owned_values: &[f32], full: &mut [f32]) {
+        let mut at = 0;
+        for r in &self.owned {
+            full[r.clone()].copy_from_slice(&owned_values[at..at + r.len()]);
+            at += r.len();
+        }
     }
 
     /// The scalars of the next step (1-based `t = self.step + 1`), bias corrections in f64 as torch does.
@@ -78,7 +104,27 @@ impl AdamW {
         }
     }
 
-    /// Updates the elements `[lo, hi)` of the flat buffers, which must lie in [`AdamW::owned`], then counts
+    /// One step over every owned element, then counts the step (once, however many ranges are owned).
+    #[allow(clippy::too_many_arguments)]
+    pub fn update<B: Backend>(
+        &mut self,
+        be: &mut B,
+        layout: &ParamLayout,
+        params: View,
+        grads: View,
+        lr: f64,
+        grad_scale: f64,
+    ) {
+        let scalars = self.step_scalars(lr, grad_scale);
+        let mut moment_at = 0;
+        for r in &self.owned {
+            self.apply(be, layout, params, grads, r.clone(), moment_at, &scalars);
+            moment_at += r.len();
+        }
+        self.step += 1;
+    }
+
+    /// Updates the elements `[lo, hi)` of the flat buffers, which must lie in one owned range, then counts
     /// the step.
     #[allow(clippy::too_many_arguments)]
     pub fn update_range<B: Backend>(
@@ -92,32 +138,52 @@ impl AdamW {
         lr: f64,
         grad_scale: f64,
     ) {
-        assert!(
-            self.owned.start <= lo && hi <= self.owned.end,
-            "update of [{lo}, {hi}) outside the owned range {:?}",
-            self.owned
-        );
+        let mut moment_at = 0;
+        let within = self.owned.iter().find_map(|r| {
+            let found = (r.start <= lo && hi <= r.end).then_some(moment_at + lo - r.start);
+            moment_at += r.len();
+            found
+        });
+        let Some(moment_at) = within else {
+            panic!("update of [{lo}, {hi}) outside the owned ranges {:?}", self.owned)
+        };
         let scalars = self.step_scalars(lr, grad_scale);
+        self.apply(be, layout, params, grads, lo..hi, moment_at, &scalars);
+        self.step += 1;
+    }
+
+    /// The AdamW kernel over the flat `range`, whose moments start at `moment_at`, tensor by tensor so that
+    /// each gets its own weight decay.
+    #[allow(clippy::too_many_arguments)]
+    fn apply<B: Backend>(
+        &self,
+        be: &mut B,
+        layout: &ParamLayout,
+        params: View,
+        grads: View,
+        range: Range<usize>,
+        moment_at: usize,
+        scalars: &AdamWStep,
+    ) {
         for spec in &layout.specs {
-            let start = spec.offset.max(lo);
-            let end = (spec.offset + spec.len).min(hi);
+            let start = spec.offset.max(range.start);
+            let end = (spec.offset + spec.len).min(range.end);
             if start >= end {
                 continue;
             }
             let step = AdamWStep {
                 weight_decay: if spec.decays() { scalars.weight_decay } else { 0.0 },
-                ..scalars
+                ..*scalars
             };
-            let len = end - start;
+            let (len, moment) = (end - start, moment_at + start - range.start);
             be.adamw(
                 params.sub(start, len),
                 grads.sub(start, len),
-                self.m.sub(start - self.owned.start, len),
-                self.v.sub(start - self.owned.start, len),
+                self.m.sub(moment, len),
+                self.v.sub(moment, len),
                 &step,
             );
         }
-        self.step += 1;
     }
 }
 

@@ -7,6 +7,7 @@
 //! collectives (`world > 1`), and the host copy of the initial parameters (and, on resume, the moments)
 //! while they are uploaded. The corpus is not counted: shards are memory-mapped, and text is small.
 
+use super::buckets::optimizer_elems;
 use super::{TrainOptions, UpdateMode};
 use crate::backend::BackendMemory;
 use crate::model::{Gpt2, ModelConfig};
@@ -38,6 +39,8 @@ struct PlanShape {
     world: usize,
     /// Elements whose AdamW moments this rank keeps: all, or its chunk when sharded (ZeRO-1).
     optimizer_elems: usize,
+    /// Gradient bucket size in elements: sharded ranks own a chunk of every bucket.
+    bucket_elems: usize,
     resume: bool,
 }
 
@@ -56,7 +59,8 @@ impl MemoryPlan {
             config: config.clone(),
             seq_len: opts.seq_len,
             world,
-            optimizer_elems: opts.update.optimizer_range(config.param_count(), world, rank).len(),
+            optimizer_elems: optimizer_elems(config, opts.update, opts.bucket_elems, world, rank),
+            bucket_elems: opts.bucket_elems,
             resume,
         };
         Self::for_shape(shape, opts.batch_size, opts.grad_accum)
@@ -156,7 +160,13 @@ impl MemoryPlan {
             let p = self.shape.config.param_count();
             let replicated = self.shape.world > 1 && self.shape.optimizer_elems == p;
             let shape = PlanShape {
-                optimizer_elems: UpdateMode::Sharded.optimizer_range(p, self.shape.world, 0).len(),
+                optimizer_elems: optimizer_elems(
+                    &self.shape.config,
+                    UpdateMode::Sharded,
+                    self.shape.bucket_elems,
+                    self.shape.world,
+                    0,
+                ),
                 ..self.shape.clone()
             };
             Some(Self::for_shape(shape, self.batch_size, self.grad_accum)).filter(|plan| replicated && fits(plan))

@@ -4,14 +4,16 @@
 //! - Replicate: at start the ranks compare parameter hashes; on a mismatch rank 0's parameters win.
 //! - Shard: the global batch's windows are split by [`split_for_rank`].
 //! - Local compute: forward/backward over this rank's micro-batches, gradients accumulated on the device.
-//! - Synchronise: `replicated` all-reduces the gradient (in `--bucket-mb` buckets); `sharded` (ZeRO-1)
-//!   reduce-scatters it so each rank holds the mean of the chunk it owns.
+//! - Synchronise ([`grad_sync`]): gradients travel in `--bucket-mb` buckets, each handed to the
+//!   communication thread as soon as backward has finished it (`--overlap on`) or after backward (`off`);
+//!   `replicated` all-reduces each bucket, `sharded` (ZeRO-1) reduce-scatters it so each rank holds the
+//!   mean of its chunk of every bucket ([`buckets`]).
 //! - Update: the gradient norm, the loss and the non-finite decision come from reduced values, so every rank
-//!   decides alike; `replicated` runs AdamW on everything, `sharded` on the owned chunk and then
-//!   all-gathers the parameters, so replicas are bit-identical by construction.
+//!   decides alike; `replicated` runs AdamW on everything, `sharded` on the owned chunks and then
+//!   all-gathers the parameters bucket by bucket, so replicas are bit-identical by construction.
 
-use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::{Backend, View};
+use crate::collective::comm_thread::CommThread;
 use crate::collective::{diverged_ranks, Collective};
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
@@ -24,8 +26,13 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+pub mod buckets;
+pub mod grad_sync;
 mod memory_plan;
 mod options;
+
+use buckets::BucketPlan;
+use grad_sync::{GradSync, SyncTrace};
 
 pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
@@ -58,12 +65,10 @@ pub struct Trainer<B: Backend> {
     pub tokens_seen: u64,
     world: usize,
     rank: usize,
-    /// The ring; only used when `world > 1`.
-    comm: Box<dyn Collective>,
-    /// Host staging of the flat gradient and parameter buffers for the collectives: `[layout.total]` each
-    /// (empty when `world == 1`).
-    host_grads: Vec<f32>,
-    host_params: Vec<f32>,
+    /// The ring, on its own thread; only used when `world > 1`.
+    comm: CommThread,
+    /// The bucketed gradient sync (and the sharded parameter gather).
+    sync: GradSync,
     /// Host staging for one micro-batch: `[batch_size * seq_len]` each.
     inputs: Vec<u32>,
     targets: Vec<u32>,
@@ -121,8 +126,8 @@ impl<B: Backend> Trainer<B> {
         model.zero_grads(&mut be);
         // ZeRO-1: a sharded rank keeps the moments of its own chunk only (the chunk its reduce-scatter
         // leaves it); checkpoints gather them into full tensors.
-        let owned = opts.update.optimizer_range(model.layout.total, world, rank);
-        let mut opt = AdamW::for_range(&mut be, opts.adamw, owned)?;
+        let plan = BucketPlan::new(&model.layout, opts.bucket_elems);
+        let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(opts.update, world, rank))?;
         let (mut step, mut tokens_seen) = (0, 0);
         if let Some(state) = resume {
             ensure!(
@@ -141,8 +146,8 @@ impl<B: Backend> Trainer<B> {
                 "--resume: the checkpoint stopped at window {}, which is not a whole number of global batches of {global}",
                 state.data_cursor
             );
-            be.upload(opt.m, &state.m[opt.owned.clone()])?;
-            be.upload(opt.v, &state.v[opt.owned.clone()])?;
+            be.upload(opt.m, &opt.cut(&state.m))?;
+            be.upload(opt.v, &opt.cut(&state.v))?;
             step = state.data_cursor / global as u64;
             tokens_seen = state.tokens_seen;
             opt.step = match state.extra.get("optimizer_step") {
@@ -151,7 +156,7 @@ impl<B: Backend> Trainer<B> {
             };
         }
         let n = opts.batch_size * opts.seq_len;
-        let staging = if world > 1 { model.layout.total } else { 0 };
+        let sync = GradSync::new(plan, opts.update, world, rank);
         let mut trainer = Trainer {
             be,
             model,
@@ -164,9 +169,8 @@ impl<B: Backend> Trainer<B> {
             tokens_seen,
             world,
             rank,
-            comm,
-            host_grads: vec![0.0; staging],
-            host_params: vec![0.0; staging],
+            comm: CommThread::spawn(comm),
+            sync,
             inputs: vec![0; n],
             targets: vec![0; n],
         };
@@ -189,7 +193,7 @@ impl<B: Backend> Trainer<B> {
             return Ok(false);
         }
         let hash = self.state_hash(self.moments_are_replicated())?;
-        let hashes = self.comm.gather_hashes(hash)?;
+        let hashes = self.comm.run(move |c| c.gather_hashes(hash))?;
         if diverged_ranks(&hashes).is_empty() {
             return Ok(false);
         }
@@ -200,7 +204,7 @@ impl<B: Backend> Trainer<B> {
     /// Whether every rank holds the whole optimizer state (replicated update, or one rank), so that the
     /// moments are part of what replicas must agree on.
     fn moments_are_replicated(&self) -> bool {
-        self.opt.owned.len() == self.model.layout.total
+        self.opt.owned_len() == self.model.layout.total
     }
 
     /// The views every replica must hold bit for bit: the parameters, plus the moments when replicated.
@@ -233,7 +237,7 @@ impl<B: Backend> Trainer<B> {
         for view in self.replicated_views() {
             let mut host = vec![0f32; view.len];
             self.be.download(view, &mut host)?;
-            self.comm.broadcast(&mut host, 0)?;
+            let host = self.comm.run(move |c| c.broadcast(&mut host, 0).map(|()| host))?;
             self.be.upload(view, &host)?;
         }
         Ok(())
@@ -252,26 +256,50 @@ impl<B: Backend> Trainer<B> {
         let windows = self.sampler.windows_for_step(self.step);
         let micro = split_for_rank(&windows, self.rank, self.world, b, k)?;
         // Local compute: gradients accumulate over the micro-batches, weighted so that their sum is the
-        // gradient of this rank's mean loss; the mean over ranks in `synchronise` makes it the global batch's.
+        // gradient of this rank's mean loss; the mean over ranks in the sync makes it the global batch's.
         self.model.zero_grads(&mut self.be);
+        self.sync.begin_step();
+        if self.world > 1 {
+            let step = self.step;
+            let _ = self.comm.submit(move |c| {
+                c.set_step(step);
+                Ok(())
+            });
+        }
         let dloss = 1.0 / (b * t * k) as f32;
         let mut loss_sum = 0.0;
-        for windows in &micro {
+        for (i, windows) in micro.iter().enumerate() {
             fill_batch(&self.train, windows, t, &mut self.inputs, &mut self.targets)?;
             loss_sum += self.model.forward(&mut self.be, &self.inputs, &self.targets, b, t)?;
-            self.model.backward(&mut self.be, dloss)?;
+            // Only the last micro-batch's backward finishes gradients (DDP's no_sync before it).
+            let overlap = self.world > 1 && self.opts.overlap && i + 1 == micro.len();
+            if overlap {
+                let (sync, comm, grads) = (&mut self.sync, &self.comm, self.model.grads);
+                self.model
+                    .backward_reporting(&mut self.be, dloss, &mut |be, from| sync.finished(be, comm, grads, from))?;
+            } else {
+                self.model.backward(&mut self.be, dloss)?;
+            }
         }
+        let backward_ended = Instant::now();
+        self.sync.trace.backward_ended = Some(backward_ended);
         // Synchronise: average gradients (and the loss) over ranks.
-        self.comm.set_step(self.step);
-        let comm_started = Instant::now();
-        let owned = self.synchronise()?;
+        let (owned_sq, mut comm_busy) = match self.world {
+            1 => (None, std::time::Duration::ZERO),
+            _ => {
+                let outcome = self.sync.finish(&mut self.be, &self.comm, self.model.grads)?;
+                (outcome.owned_sum_squares, outcome.busy)
+            }
+        };
         let local_loss = loss_sum / k as f64;
-        let local_sq = match &owned {
-            Some(range) => host_sum_squares(&self.host_grads[range.clone()]),
+        let local_sq = match owned_sq {
+            Some(sq) => sq,
             None => self.be.sum_squares(self.model.grads)?,
         };
+        let scalars_started = Instant::now();
         let (loss, grad_sq) = self.reduce_scalars(local_loss, local_sq)?;
-        let mut comm_ms = comm_started.elapsed().as_secs_f64() * 1e3;
+        comm_busy += scalars_started.elapsed();
+        let mut exposed = scalars_started - backward_ended + scalars_started.elapsed();
         // Update: decisions come from reduced values, so every rank decides alike.
         let grad_norm = grad_sq.sqrt();
         let lr = self.opts.schedule.lr_at(self.step);
@@ -285,15 +313,15 @@ impl<B: Backend> Trainer<B> {
             }
         } else {
             let coef = clip_coefficient(grad_norm, self.opts.grad_clip);
-            let range = owned.clone().unwrap_or(0..self.model.layout.total);
             let layout = &self.model.layout;
             let (params, grads) = (self.model.params, self.model.grads);
-            self.opt
-                .update_range(&mut self.be, layout, params, grads, range.start, range.end, lr, coef);
-            if let Some(range) = owned {
+            self.opt.update(&mut self.be, layout, params, grads, lr, coef);
+            if !self.moments_are_replicated() {
+                // The gather needs every rank's update, which needs the global norm: it cannot overlap this
+                // step's backward, so it counts as exposed.
                 let gather_started = Instant::now();
-                self.gather_params(range)?;
-                comm_ms += gather_started.elapsed().as_secs_f64() * 1e3;
+                comm_busy += self.sync.gather_params(&mut self.be, &self.comm, params)?;
+                exposed += gather_started.elapsed();
             }
         }
         let mut param_hash = None;
@@ -313,7 +341,8 @@ impl<B: Backend> Trainer<B> {
             tokens: self.tokens_seen,
             tokens_per_s: self.tokens_per_step() as f64 / (step_ms / 1e3),
             step_ms,
-            comm_ms,
+            comm_ms: comm_busy.as_secs_f64() * 1e3,
+            exposed_comm_ms: if self.world > 1 { exposed.as_secs_f64() * 1e3 } else { 0.0 },
             world_size: self.world,
             update: self.opts.update.as_str().to_string(),
             param_hash,
@@ -322,33 +351,18 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
-    /// Averages the gradient over ranks. Replicated: every rank ends with the whole mean gradient on the
-    /// device. Sharded: the host staging holds the mean of the owned chunk, which is also uploaded; that
-    /// range is returned. With one rank nothing moves.
-    fn synchronise(&mut self) -> Result<Option<std::ops::Range<usize>>> {
-        if self.world == 1 {
-            return Ok(None);
-        }
-        self.be.download(self.model.grads, &mut self.host_grads)?;
-        match self.opts.update {
-            UpdateMode::Replicated => {
-                for bucket in self.host_grads.chunks_mut(self.opts.bucket_elems.max(1)) {
-                    self.comm.all_reduce_mean(bucket)?;
-                }
-                self.be.upload(self.model.grads, &self.host_grads)?;
-                Ok(None)
-            }
-            UpdateMode::Sharded => {
-                let range = self.comm.reduce_scatter_mean(&mut self.host_grads)?;
-                let view = self.model.grads.sub(range.start, range.len());
-                self.be.upload(view, &self.host_grads[range.clone()])?;
-                Ok(Some(range))
-            }
-        }
+    /// When the last step's bucket collectives started against the end of its backward.
+    pub fn last_sync_trace(&self) -> &SyncTrace {
+        &self.sync.trace
+    }
+
+    /// The gradient buckets, in the order backward finishes them.
+    pub fn bucket_plan(&self) -> &BucketPlan {
+        &self.sync.plan
     }
 
     /// The global mean loss and squared gradient norm. Sharded ranks contribute the squares of their
-    /// chunk; replicated ranks all hold the same full gradient, so rank 0's square alone is summed.
+    /// chunks; replicated ranks all hold the same full gradient, so rank 0's square alone is summed.
     fn reduce_scalars(&mut self, local_loss: f64, local_sq: f64) -> Result<(f64, f64)> {
         if self.world == 1 {
             return Ok((local_loss, local_sq));
@@ -358,18 +372,11 @@ impl<B: Backend> Trainer<B> {
             UpdateMode::Replicated if self.rank == 0 => local_sq,
             UpdateMode::Replicated => 0.0,
         };
-        let mut vals = [local_loss, sq];
-        self.comm.all_reduce_scalars(&mut vals)?;
+        let vals = self.comm.run(move |c| {
+            let mut vals = [local_loss, sq];
+            c.all_reduce_scalars(&mut vals).map(|()| vals)
+        })?;
         Ok((vals[0] / self.world as f64, vals[1]))
-    }
-
-    /// After a sharded update: every rank contributes its updated chunk and receives the others'.
-    fn gather_params(&mut self, owned: std::ops::Range<usize>) -> Result<()> {
-        let view = self.model.params.sub(owned.start, owned.len());
-        self.be.download(view, &mut self.host_params[owned])?;
-        self.comm.all_gather(&mut self.host_params)?;
-        self.be.upload(self.model.params, &self.host_params)?;
-        Ok(())
     }
 
     /// Compares replica fingerprints (parameters; plus moments in replicated mode, where each rank keeps
@@ -378,7 +385,7 @@ impl<B: Backend> Trainer<B> {
         let with_moments = self.opts.update == UpdateMode::Replicated;
         let hash = self.state_hash(with_moments)?;
         if self.world > 1 {
-            let hashes = self.comm.gather_hashes(hash)?;
+            let hashes = self.comm.run(move |c| c.gather_hashes(hash))?;
             let diverged = diverged_ranks(&hashes);
             if !diverged.is_empty() {
                 match self.opts.on_divergence {
@@ -429,13 +436,14 @@ impl<B: Backend> Trainer<B> {
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         let params = self.model.download_params(&mut self.be)?;
         let total = self.model.layout.total;
-        let owned = self.opt.owned.clone();
         let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
         for (moment, view) in [(&mut m, self.opt.m), (&mut v, self.opt.v)] {
-            self.be.download(view, &mut moment[owned.clone()])?;
-            if owned.len() < total {
-                // Sharded: each rank holds its own chunk; gather the full tensors.
-                self.comm.all_gather(moment)?;
+            let mut owned = vec![0f32; view.len];
+            self.be.download(view, &mut owned)?;
+            self.opt.place(&owned, moment);
+            if !self.moments_are_replicated() {
+                // Sharded: each rank holds its chunk of every bucket; gather the full tensors.
+                self.gather_moment(moment)?;
             }
         }
         if self.rank != 0 {
@@ -463,10 +471,28 @@ impl<B: Backend> Trainer<B> {
         checkpoint::save_checkpoint(dir, &self.model.config, &self.model.layout, &params, Some(&state))
     }
 
+    /// All-gathers a sharded moment, bucket by bucket (rank r holds chunk r of each).
+    fn gather_moment(&mut self, moment: &mut [f32]) -> Result<()> {
+        for range in self.sync.plan.buckets.clone() {
+            let part = moment[range.clone()].to_vec();
+            let part = self.comm.run(move |c| {
+                let mut part = part;
+                c.all_gather(&mut part).map(|()| part)
+            })?;
+            moment[range].copy_from_slice(&part);
+        }
+        Ok(())
+    }
+
     /// Tells the other ranks that this one failed, so they stop instead of waiting for it.
     pub fn abort(&mut self, reason: &str) {
         if self.world > 1 {
-            self.comm.abort(reason);
+            let reason = reason.to_string();
+            // After the collectives already queued, which peers are waiting on too.
+            let _ = self.comm.run(move |c| {
+                c.abort(&reason);
+                Ok(())
+            });
         }
     }
 }

@@ -58,15 +58,6 @@ pub enum UpdateMode {
 }
 
 impl UpdateMode {
-    /// The elements of a `total`-element flat buffer whose optimizer state rank `rank` of `world` keeps:
-    /// its reduce-scatter chunk when sharded over several ranks (ZeRO-1), else all of them.
-    pub fn optimizer_range(self, total: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
-        match self {
-            UpdateMode::Sharded if world > 1 => crate::collective::chunk_range(total, world, rank),
-            _ => 0..total,
-        }
-    }
-
     pub fn as_str(self) -> &'static str {
         match self {
             UpdateMode::Sharded => "sharded",
@@ -104,8 +95,11 @@ pub struct TrainOptions {
     pub update: UpdateMode,
     pub verify_every: u64,
     pub on_divergence: OnDivergence,
-    /// Gradient bucket size of the replicated all-reduce, in f32 elements.
+    /// Gradient bucket size, in f32 elements.
     pub bucket_elems: usize,
+    /// Start each bucket's collective while backward goes on (`--overlap on`), or after it (`off`); the
+    /// bits are the same.
+    pub overlap: bool,
     /// The settings the run was asked for, as JSON (the command line stores its flags), kept in checkpoints
     /// for inspection; empty when the options were built in code.
     pub args_json: String,
@@ -117,7 +111,7 @@ impl TrainOptions {
     /// over the first fifth of the steps ([`default_warmup`]),
     /// AdamW (0.9, 0.95, 1e-8, decay 0.1), clipping at norm 1, seed 1337, shuffled data, skip non-finite
     /// steps, evaluate every 100 steps on 16 batches, no checkpoints, the sharded update, no replica
-    /// verification (abort on divergence when asked for it), 25 MiB buckets.
+    /// verification (abort on divergence when asked for it), 25 MiB buckets overlapping backward.
     pub fn for_model(model: &ModelConfig) -> TrainOptions {
         let lr = default_lr(model);
         TrainOptions {
@@ -145,6 +139,7 @@ impl TrainOptions {
             verify_every: 0,
             on_divergence: OnDivergence::Abort,
             bucket_elems: bucket_elems(DEFAULT_BUCKET_MB),
+            overlap: true,
             args_json: String::new(),
         }
     }

@@ -1,0 +1,154 @@
+//! Stage 4 of a step, bucket by bucket: each gradient bucket is read back as soon as backward has finished
+//! it and handed to the communication thread, which all-reduces it (`replicated`) or reduce-scatters it
+//! (`sharded`) while backward goes on; after backward the trainer waits only for what is still in flight.
+//!
+//! The buckets are handed over in plan order on every rank, whatever the timing, so the collectives line
+//! up; each bucket's elements are summed in the ring's fixed order, so the result does not depend on
+//! whether communication overlapped backward (`--overlap on|off` give the same bits).
+
+use super::buckets::BucketPlan;
+use super::UpdateMode;
+use crate::backend::cpu::ops::sum_squares as host_sum_squares;
+use crate::backend::{Backend, Download, View};
+use crate::collective::comm_thread::{CommThread, Pending};
+use anyhow::Result;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// When a step's gradient collectives started, against the end of its backward (for tests and tracing).
+#[derive(Clone, Debug, Default)]
+pub struct SyncTrace {
+    /// When the last micro-batch's backward returned.
+    pub backward_ended: Option<Instant>,
+    /// When each bucket's collective started on the communication thread, in plan order.
+    pub bucket_started: Vec<Instant>,
+}
+
+/// What the gradient sync of one step measured and left.
+pub struct SyncOutcome {
+    /// Time the communication thread spent in this step's bucket collectives.
+    pub busy: Duration,
+    /// Sharded: the sum of squares of the owned, reduced gradient elements (this rank's share of the norm).
+    pub owned_sum_squares: Option<f64>,
+}
+
+/// The gradient sync of one rank.
+pub struct GradSync {
+    pub plan: BucketPlan,
+    update: UpdateMode,
+    world: usize,
+    rank: usize,
+    /// Index in `plan.buckets` of the next bucket to read back.
+    next: usize,
+    /// Read-backs begun and not yet handed to the communication thread, in plan order: (bucket, read).
+    reading: VecDeque<(usize, Download)>,
+    /// Collectives handed to the communication thread and not yet waited for: (bucket, handle).
+    in_flight: Vec<(usize, Pending<Vec<f32>>)>,
+    /// Host buffers for reuse, so a step does not allocate a gradient's worth of memory.
+    spare: Vec<Vec<f32>>,
+    pub trace: SyncTrace,
+}
+
+impl GradSync {
+    pub fn new(plan: BucketPlan, update: UpdateMode, world: usize, rank: usize) -> Self {
+        GradSync {
+            plan,
+            update,
+            world,
+            rank,
+            next: 0,
+            reading: VecDeque::new(),
+            in_flight: Vec::new(),
+            spare: Vec::new(),
+            trace: SyncTrace::default(),
+        }
+    }
+
+    /// Forgets the last step (a step that failed half way leaves nothing behind).
+    pub fn begin_step(&mut self) {
+        self.next = 0;
+        self.reading.clear();
+        self.in_flight.clear();
+        self.trace = SyncTrace::default();
+    }
+
+    /// Backward has finished the gradient elements `from..`: reads back every bucket now complete, and
+    /// hands every read that has arrived to the communication thread.
+    pub fn finished<B: Backend>(&mut self, be: &mut B, comm: &CommThread, grads: View, from: usize) -> Result<()> {
+        while let Some(bucket) = self.plan.buckets.get(self.next).filter(|b| b.start >= from).cloned() {
+            let host = self.spare.pop().unwrap_or_default();
+            let read = be.begin_download(grads.sub(bucket.start, bucket.len()), host)?;
+            self.reading.push_back((self.next, read));
+            self.next += 1;
+        }
+        self.hand_over(be, comm, false)
+    }
+
+    /// Starts the collective of each read that has arrived, in plan order; with `wait`, of every read.
+    fn hand_over<B: Backend>(&mut self, be: &mut B, comm: &CommThread, wait: bool) -> Result<()> {
+        while let Some((_, read)) = self.reading.front() {
+            if !wait && !be.download_ready(read)? {
+                break;
+            }
+            let (bucket, read) = self.reading.pop_front().expect("front exists");
+            let host = be.finish_download(read)?;
+            let pending = match self.update {
+                UpdateMode::Replicated => comm.all_reduce_mean(host),
+                UpdateMode::Sharded => comm.reduce_scatter_mean(host),
+            };
+            self.in_flight.push((bucket, pending));
+        }
+        Ok(())
+    }
+
+    /// After backward: starts what is left, waits for every bucket, and puts the mean gradient back on the
+    /// device (all of it when replicated, the owned chunk of each bucket when sharded).
+    pub fn finish<B: Backend>(&mut self, be: &mut B, comm: &CommThread, grads: View) -> Result<SyncOutcome> {
+        self.finished(be, comm, grads, 0)?;
+        self.hand_over(be, comm, true)?;
+        let mut busy = Duration::ZERO;
+        let mut owned_sq = 0.0;
+        for (bucket, pending) in std::mem::take(&mut self.in_flight) {
+            let (host, times) = pending.wait_timed()?;
+            busy += times.took;
+            self.trace.bucket_started.push(times.started);
+            let range = self.plan.buckets[bucket].clone();
+            match self.update {
+                UpdateMode::Replicated => be.upload(grads.sub(range.start, range.len()), &host)?,
+                UpdateMode::Sharded => {
+                    let owned = self.plan.owned_in(bucket, self.world, self.rank);
+                    let local = owned.start - range.start..owned.end - range.start;
+                    be.upload(grads.sub(owned.start, owned.len()), &host[local.clone()])?;
+                    owned_sq += host_sum_squares(&host[local]);
+                }
+            }
+            self.spare.push(host);
+        }
+        Ok(SyncOutcome {
+            busy,
+            owned_sum_squares: (self.update == UpdateMode::Sharded).then_some(owned_sq),
+        })
+    }
+
+    /// Sharded, after the update: every rank contributes its updated chunk of each bucket's parameters and
+    /// receives the others'. Returns the time the communication thread spent.
+    pub fn gather_params<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<Duration> {
+        let mut pending = Vec::with_capacity(self.plan.buckets.len());
+        for (bucket, range) in self.plan.buckets.iter().enumerate() {
+            let owned = self.plan.owned_in(bucket, self.world, self.rank);
+            let mut host = self.spare.pop().unwrap_or_default();
+            host.resize(range.len(), 0.0);
+            let local = owned.start - range.start..owned.end - range.start;
+            be.download(params.sub(owned.start, owned.len()), &mut host[local])?;
+            pending.push((range.clone(), comm.all_gather(host)));
+        }
+        let mut busy = Duration::ZERO;
+        for (range, handle) in pending {
+            let (host, times) = handle.wait_timed()?;
+            busy += times.took;
+            be.upload(params.sub(range.start, range.len()), &host)?;
+            self.spare.push(host);
+        }
+        Ok(busy)
+    }
+}
