@@ -1,6 +1,6 @@
-//! ZeRO-1 optimizer memory: in sharded mode each of N ranks keeps the AdamW moments of its own chunk only
-//! (1/N of the replicated state), checkpoints gather those chunks into full tensors, and a resume with
-//! another world size re-cuts them.
+//! ZeRO-1 optimizer memory: in sharded mode each of N ranks keeps the AdamW moments of its own chunk of
+//! every gradient bucket only (1/N of the replicated state), checkpoints gather those chunks into full
+//! tensors, and a resume with another world size re-cuts them.
 
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
@@ -9,6 +9,7 @@ use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{ModelSource, TrainOptions, Trainer, UpdateMode};
+use std::ops::Range;
 use std::path::Path;
 
 fn model() -> ModelConfig {
@@ -24,6 +25,8 @@ fn options(update: UpdateMode) -> TrainOptions {
         seq_len: 16,
         update,
         eval_every: 0,
+        // Several buckets, so that a rank owns several slices.
+        bucket_elems: 5_000,
         ..TrainOptions::for_model(&model()).with_steps(3)
     }
 }
@@ -65,12 +68,30 @@ fn sharded_ranks_keep_a_nth_of_the_moments() {
     let total = ringtrain::model::ParamLayout::new(&model()).total;
     let fresh = || ModelSource::Fresh(model());
     let lens = on_ranks(3, UpdateMode::Sharded, fresh, |t| {
-        (t.rank(), t.opt.owned.clone(), t.opt.m.len)
+        (
+            t.rank(),
+            t.opt.owned.clone(),
+            t.opt.m.len,
+            t.bucket_plan().buckets.clone(),
+        )
     });
-    for (rank, owned, len) in &lens {
-        assert_eq!(*owned, chunk_range(total, 3, *rank));
-        assert_eq!(*len, owned.len());
-        assert!(len.abs_diff(total / 3) <= 1, "rank {rank}: {len} of {total}");
+    for (rank, owned, len, buckets) in &lens {
+        assert!(buckets.len() > 2, "{buckets:?}");
+        // Chunk `rank` of every bucket, ascending.
+        let mut expected: Vec<Range<usize>> = buckets
+            .iter()
+            .map(|b| {
+                let c = chunk_range(b.len(), 3, *rank);
+                b.start + c.start..b.start + c.end
+            })
+            .collect();
+        expected.reverse();
+        assert_eq!(*owned, expected);
+        assert_eq!(*len, owned.iter().map(|r| r.len()).sum::<usize>());
+        assert!(
+            len.abs_diff(total / 3) <= buckets.len(),
+            "rank {rank}: {len} of {total}"
+        );
     }
     assert_eq!(lens.iter().map(|l| l.2).sum::<usize>(), total);
     for len in on_ranks(3, UpdateMode::Replicated, fresh, |t| t.opt.m.len) {
@@ -99,9 +120,10 @@ fn checkpoints_gather_sharded_moments_and_resume_recuts_them() {
     );
     let (mut full_m, mut full_v) = (vec![f32::NAN; total], vec![f32::NAN; total]);
     for (owned, (m, v)) in &chunks {
-        full_m[owned.clone()].copy_from_slice(m);
-        full_v[owned.clone()].copy_from_slice(v);
+        place(owned, m, &mut full_m);
+        place(owned, v, &mut full_v);
     }
+    assert!(full_m.iter().all(|x| !x.is_nan()), "the chunks cover every element");
     assert!(full_m.iter().any(|&x| x != 0.0), "the moments moved");
     // One process resuming holds the gathered tensors.
     let resume = |p: &Path| ModelSource::Resume(p.to_path_buf());
@@ -114,9 +136,23 @@ fn checkpoints_gather_sharded_moments_and_resume_recuts_them() {
         || resume(&ckpt),
         |t| (t.opt.owned.clone(), moments(t)),
     ) {
-        assert_eq!(owned.len(), m.len());
-        assert!(bits_equal(&m, &full_m[owned.clone()]) && bits_equal(&v, &full_v[owned]));
+        assert_eq!(owned.iter().map(|r| r.len()).sum::<usize>(), m.len());
+        assert!(bits_equal(&m, &cut(&owned, &full_m)) && bits_equal(&v, &cut(&owned, &full_v)));
     }
+}
+
+/// Owned values (range after range) written to their places in a full tensor.
+fn place(owned: &[Range<usize>], values: &[f32], full: &mut [f32]) {
+    let mut at = 0;
+    for r in owned {
+        full[r.clone()].copy_from_slice(&values[at..at + r.len()]);
+        at += r.len();
+    }
+}
+
+/// The owned elements of a full tensor, range after range.
+fn cut(owned: &[Range<usize>], full: &[f32]) -> Vec<f32> {
+    owned.iter().flat_map(|r| full[r.clone()].iter().copied()).collect()
 }
 
 fn bits_equal(a: &[f32], b: &[f32]) -> bool {

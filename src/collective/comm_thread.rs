@@ -182,6 +182,9 @@ mod tests {
         let lonely = CommThread::spawn(Box::new(comms.remove(0)));
         drop(comms);
         let err = lonely.all_reduce_mean(vec![1.0; 3]).wait().unwrap_err();
-        assert!(err.peer() == Some(1) || matches!(err, CollectiveError::Local(_)), "{err}");
+        assert!(
+            err.peer() == Some(1) || matches!(err, CollectiveError::Local(_)),
+            "{err}"
+        );
     }
 }

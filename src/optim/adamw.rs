@@ -74,7 +74,10 @@ impl AdamW {
 
     /// The owned elements of a full flat tensor (a saved moment), range after range: `[owned_len]`.
     pub fn cut(&self, full: &[f32]) -> Vec<f32> {
-        self.owned.iter().flat_map(|r| full[r.clone()].iter().copied()).collect()
+        self.owned
+            .iter()
+            .flat_map(|r| full[r.clone()].iter().copied())
+            .collect()
     }
 
     /// Writes owned values (`[owned_len]`, range after range) to their places in a full flat tensor.

@@ -110,7 +110,10 @@ mod tests {
             }
         }
         assert_eq!(BucketPlan::new(&layout, 1).buckets.len(), layout.specs.len());
-        assert_eq!(BucketPlan::new(&layout, 10 * layout.total).buckets, vec![0..layout.total]);
+        assert_eq!(
+            BucketPlan::new(&layout, 10 * layout.total).buckets,
+            vec![0..layout.total]
+        );
     }
 
     #[test]

@@ -275,8 +275,9 @@ impl<B: Backend> Trainer<B> {
             let overlap = self.world > 1 && self.opts.overlap && i + 1 == micro.len();
             if overlap {
                 let (sync, comm, grads) = (&mut self.sync, &self.comm, self.model.grads);
-                self.model
-                    .backward_reporting(&mut self.be, dloss, &mut |be, from| sync.finished(be, comm, grads, from))?;
+                self.model.backward_reporting(&mut self.be, dloss, &mut |be, from| {
+                    sync.finished(be, comm, grads, from)
+                })?;
             } else {
                 self.model.backward(&mut self.be, dloss)?;
             }
@@ -342,7 +343,11 @@ impl<B: Backend> Trainer<B> {
             tokens_per_s: self.tokens_per_step() as f64 / (step_ms / 1e3),
             step_ms,
             comm_ms: comm_busy.as_secs_f64() * 1e3,
-            exposed_comm_ms: if self.world > 1 { exposed.as_secs_f64() * 1e3 } else { 0.0 },
+            exposed_comm_ms: if self.world > 1 {
+                exposed.as_secs_f64() * 1e3
+            } else {
+                0.0
+            },
             world_size: self.world,
             update: self.opts.update.as_str().to_string(),
             param_hash,
