@@ -47,7 +47,7 @@ pub struct AdamW {
 impl AdamW {
     /// An optimizer owning all `len` elements.
     pub fn new<B: Backend>(be: &mut B, config: AdamWConfig, len: usize) -> Result<Self> {
-        Self::for_ranges(be, config, vec![0..len])
+        Self::for_ranges(be, config, std::iter::once(0..len).collect())
     }
 
     /// An optimizer owning the elements `owned` (ascending, disjoint) of the flat buffers: moments are

@@ -54,7 +54,7 @@ impl BucketPlan {
     pub fn owned(&self, update: UpdateMode, world: usize, rank: usize) -> Vec<Range<usize>> {
         let total = self.buckets.first().map_or(0, |b| b.end);
         if update == UpdateMode::Replicated || world == 1 {
-            return vec![0..total];
+            return std::iter::once(0..total).collect();
         }
         let mut owned: Vec<_> = (0..self.buckets.len())
             .map(|i| self.owned_in(i, world, rank))
