@@ -2,15 +2,18 @@
 """ringtrain against PyTorch DDP (Gloo) on emulated hosts, in one run: the same hosts, link and queues.
 
     python3 bench/hosts/compare.py HOSTS RATE ROUNDS [--steps 15] [--warmup 5] [--bucket-mb 1]
+                                                     [--update replicated] [--overlap on,off]
 
 Brings up HOSTS emulated hosts at RATE with bench/hosts/hosts.sh (needs root), and for ROUNDS rounds runs
-four measurements, ringtrain's pair first in odd rounds and DDP's first in even ones:
+these measurements, ringtrain's first in odd rounds and DDP's first in even ones:
   ringtrain-single  `ringtrain train` with WORLD_SIZE=1 in every host at once (independent jobs): the
                     baseline without communication but with the same number of busy ranks on the cores
-  ringtrain         one rank per host over QUIC, RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and a secret file
+  ringtrain         one rank per host over QUIC, RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and a secret
+                    file, `--overlap on` (named ringtrain-off with `--overlap off`; --overlap picks which run)
   ddp-single        bench/hosts/ddp.py with WORLD_SIZE=1 in every host at once
   ddp               bench/hosts/ddp.py, one rank per host over Gloo (TCP)
-Every rank has one compute thread, the same model preset, per-rank batch and sequence length. The hosts are
+Every rank has one compute thread, the same model preset, per-rank batch and sequence length, and the same
+gradient bucket size (ringtrain's --bucket-mb, DDP's bucket_cap_mb). The hosts are
 removed at the end, also on an error or Ctrl-C.
 
 Prints one JSON line per measurement, then one per implementation with the medians over rounds; every field
@@ -171,16 +174,17 @@ class Bench:
         return [{"RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": port,
                  "RAYON_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"} for r in ranks]
 
-    def ringtrain(self, world, label):
+    def ringtrain(self, world, label, overlap):
         a = self.a
         envs = self.rank_env(world, self.next_port())
         metrics = [os.path.join(self.workdir, f"{label}.h{i}.metrics.jsonl") for i in range(len(envs))]
         cmds = [[self.binary, "train", "--model", a.model, "--batch-size", str(a.batch_size), "--seq-len",
                  str(a.seq_len), "--steps", str(a.warmup + a.steps), "--backend", "cpu", "--secret-file",
-                 self.secret, "--metrics", m, "--eval-batches", "1", *self.thread_flags] for m in metrics]
+                 self.secret, "--metrics", m, "--eval-batches", "1", "--bucket-mb", str(a.bucket_mb),
+                 "--update", a.update, "--overlap", overlap, *self.thread_flags] for m in metrics]
         run_ranks(cmds, self.workdir, label, envs)
         # Rank 0 of a job writes the metrics: host 0's file, or every host's for the independent baselines.
-        step_ms, comm_ms = [], []
+        step_ms, comm_ms, exposed_ms = [], [], []
         for path in metrics[: 1 if world > 1 else len(metrics)]:
             with open(path) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
@@ -189,7 +193,8 @@ class Bench:
                 raise RuntimeError(f"{label}: {path} has {len(timed)} timed steps, expected {a.steps}")
             step_ms += [r["step_ms"] for r in timed]
             comm_ms += [r["comm_ms"] for r in timed]
-        return {"step_ms": step_ms, "comm_ms": comm_ms, "last_loss": timed[-1]["loss"]}
+            exposed_ms += [r.get("exposed_comm_ms", r["comm_ms"]) for r in timed]
+        return {"step_ms": step_ms, "comm_ms": comm_ms, "exposed_ms": exposed_ms, "last_loss": timed[-1]["loss"]}
 
     def ddp(self, world, label):
         a = self.a
@@ -207,7 +212,10 @@ class Bench:
         a = self.a
         label = f"r{rnd}-{impl}-w{world}"
         before = (qdisc_counters(), nstat_counters(a.hosts), loadavg())
-        res = self.ringtrain(world, label) if impl == "ringtrain" else self.ddp(world, label)
+        if impl.startswith("ringtrain"):
+            res = self.ringtrain(world, label, "off" if impl == "ringtrain-off" else "on")
+        else:
+            res = self.ddp(world, label)
         queues, hosts = counter_deltas(before[0], qdisc_counters(), before[1], nstat_counters(a.hosts))
         step = statistics.median(res["step_ms"])
         tokens = world * a.batch_size * a.seq_len
@@ -230,6 +238,7 @@ class Bench:
             out["comm_ms_median"] = round(comm, 3)
             if world > 1:
                 out["goodput_mbit_comm"] = round(payload * 8 / comm / 1e3, 1)
+                out["exposed_comm_ms_median"] = round(statistics.median(res["exposed_ms"]), 3)
         if world > 1:
             out["wire"] = wire_summary(queues, hosts)
             if res.get("tcp"):
@@ -248,9 +257,10 @@ class Bench:
 def summarise(results, hosts, rate):
     """Medians over rounds per implementation; added_ms_per_step is the median of each round's difference
     between the multi-host and the single-rank measurement of the same implementation."""
-    for impl in ("ringtrain", "ddp"):
+    for impl in ("ringtrain", "ringtrain-off", "ddp"):
         multi = [r for r in results if r["impl"] == impl]
-        single = {r["round"]: r for r in results if r["impl"] == impl + "-single"}
+        base = "ringtrain" if impl.startswith("ringtrain") else impl
+        single = {r["round"]: r for r in results if r["impl"] == base + "-single"}
         if not multi:
             continue
         added = [m["step_ms_median"] - single[m["round"]]["step_ms_median"] for m in multi if m["round"] in single]
@@ -265,8 +275,10 @@ def summarise(results, hosts, rate):
             "tokens_per_s": median([m["tokens_per_s"] for m in multi]),
             "goodput_mbit_step": median([m["goodput_mbit_step"] for m in multi]),
         }
-        if impl == "ringtrain":
+        if impl.startswith("ringtrain"):
             s["comm_ms"] = median([m["comm_ms_median"] for m in multi])
+            s["exposed_comm_ms"] = median([m["exposed_comm_ms_median"] for m in multi])
+            s["exposed_share"] = round(s["exposed_comm_ms"] / s["comm_ms"], 3) if s["comm_ms"] else None
             s["goodput_mbit_comm"] = median([m["goodput_mbit_comm"] for m in multi])
         s["egress_dropped"] = [m["wire"]["egress_dropped"] for m in multi]
         s["lost_bytes_est"] = [m["wire"]["lost_bytes_est"] for m in multi]
@@ -287,11 +299,17 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb (default: %(default)s)")
+    ap.add_argument("--update", choices=["replicated", "sharded"], default="replicated",
+                    help="ringtrain's update; replicated all-reduces as DDP does (default: %(default)s)")
+    ap.add_argument("--overlap", default="on,off", help="ringtrain runs: on, off or on,off (default: %(default)s)")
     ap.add_argument("--single-alone", action="store_true",
                     help="run the single-rank baselines in host 0 only, not in every host at once")
     a = ap.parse_args()
     if not 2 <= a.hosts <= 4 or a.rounds < 1 or a.steps < 1 or a.warmup < 0:
         ap.error("HOSTS must be 2-4, ROUNDS and --steps positive, --warmup >= 0")
+    overlaps = [o for o in a.overlap.split(",") if o]
+    if not overlaps or any(o not in ("on", "off") for o in overlaps):
+        ap.error("--overlap takes on, off or on,off")
     binary = os.environ.get("RINGTRAIN_BIN", os.path.join(ROOT, "target", "release", "ringtrain"))
     if not os.access(binary, os.X_OK):
         ap.error(f"{binary} not found: run `cargo build --release` (or set RINGTRAIN_BIN)")
@@ -305,17 +323,22 @@ def main():
             print(json.dumps({"machine": f"{os.cpu_count()} cores", "kernel": os.uname().release,
                               "binary": binary, "thread_flags": bench.thread_flags or "RAYON_NUM_THREADS=1",
                               "hosts": a.hosts, "rate": a.rate, "steps": a.steps, "warmup": a.warmup,
-                              "model": a.model, "batch": a.batch_size, "seq": a.seq_len, "ddp_bucket_mb": a.bucket_mb,
+                              "model": a.model, "batch": a.batch_size, "seq": a.seq_len, "bucket_mb": a.bucket_mb,
+                              "update": a.update, "overlap": overlaps,
                               "single_baseline": "alone" if a.single_alone else f"{a.hosts} concurrent",
                               "queue_limit_bytes": int(os.environ.get("HOSTS_LIMIT", 1514000)),
                               "tcp_congestion_control": host_sysctl("net.ipv4.tcp_congestion_control")}),
                   flush=True)
             results = []
+            ours = ["ringtrain" if o == "on" else "ringtrain-off" for o in overlaps]
             for rnd in range(1, a.rounds + 1):
-                order = ["ringtrain", "ddp"] if rnd % 2 else ["ddp", "ringtrain"]
-                for impl in order:
-                    results.append(bench.measure(rnd, impl, 1))
-                    results.append(bench.measure(rnd, impl, a.hosts))
+                order = [ours, ["ddp"]] if rnd % 2 else [["ddp"], ours]
+                for group in order:
+                    # One single-rank baseline per trainer and round.
+                    base = "ringtrain" if group[0].startswith("ringtrain") else "ddp"
+                    results.append(bench.measure(rnd, base, 1))
+                    for impl in (group if rnd % 2 else group[::-1]):
+                        results.append(bench.measure(rnd, impl, a.hosts))
             summarise(results, a.hosts, a.rate)
     finally:
         subprocess.run([HOSTS_SH, "down"], check=False)
