@@ -9,6 +9,7 @@
 //! entries binding a freed buffer are dropped with it.
 
 use super::binding::BufferId;
+use super::submit::Piece;
 use super::windows::Win;
 use super::{BackendError, TokenView, View, WgpuBackend};
 use crate::backend::error::ensure_view;
@@ -201,15 +202,18 @@ impl WgpuBackend {
         if dst.is_empty() {
             return Ok(self.check_device_errors()?);
         }
-        let a = self.allocation(src.buf);
-        let pieces: Vec<(wgpu::Buffer, u64, u64)> = a
-            .parts(src.offset, src.end())
-            .into_iter()
-            .map(|(s, local, _, n)| (a.segs[s].buffer.clone(), local as u64 * 4, n as u64 * 4))
-            .collect();
-        let bytes = self.read_back(&pieces)?;
+        let bytes = self.read_back(&self.pieces(src))?;
         dst.copy_from_slice(bytemuck::cast_slice(&bytes));
         Ok(())
+    }
+
+    /// The byte ranges of the segments that hold `src`, in order.
+    pub(super) fn pieces(&self, src: View) -> Vec<Piece> {
+        let a = self.allocation(src.buf);
+        a.parts(src.offset, src.end())
+            .into_iter()
+            .map(|(s, local, _, n)| (a.segs[s].buffer.clone(), local as u64 * 4, n as u64 * 4))
+            .collect()
     }
 
     /// A new zero-filled storage buffer of `len` 4-byte elements. Fails with

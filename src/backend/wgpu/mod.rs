@@ -9,6 +9,7 @@
 //! - `memory.rs`: allocations (and freeing them), segments, transfers, and the buffers the backend keeps.
 //! - `windows.rs`: how a view is bound (a window of its buffer), and how much one window holds.
 //! - `submit.rs`: recording dispatches, submitting batches, waiting and reading back.
+//! - `readback.rs`: early read-backs (`begin_download`), their tickets and the pool of staging buffers.
 //! - `device_errors.rs`: device failures, recorded as they happen and returned at the next
 //!   synchronisation point.
 //! - `matmul.rs`: matmul planning (kernel choice, splitting).
@@ -53,6 +54,7 @@ mod matmul;
 mod memory;
 mod ops;
 mod params;
+mod readback;
 mod software;
 mod submit;
 #[cfg(test)]
@@ -63,13 +65,14 @@ pub use binding::BindGroupStats;
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
 pub use software::HARDWARE_KERNELS_ENV;
 
-use super::{AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View, WeightLayout};
+use super::{AdamWStep, AttentionShape, Backend, BackendError, Download, MatmulShape, TokenView, View, WeightLayout};
 use anyhow::Result;
 use binding::{BindGroupCache, BufferIds, UniformRing, MAX_CACHED_BIND_GROUPS};
 use context::Context;
 use device_errors::DeviceErrors;
 use kernels::Kernel;
 use memory::{Alloc, EmbedIndex, TokenBuffer, Tracked};
+use readback::Readbacks;
 use software::SoftwareKernels;
 use std::collections::HashMap;
 
@@ -80,6 +83,9 @@ pub const MAX_SEGMENT_BYTES: u64 = 1 << 30;
 
 /// Dispatches recorded before the encoder is submitted anyway: the number of slots of the uniform ring.
 pub const MAX_PENDING: usize = 256;
+
+/// Largest read-back staging buffer (also capped by `max_buffer_size`); bigger read-backs use several.
+const MAX_STAGING_BYTES: u64 = 256 << 20;
 
 /// sum_squares block: the CPU specification's `SUM_BLOCK`.
 const SUM_BLOCK: usize = 4096;
@@ -109,11 +115,15 @@ pub struct WgpuBackend {
     /// Parameters of the dispatches recorded since the last submit.
     uniforms: UniformRing,
     encoder: Option<wgpu::CommandEncoder>,
+    /// Early read-backs in flight, by ticket, and their pool of staging buffers.
+    readbacks: Readbacks,
     /// The first device error since the last synchronisation point.
     errors: DeviceErrors,
     align: u64,
     max_binding: u64,
     max_groups: u32,
+    /// Bytes one staging buffer holds at most: [`MAX_STAGING_BYTES`] and what `max_buffer_size` allows.
+    staging_cap: u64,
 }
 
 fn ceil_div(a: usize, b: usize) -> usize {
@@ -151,6 +161,7 @@ impl WgpuBackend {
         let seg_elems = (ctx.limits.max_buffer_size.min(MAX_SEGMENT_BYTES) / 4) as usize / 64 * 64;
         let max_binding = ctx.limits.max_storage_buffer_binding_size.min(seg_elems as u64 * 4) / 4 * 4;
         let max_groups = ctx.limits.max_compute_workgroups_per_dimension;
+        let staging_cap = ctx.limits.max_buffer_size.min(MAX_STAGING_BYTES) / 4 * 4;
         Ok(WgpuBackend {
             ctx,
             kernels,
@@ -165,10 +176,12 @@ impl WgpuBackend {
             bind_groups: BindGroupCache::new(MAX_CACHED_BIND_GROUPS),
             uniforms,
             encoder: None,
+            readbacks: Readbacks::default(),
             errors,
             align,
             max_binding,
             max_groups,
+            staging_cap,
         })
     }
 
@@ -199,5 +212,13 @@ impl WgpuBackend {
         let bytes = bytes.clamp(min, self.ctx.limits.max_buffer_size.min(MAX_SEGMENT_BYTES));
         self.seg_elems = (bytes / 4) as usize / 64 * 64;
         self.max_binding = self.max_binding.min(self.seg_elems as u64 * 4);
+    }
+
+    /// Caps the size of one staging buffer (at least 4 bytes), so that tests read back in several rounds
+    /// without 256 MiB views.
+    #[cfg(test)]
+    pub(super) fn set_max_staging_bytes(&mut self, bytes: u64) {
+        let max = self.ctx.limits.max_buffer_size.min(MAX_STAGING_BYTES);
+        self.staging_cap = bytes.clamp(4, max) / 4 * 4;
     }
 }

@@ -14,7 +14,8 @@ use super::params::{
 use super::software::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
 use super::windows::Win;
 use super::{
-    ceil_div, AdamWStep, AttentionShape, Backend, BackendError, MatmulShape, TokenView, View, WgpuBackend, SUM_BLOCK,
+    ceil_div, AdamWStep, AttentionShape, Backend, BackendError, Download, MatmulShape, TokenView, View, WgpuBackend,
+    SUM_BLOCK,
 };
 use anyhow::Result;
 
@@ -166,6 +167,18 @@ impl Backend for WgpuBackend {
 
     fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
         self.read_tensor(src, dst)
+    }
+
+    fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {
+        self.begin_read(src, host)
+    }
+
+    fn download_ready(&mut self, download: &Download) -> Result<bool> {
+        Ok(self.read_ready(download)?)
+    }
+
+    fn finish_download(&mut self, download: Download) -> Result<Vec<f32>> {
+        Ok(self.finish_read(download)?)
     }
 
     fn fill(&mut self, dst: View, value: f32) {
@@ -595,6 +608,9 @@ impl Backend for WgpuBackend {
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        Ok(self.wait()?)
+        let waited = self.wait();
+        // After the wait every map callback has fired, so the staging of reclaimed read-backs is reusable.
+        self.readbacks.end_interval();
+        Ok(waited?)
     }
 }

@@ -2,8 +2,9 @@
 //! dispatch, the command encoder and its submission, and reading results back.
 //!
 //! Ops are recorded into one command encoder and submitted in batches: on `download`, `sum_squares`,
-//! `synchronize`, before an upload (so the upload lands after the ops recorded before it), and every
-//! [`MAX_PENDING`](super::MAX_PENDING) dispatches. Only `download` and `sum_squares` read back. Each
+//! `synchronize`, `begin_download` (so its copy can start), before an upload (so the upload lands after the
+//! ops recorded before it), and every [`MAX_PENDING`](super::MAX_PENDING) dispatches. Only `download`,
+//! `sum_squares` and the early read-backs (`readback.rs`) read back. Each
 //! dispatch stages its parameters in the next slot of the uniform ring; the batch's slots are written with
 //! one `write_buffer` just before its submit (wgpu runs it after the earlier submits, so the next batch
 //! reuses the ring from slot 0).
@@ -80,6 +81,42 @@ pub(super) fn record_dispatch(
     pass.set_pipeline(pipeline);
     pass.set_bind_group(0, bind_group, &[uniform_offset]);
     pass.dispatch_workgroups(groups.0, groups.1, 1);
+}
+
+/// A byte range of a buffer: (buffer, offset, size), all in bytes.
+pub(super) type Piece = (wgpu::Buffer, u64, u64);
+
+/// `pieces`, concatenated, cut into staging rounds of at most `cap` bytes: each round's pieces and its size.
+pub(super) fn rounds(pieces: &[Piece], cap: u64) -> Vec<(Vec<Piece>, u64)> {
+    let mut out = Vec::new();
+    let mut round: Vec<Piece> = Vec::new();
+    let mut round_bytes = 0;
+    for (src, offset, size) in pieces {
+        let mut done = 0;
+        while done < *size {
+            let n = (size - done).min(cap - round_bytes);
+            round.push((src.clone(), offset + done, n));
+            round_bytes += n;
+            done += n;
+            if round_bytes == cap {
+                out.push((std::mem::take(&mut round), round_bytes));
+                round_bytes = 0;
+            }
+        }
+    }
+    if round_bytes > 0 {
+        out.push((round, round_bytes));
+    }
+    out
+}
+
+/// Records copies of `pieces`, concatenated, into `staging` from its start.
+pub(super) fn record_copies(encoder: &mut wgpu::CommandEncoder, pieces: &[Piece], staging: &wgpu::Buffer) {
+    let mut at = 0;
+    for (src, offset, size) in pieces {
+        encoder.copy_buffer_to_buffer(src, *offset, staging, at, *size);
+        at += size;
+    }
 }
 
 impl WgpuBackend {
@@ -164,16 +201,15 @@ impl WgpuBackend {
         self.bind_groups.len()
     }
 
-    /// Submits the recorded work (without waiting).
-    pub(super) fn flush(&mut self) {
+    /// Submits the recorded work (without waiting); the submission, when there was work to submit.
+    pub(super) fn flush(&mut self) -> Option<wgpu::SubmissionIndex> {
         if let Some(ix) = &mut self.embed_index {
             ix.read_by_pending = false;
         }
-        if let Some(enc) = self.encoder.take() {
-            // Lands before the commands of this submit, which read it.
-            self.uniforms.upload(&self.ctx.queue);
-            self.ctx.queue.submit([enc.finish()]);
-        }
+        let enc = self.encoder.take()?;
+        // Lands before the commands of this submit, which read it.
+        self.uniforms.upload(&self.ctx.queue);
+        Some(self.ctx.queue.submit([enc.finish()]))
     }
 
     /// Submits the recorded work, waits for it, then returns the first device error recorded since the
@@ -191,55 +227,37 @@ impl WgpuBackend {
 
     /// Waits for everything submitted.
     fn poll(&self) -> Result<(), BackendError> {
-        match self.ctx.device.poll(wgpu::PollType::wait_indefinitely()) {
+        self.poll_device(wgpu::PollType::wait_indefinitely())
+    }
+
+    /// `device.poll(how)`: waits as `how` says and runs the callbacks of the work that has finished.
+    pub(super) fn poll_device(&self, how: wgpu::PollType) -> Result<(), BackendError> {
+        match self.ctx.device.poll(how) {
             Ok(_) => Ok(()),
             Err(e) => Err(self.failure(BackendError::Driver(format!("waiting for the device: {e}")))),
         }
     }
 
     /// `error`, unless a recorded device error (a lost device, say) explains it: that one.
-    fn failure(&self, error: BackendError) -> BackendError {
+    pub(super) fn failure(&self, error: BackendError) -> BackendError {
         self.check_device_errors().err().unwrap_or(error)
     }
 
-    /// Copies the byte ranges `(buffer, offset, size)`, concatenated, back to the host once the work
-    /// recorded so far has run; then returns the first device error recorded, if any, instead.
-    pub(super) fn read_back(&mut self, pieces: &[(wgpu::Buffer, u64, u64)]) -> Result<Vec<u8>, BackendError> {
+    /// Copies the byte ranges `pieces`, concatenated, back to the host once the work recorded so far has
+    /// run; then returns the first device error recorded, if any, instead.
+    pub(super) fn read_back(&mut self, pieces: &[Piece]) -> Result<Vec<u8>, BackendError> {
         self.flush();
         let total: u64 = pieces.iter().map(|p| p.2).sum();
-        // Staging buffers of at most 256 MiB (and max_buffer_size): big downloads go in rounds.
-        let cap = self.ctx.limits.max_buffer_size.min(256 << 20) / 4 * 4;
         let mut out = Vec::with_capacity(total as usize);
-        let mut round: Vec<(wgpu::Buffer, u64, u64)> = Vec::new();
-        let mut round_bytes = 0;
-        for (src, offset, size) in pieces {
-            let mut done = 0;
-            while done < *size {
-                let n = (size - done).min(cap - round_bytes);
-                round.push((src.clone(), offset + done, n));
-                round_bytes += n;
-                done += n;
-                if round_bytes == cap {
-                    self.read_round(&round, round_bytes, &mut out)?;
-                    round.clear();
-                    round_bytes = 0;
-                }
-            }
-        }
-        if round_bytes > 0 {
-            self.read_round(&round, round_bytes, &mut out)?;
+        for (round, bytes) in rounds(pieces, self.staging_cap) {
+            self.read_round(&round, bytes, &mut out)?;
         }
         self.check_device_errors()?;
         Ok(out)
     }
 
     /// One staging round of [`read_back`](Self::read_back): appends `bytes` bytes to `out`.
-    fn read_round(
-        &mut self,
-        pieces: &[(wgpu::Buffer, u64, u64)],
-        bytes: u64,
-        out: &mut Vec<u8>,
-    ) -> Result<(), BackendError> {
+    fn read_round(&mut self, pieces: &[Piece], bytes: u64, out: &mut Vec<u8>) -> Result<(), BackendError> {
         let device = &self.ctx.device;
         let staging = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
@@ -248,11 +266,7 @@ impl WgpuBackend {
             mapped_at_creation: false,
         });
         let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        let mut at = 0;
-        for (src, offset, size) in pieces {
-            enc.copy_buffer_to_buffer(src, *offset, &staging, at, *size);
-            at += size;
-        }
+        record_copies(&mut enc, pieces, &staging);
         self.ctx.queue.submit([enc.finish()]);
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {

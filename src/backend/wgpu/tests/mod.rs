@@ -8,12 +8,15 @@
 //!   the cache stays bounded;
 //! - `limits`: the window and buffer caps, and llvmpipe's loop budget (with the hardware kernels only too);
 //! - `lifecycle`: freeing (memory, bind groups, stale ids) and device errors reaching the next
-//!   synchronisation point.
+//!   synchronisation point;
+//! - `readback`: early read-backs (`begin_download`): ordering, several in flight, readiness, the staging
+//!   pool, and errors.
 
 mod bind_groups;
 mod kernels;
 mod lifecycle;
 mod limits;
+mod readback;
 
 use super::{AdapterSelection, BindGroupStats, WgpuBackend};
 use crate::backend::testing::{open_or_skip, Device};
