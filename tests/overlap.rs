@@ -1,8 +1,10 @@
 //! Gradient sync overlapping backward: `--overlap on` and `off` give the same bits for every world size,
-//! accumulation and update mode; replicas stay identical after every step; any bucket size works; and with
+//! accumulation and update mode, on the CPU backend and on wgpu (whose buckets are read back while later
+//! kernels are still queued); replicas stay identical after every step; any bucket size works; and with
 //! overlap on the first bucket's collective starts while backward is still running.
 
 use ringtrain::backend::factory::{self, BackendChoice};
+use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::Backend;
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::data::{load_splits, TokenizerKind};
@@ -18,14 +20,19 @@ struct RankRun {
     buckets: usize,
 }
 
-/// Trains `options.steps` steps of `model` on `world` ranks over the in-memory ring.
+/// Trains `options.steps` steps of `model` on `world` CPU ranks over the in-memory ring.
 fn train(world: usize, model: &ModelConfig, options: &TrainOptions) -> Vec<RankRun> {
+    train_on(BackendChoice::Cpu, world, model, options)
+}
+
+/// [`train`] on another backend.
+fn train_on(choice: BackendChoice, world: usize, model: &ModelConfig, options: &TrainOptions) -> Vec<RankRun> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = mem_cluster(world, MemOptions::default())
             .into_iter()
             .map(|comm| {
                 scope.spawn(move || {
-                    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+                    let (be, _) = factory::open(choice, 0).unwrap();
                     let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
                     let source = ModelSource::Fresh(model.clone());
                     let mut t: Trainer<Box<dyn Backend>> =
@@ -164,5 +171,25 @@ fn the_first_bucket_travels_while_backward_runs() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn overlap_on_and_off_give_identical_bits_on_wgpu() {
+    if open_or_skip(Device::Wgpu, factory::open(BackendChoice::Wgpu, 0)).is_none() {
+        return;
+    }
+    let model = ModelConfig::tiny();
+    for update in [UpdateMode::Replicated, UpdateMode::Sharded] {
+        let steps = |overlap| TrainOptions {
+            steps: 4,
+            ..options(&model, update, 1, overlap)
+        };
+        let on = train_on(BackendChoice::Wgpu, 2, &model, &steps(true));
+        let off = train_on(BackendChoice::Wgpu, 2, &model, &steps(false));
+        let what = format!("wgpu, {}", update.as_str());
+        assert!(on[0].buckets > 2);
+        assert_replicas_identical(&on, &what);
+        assert_eq!(on[0].hashes, off[0].hashes, "{what}: overlap on and off differ");
     }
 }
