@@ -231,6 +231,22 @@ impl Gpt2 {
         b: usize,
         t: usize,
     ) -> Result<f64> {
+        self.forward_reporting(be, inputs, targets, b, t, &mut |_, _| Ok(()))
+    }
+
+    /// [`Gpt2::forward`], calling `needs(be, upto)` before the first op that reads the parameters `..upto`
+    /// of the flat layout: the embeddings, then each block in order, then the final layer norm and the
+    /// tied head (`upto` = everything). A sharded trainer waits there for the parameter all-gather of the
+    /// buckets the layer reads, so the gather of later layers overlaps the forward of earlier ones.
+    pub fn forward_reporting<B: Backend>(
+        &mut self,
+        be: &mut B,
+        inputs: &[u32],
+        targets: &[u32],
+        b: usize,
+        t: usize,
+        needs: &mut dyn FnMut(&mut B, usize) -> Result<()>,
+    ) -> Result<f64> {
         if inputs.len() != b * t || targets.len() != b * t {
             bail!(
                 "batch of {} inputs / {} targets does not match b*t = {}",
@@ -246,7 +262,7 @@ impl Gpt2 {
         let acts = self.ensure_acts(be, b, t)?;
         be.upload_tokens(acts.tokens, inputs)?;
         be.upload_tokens(acts.targets, targets)?;
-        self.forward_logits(be, &acts);
+        self.forward_logits(be, &acts, needs)?;
         let n = b * t;
         be.crossentropy_forward(acts.losses, acts.logits, acts.targets, n, v);
         let mut losses = vec![0f32; n];
@@ -265,19 +281,27 @@ impl Gpt2 {
         }
         let acts = self.ensure_acts(be, b, t)?;
         be.upload_tokens(acts.tokens, inputs)?;
-        self.forward_logits(be, &acts);
+        self.forward_logits(be, &acts, &mut |_, _| Ok(()))?;
         let mut out = vec![0f32; b * t * v];
         be.download(acts.logits, &mut out)?;
         Ok(out)
     }
 
-    fn forward_logits<B: Backend>(&self, be: &mut B, acts: &Activations) {
+    fn forward_logits<B: Backend>(
+        &self,
+        be: &mut B,
+        acts: &Activations,
+        needs: &mut dyn FnMut(&mut B, usize) -> Result<()>,
+    ) -> Result<()> {
         let cfg = &self.config;
         let (b, t, c, v) = (acts.b, acts.t, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         let lay = &self.layout;
         let wte = self.p(lay.wte, v * c);
         let wpe = self.p(lay.wpe, cfg.n_positions * c);
+        // Where the parameters of block l end: the next block's start, or the final layer norm's.
+        let block_end = |l: usize| lay.blocks.get(l + 1).map_or(lay.ln_f_w, |next| next.ln_1_w);
+        needs(be, lay.blocks.first().map_or(lay.ln_f_w, |first| first.ln_1_w))?;
         be.encoder_forward(acts.encoded, acts.tokens, wte, wpe, b, t, c);
         let attn_shape = AttentionShape {
             b,
@@ -286,7 +310,8 @@ impl Gpt2 {
             nh: cfg.n_head,
         };
         let mut residual = acts.encoded;
-        for (bp, a) in lay.blocks.iter().zip(&acts.blocks) {
+        for (l, (bp, a)) in lay.blocks.iter().zip(&acts.blocks).enumerate() {
+            needs(be, block_end(l))?;
             let w = self.block_views(bp, self.params);
             be.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, residual, w.ln_1_w, w.ln_1_b, n, c);
             be.matmul_forward(a.qkv, a.ln1, w.attn_w, Some(w.attn_b), mm(n, c, 3 * c));
@@ -301,6 +326,7 @@ impl Gpt2 {
             be.add_inplace(a.residual3, a.residual2);
             residual = a.residual3;
         }
+        needs(be, lay.total)?;
         let (lnf_w, lnf_b) = (self.p(lay.ln_f_w, c), self.p(lay.ln_f_b, c));
         be.layernorm_forward(acts.lnf, acts.lnf_mean, acts.lnf_rstd, residual, lnf_w, lnf_b, n, c);
         let head = MatmulShape {
@@ -310,6 +336,7 @@ impl Gpt2 {
             layout: WeightLayout::OutIn,
         };
         be.matmul_forward(acts.logits, acts.lnf, wte, None, head);
+        Ok(())
     }
 
     /// Backward pass of the last `forward`, accumulating into `grads`. `dloss` is the weight of each

@@ -13,6 +13,7 @@ use crate::backend::{Backend, Download, View};
 use crate::collective::comm_thread::{CommThread, Pending};
 use anyhow::Result;
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 /// When a step's gradient collectives started, against the end of its backward (for tests and tracing).
@@ -44,6 +45,11 @@ pub struct GradSync {
     reading: VecDeque<(usize, Download)>,
     /// Collectives handed to the communication thread and not yet waited for: (bucket, handle).
     in_flight: Vec<(usize, Pending<Vec<f32>>)>,
+    /// Sharded: parameter all-gathers started after the last update and not yet put on the device, in
+    /// forward order (ascending flat ranges): (bucket range, handle).
+    gathering: VecDeque<(Range<usize>, Pending<Vec<f32>>)>,
+    /// Time the communication thread spent in gathers waited for since the last [`GradSync::take_gather_busy`].
+    gather_busy: Duration,
     /// Host buffers for reuse, so a step does not allocate a gradient's worth of memory.
     spare: Vec<Vec<f32>>,
     pub trace: SyncTrace,
@@ -59,6 +65,8 @@ impl GradSync {
             next: 0,
             reading: VecDeque::new(),
             in_flight: Vec::new(),
+            gathering: VecDeque::new(),
+            gather_busy: Duration::ZERO,
             spare: Vec::new(),
             trace: SyncTrace::default(),
         }
@@ -131,24 +139,47 @@ impl GradSync {
     }
 
     /// Sharded, after the update: every rank contributes its updated chunk of each bucket's parameters and
-    /// receives the others'. Returns the time the communication thread spent.
-    pub fn gather_params<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<Duration> {
-        let mut pending = Vec::with_capacity(self.plan.buckets.len());
-        for (bucket, range) in self.plan.buckets.iter().enumerate() {
+    /// will receive the others'. The gathers start in forward order (the embeddings' bucket first) and are
+    /// not waited for here: [`GradSync::await_params`] puts each bucket on the device when the next forward
+    /// reaches it (or [`GradSync::settle_params`] all of them, before anything else reads the parameters).
+    pub fn start_gather<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
+        for bucket in (0..self.plan.buckets.len()).rev() {
+            let range = self.plan.buckets[bucket].clone();
             let owned = self.plan.owned_in(bucket, self.world, self.rank);
             let mut host = self.spare.pop().unwrap_or_default();
             host.resize(range.len(), 0.0);
             let local = owned.start - range.start..owned.end - range.start;
             be.download(params.sub(owned.start, owned.len()), &mut host[local])?;
-            pending.push((range.clone(), comm.all_gather(host)));
+            self.gathering.push_back((range, comm.all_gather(host)));
         }
-        let mut busy = Duration::ZERO;
-        for (range, handle) in pending {
-            let (host, times) = handle.wait_timed()?;
-            busy += times.took;
+        Ok(())
+    }
+
+    /// Waits for the gathers of every bucket that starts before `upto` and uploads them: the parameters
+    /// `..upto` are then current on the device.
+    pub fn await_params<B: Backend>(&mut self, be: &mut B, params: View, upto: usize) -> Result<()> {
+        while self.gathering.front().is_some_and(|(range, _)| range.start < upto) {
+            let (range, pending) = self.gathering.pop_front().expect("front exists");
+            let (host, times) = pending.wait_timed()?;
+            self.gather_busy += times.took;
             be.upload(params.sub(range.start, range.len()), &host)?;
             self.spare.push(host);
         }
-        Ok(busy)
+        Ok(())
+    }
+
+    /// Puts every gathered bucket on the device.
+    pub fn settle_params<B: Backend>(&mut self, be: &mut B, params: View) -> Result<()> {
+        self.await_params(be, params, usize::MAX)
+    }
+
+    /// Whether parameter gathers are still outstanding.
+    pub fn gathering(&self) -> bool {
+        !self.gathering.is_empty()
+    }
+
+    /// The communication thread's time in the gathers waited for since the last call.
+    pub fn take_gather_busy(&mut self) -> Duration {
+        std::mem::take(&mut self.gather_busy)
     }
 }

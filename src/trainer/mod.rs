@@ -53,6 +53,9 @@ pub enum ModelSource {
 
 pub struct Trainer<B: Backend> {
     pub be: B,
+    /// The model. In a sharded run over several ranks the parameter all-gather of the last step may still
+    /// be in flight between steps (it overlaps the next forward): call [`Trainer::settle_params`] before
+    /// reading `model.params` directly. The trainer's own readers (hashes, save, eval) do.
     pub model: Gpt2,
     pub opt: AdamW,
     pub opts: TrainOptions,
@@ -217,6 +220,7 @@ impl<B: Backend> Trainer<B> {
 
     /// blake3 over the parameters (and, when asked, both moments): the replica fingerprint.
     fn state_hash(&mut self, with_moments: bool) -> Result<[u8; 32]> {
+        self.settle_params()?;
         let mut hasher = blake3::Hasher::new();
         let views = if with_moments {
             vec![self.model.params, self.opt.m, self.opt.v]
@@ -234,6 +238,7 @@ impl<B: Backend> Trainer<B> {
     /// Copies rank 0's replicated state (parameters, and moments when every rank holds them all) to every
     /// rank.
     fn broadcast_state(&mut self) -> Result<()> {
+        self.settle_params()?;
         for view in self.replicated_views() {
             let mut host = vec![0f32; view.len];
             self.be.download(view, &mut host)?;
@@ -268,9 +273,25 @@ impl<B: Backend> Trainer<B> {
         }
         let dloss = 1.0 / (b * t * k) as f32;
         let mut loss_sum = 0.0;
+        // Sharded: the last update's parameter gathers arrive while forward runs; what forward waits for
+        // them is exposed communication.
+        let mut gather_wait = std::time::Duration::ZERO;
         for (i, windows) in micro.iter().enumerate() {
             fill_batch(&self.train, windows, t, &mut self.inputs, &mut self.targets)?;
-            loss_sum += self.model.forward(&mut self.be, &self.inputs, &self.targets, b, t)?;
+            let (sync, params) = (&mut self.sync, self.model.params);
+            loss_sum += self.model.forward_reporting(
+                &mut self.be,
+                &self.inputs,
+                &self.targets,
+                b,
+                t,
+                &mut |be, upto| {
+                    let waited = Instant::now();
+                    sync.await_params(be, params, upto)?;
+                    gather_wait += waited.elapsed();
+                    Ok(())
+                },
+            )?;
             // Only the last micro-batch's backward finishes gradients (DDP's no_sync before it).
             let overlap = self.world > 1 && self.opts.overlap && i + 1 == micro.len();
             if overlap {
@@ -300,7 +321,7 @@ impl<B: Backend> Trainer<B> {
         let scalars_started = Instant::now();
         let (loss, grad_sq) = self.reduce_scalars(local_loss, local_sq)?;
         comm_busy += scalars_started.elapsed();
-        let mut exposed = scalars_started - backward_ended + scalars_started.elapsed();
+        let mut exposed = gather_wait + (scalars_started - backward_ended) + scalars_started.elapsed();
         // Update: decisions come from reduced values, so every rank decides alike.
         let grad_norm = grad_sq.sqrt();
         let lr = self.opts.schedule.lr_at(self.step);
@@ -318,13 +339,19 @@ impl<B: Backend> Trainer<B> {
             let (params, grads) = (self.model.params, self.model.grads);
             self.opt.update(&mut self.be, layout, params, grads, lr, coef);
             if !self.moments_are_replicated() {
-                // The gather needs every rank's update, which needs the global norm: it cannot overlap this
-                // step's backward, so it counts as exposed.
+                // The gather needs every rank's update, which needs the global norm, so it cannot overlap
+                // this step's backward: it overlaps the next step's forward instead (as FSDP prefetches),
+                // or with `--overlap off` completes here, exposed.
                 let gather_started = Instant::now();
-                comm_busy += self.sync.gather_params(&mut self.be, &self.comm, params)?;
+                self.sync.start_gather(&mut self.be, &self.comm, params)?;
+                if !self.opts.overlap {
+                    self.sync.settle_params(&mut self.be, params)?;
+                }
                 exposed += gather_started.elapsed();
             }
         }
+        // The gathers waited for in this step (the last step's, when they overlap).
+        comm_busy += self.sync.take_gather_busy();
         let mut param_hash = None;
         let verify = self.opts.verify_every;
         if verify > 0 && (self.step + 1) % verify == 0 {
@@ -354,6 +381,11 @@ impl<B: Backend> Trainer<B> {
             val_loss: None,
             skipped,
         })
+    }
+
+    /// Puts any parameter all-gather still in flight on the device (see [`Trainer::model`]).
+    pub fn settle_params(&mut self) -> Result<()> {
+        self.sync.settle_params(&mut self.be, self.model.params)
     }
 
     /// When the last step's bucket collectives started against the end of its backward.
@@ -416,6 +448,7 @@ impl<B: Backend> Trainer<B> {
 
     /// Mean loss over the validation batches (the first windows of the validation stream, in order).
     pub fn evaluate(&mut self) -> Result<Option<f64>> {
+        self.settle_params()?;
         let Some(val) = &self.val else { return Ok(None) };
         let (b, t) = (self.opts.batch_size, self.opts.seq_len);
         let batches = eval_windows(val.n_windows(t), self.opts.eval_batches, b);
@@ -432,6 +465,7 @@ impl<B: Backend> Trainer<B> {
 
     /// blake3 of the parameter bytes (little-endian f32), hex.
     pub fn param_hash(&mut self) -> Result<String> {
+        self.settle_params()?;
         let params = self.model.download_params(&mut self.be)?;
         Ok(hash_f32(&params))
     }
@@ -439,6 +473,7 @@ impl<B: Backend> Trainer<B> {
     /// Writes a checkpoint (model + trainer state) atomically to `dir`. Collective: every rank must call
     /// it (sharded moments are gathered first); rank 0 writes.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
+        self.settle_params()?;
         let params = self.model.download_params(&mut self.be)?;
         let total = self.model.layout.total;
         let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
