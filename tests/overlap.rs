@@ -193,3 +193,38 @@ fn overlap_on_and_off_give_identical_bits_on_wgpu() {
         assert_eq!(on[0].hashes, off[0].hashes, "{what}: overlap on and off differ");
     }
 }
+
+#[test]
+fn backward_reports_only_gradients_that_are_final() {
+    use ringtrain::model::{init::init_params, Gpt2};
+    let model = ModelConfig::tiny();
+    let layout = ParamLayout::new(&model);
+    let (mut be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+    let mut gpt = Gpt2::new(&mut be, model.clone(), &init_params(&model, &layout, 7)).unwrap();
+    let (b, t) = (2, 16);
+    let inputs: Vec<u32> = (0..b * t).map(|i| (i * 37 % 256) as u32).collect();
+    let targets: Vec<u32> = (0..b * t).map(|i| (i * 11 % 256) as u32).collect();
+    gpt.zero_grads(&mut be);
+    gpt.forward(&mut be, &inputs, &targets, b, t).unwrap();
+    // What each report claimed final, as it was at the time of the report.
+    let mut reports: Vec<(usize, Vec<f32>)> = Vec::new();
+    let grads = gpt.grads;
+    gpt.backward_reporting(&mut be, 1.0 / (b * t) as f32, &mut |be, from| {
+        let mut suffix = vec![0f32; layout.total - from];
+        be.download(grads.sub(from, layout.total - from), &mut suffix)?;
+        reports.push((from, suffix));
+        Ok(())
+    })
+    .unwrap();
+    let mut fin = vec![0f32; layout.total];
+    be.download(grads, &mut fin).unwrap();
+    let froms: Vec<usize> = reports.iter().map(|r| r.0).collect();
+    assert!(froms.windows(2).all(|w| w[0] > w[1]), "the finished suffix only grows: {froms:?}");
+    assert_eq!(froms.last(), Some(&0));
+    // Several reports per block: buckets can start while a block's backward goes on.
+    assert!(froms.len() >= 2 + 6 * model.n_layer, "{froms:?}");
+    for (from, suffix) in &reports {
+        let same = suffix.iter().zip(&fin[*from..]).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "gradients from {from} changed after they were reported final");
+    }
+}

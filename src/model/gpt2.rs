@@ -346,8 +346,9 @@ impl Gpt2 {
     }
 
     /// [`Gpt2::backward`], calling `finished(be, from)` each time the gradients of the flat elements
-    /// `from..` are final: after the final layer norm, after each block (last to first), and at the end with
-    /// 0 (the token embedding `wte` is also the LM head, so it is final only after the embedding backward).
+    /// `from..` are final: after the final layer norm, after each parameter op of each block (last block
+    /// first; within a block the ops run from the layout's end to its start), and at the end with 0 (the
+    /// token embedding `wte` is also the LM head, so it is final only after the embedding backward).
     /// The gradient sync starts communicating a bucket as soon as it is reported.
     pub fn backward_reporting<B: Backend>(
         &mut self,
@@ -412,6 +413,7 @@ impl Gpt2 {
                 w.fc_proj_w,
                 mm(n, 4 * c, c),
             );
+            finished(be, bp.fc_proj_w)?;
             be.gelu_backward(acts.d4c_b, a.fch, acts.d4c_a);
             be.matmul_backward(
                 acts.dbtc,
@@ -422,6 +424,7 @@ impl Gpt2 {
                 w.fc_w,
                 mm(n, c, 4 * c),
             );
+            finished(be, bp.fc_w)?;
             be.layernorm_backward(
                 acts.dres,
                 dw.ln_2_w,
@@ -434,6 +437,7 @@ impl Gpt2 {
                 n,
                 c,
             );
+            finished(be, bp.ln_2_w)?;
             // dres now holds d(residual2) = d(residual + c_proj(attention(c_attn(ln1(residual))))).
             be.matmul_backward(
                 acts.dbtc,
@@ -444,6 +448,7 @@ impl Gpt2 {
                 w.attn_proj_w,
                 mm(n, c, c),
             );
+            finished(be, bp.attn_proj_w)?;
             be.attention_backward(acts.dqkv, acts.datt, acts.dbtc, a.qkv, a.att, attn_shape);
             be.matmul_backward(
                 acts.dbtc,
@@ -454,6 +459,7 @@ impl Gpt2 {
                 w.attn_w,
                 mm(n, c, 3 * c),
             );
+            finished(be, bp.attn_w)?;
             be.layernorm_backward(
                 acts.dres, dw.ln_1_w, dw.ln_1_b, acts.dbtc, residual, w.ln_1_w, a.ln1_mean, a.ln1_rstd, n, c,
             );
