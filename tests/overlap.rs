@@ -219,12 +219,18 @@ fn backward_reports_only_gradients_that_are_final() {
     let mut fin = vec![0f32; layout.total];
     be.download(grads, &mut fin).unwrap();
     let froms: Vec<usize> = reports.iter().map(|r| r.0).collect();
-    assert!(froms.windows(2).all(|w| w[0] > w[1]), "the finished suffix only grows: {froms:?}");
+    assert!(
+        froms.windows(2).all(|w| w[0] > w[1]),
+        "the finished suffix only grows: {froms:?}"
+    );
     assert_eq!(froms.last(), Some(&0));
     // Several reports per block: buckets can start while a block's backward goes on.
     assert!(froms.len() >= 2 + 6 * model.n_layer, "{froms:?}");
     for (from, suffix) in &reports {
-        let same = suffix.iter().zip(&fin[*from..]).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = suffix
+            .iter()
+            .zip(&fin[*from..])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "gradients from {from} changed after they were reported final");
     }
 }

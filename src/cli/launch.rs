@@ -2,7 +2,8 @@
 //! each other over QUIC on loopback, like `torchrun --standalone`. Each child gets the torchrun variables
 //! (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), a fresh random cluster secret (unless
 //! RINGTRAIN_SECRET is already set) and a job id. If one child fails, the others are told by the ring and
-//! exit on their own; any still running after the grace period are killed.
+//! exit on their own; any still running after the grace period are killed, and a stopped one (SIGSTOP,
+//! which leaves a SIGTERM pending forever) at once.
 
 use anyhow::{bail, ensure, Context, Result};
 use ringtrain::dist::{generate_secret, JOB_ID_VAR};
@@ -72,6 +73,18 @@ pub(crate) fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
                 *slot = None;
             }
         }
+        if first_failure.is_some() {
+            // A stopped rank cannot notice anything; the others have already named it.
+            for (rank, slot) in children.iter_mut().enumerate() {
+                if slot.as_ref().is_some_and(|child| is_stopped(child.id())) {
+                    let mut child = slot.take().expect("checked above");
+                    eprintln!("launch: rank {rank} is stopped (SIGSTOP or a debugger); killing it");
+                    let _ = child.kill();
+                    let status = child.wait().with_context(|| format!("waiting for rank {rank}"))?;
+                    failures.push((rank, status));
+                }
+            }
+        }
         if first_failure.is_some_and(|t| t.elapsed() > GRACE) {
             for (rank, slot) in children.iter_mut().enumerate() {
                 if let Some(mut child) = slot.take() {
@@ -88,6 +101,18 @@ pub(crate) fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
     }
     let list: Vec<String> = failures.iter().map(|(r, s)| format!("rank {r} ({s})")).collect();
     bail!("{} of the workers failed: {}", failures.len(), list.join(", "))
+}
+
+/// Whether process `pid` is stopped by a signal or traced (Linux `/proc`; elsewhere never).
+fn is_stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command name, which is in parentheses and may itself contain them.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    matches!(state, Some("T" | "t"))
 }
 
 /// A UDP port that was free a moment ago on loopback (the rendezvous binds it right after).

@@ -25,8 +25,8 @@
 //! launch` passes a random secret instead).
 //!
 //! # Failure handling
-//! Connections send keep-alives and time out after `idle_timeout`. Every collective has a deadline
-//! (`timeout`). A rank whose collective fails for a local reason sends an abort to rank 0, which forwards it;
+//! Connections send keep-alives and time out after `idle_timeout` (at most a third of `timeout`). Every
+//! collective has a deadline (`timeout`). A rank whose collective fails for a local reason sends an abort to rank 0, which forwards it;
 //! a connection that drops without a goodbye makes rank 0 report that rank dead to everyone. A rank that
 //! loses its link to the left waits briefly for rank 0's verdict, so the error names the rank that really
 //! died, and otherwise names the neighbour. Losing rank 0 names rank 0.
@@ -91,7 +91,8 @@ pub struct QuicConfig {
     pub timeout: Duration,
     /// How long rendezvous may take (all ranks must start within it).
     pub rendezvous_timeout: Duration,
-    /// Connection idle timeout (keep-alives are sent at a third of it); capped at `timeout`.
+    /// Connection idle timeout (keep-alives are sent at a third of it); capped at a third of `timeout`, so
+    /// that a frozen or vanished peer is found out, and named, well before any collective's deadline.
     pub idle_timeout: Duration,
     /// Pipelining granularity in f32 elements.
     pub sub_chunk: usize,
@@ -272,7 +273,7 @@ impl QuicCollective {
     }
 }
 
-/// Refuses settings no ring can run with, and caps the idle timeout at the collective deadline.
+/// Refuses settings no ring can run with, and caps the idle timeout at a third of the collective deadline.
 fn validate(cfg: &mut QuicConfig) -> Result<()> {
     if cfg.world == 0 || cfg.rank >= cfg.world {
         return Err(local(format!(
@@ -290,7 +291,10 @@ fn validate(cfg: &mut QuicConfig) -> Result<()> {
     if cfg.secret.as_ref().is_some_and(|s| s.is_empty()) {
         return Err(local("the cluster secret is empty"));
     }
-    cfg.idle_timeout = cfg.idle_timeout.min(cfg.timeout).max(Duration::from_millis(300));
+    // A peer that stops answering (SIGSTOP, a hung host) is then declared dead by every link to it, rank 0's
+    // control link included, which tells everyone whom to blame before the collectives waiting on it (and
+    // on the ranks waiting on it) time out and name a healthy neighbour instead.
+    cfg.idle_timeout = cfg.idle_timeout.min(cfg.timeout / 3).max(Duration::from_millis(300));
     Ok(())
 }
 

@@ -1,0 +1,145 @@
+//! A rank lost mid-training, as a user meets it under `ringtrain launch`: frozen with SIGSTOP or killed with
+//! SIGKILL. Every other rank must exit non-zero within `--timeout` plus a few seconds, naming the lost rank
+//! (not a healthy neighbour that was only waiting on it); `launch` then ends the rest, a stopped child
+//! included, and exits non-zero; no partial checkpoint is left.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TIMEOUT_S: u64 = 6;
+
+/// Pids of the direct children of `parent` (Linux `/proc`).
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1));
+        if ppid == Some(&parent.to_string()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The pid of the launched worker with `RANK=rank`.
+fn worker_pid(launch: &Child, rank: usize) -> u32 {
+    let wanted = format!("RANK={rank}");
+    for pid in children_of(launch.id()) {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if environ.split(|&b| b == 0).any(|var| var == wanted.as_bytes()) {
+            return pid;
+        }
+    }
+    panic!("no worker with {wanted} under launch {}", launch.id());
+}
+
+fn steps_logged(metrics: &Path) -> usize {
+    std::fs::read_to_string(metrics).map_or(0, |s| s.lines().count())
+}
+
+/// Starts 3 ranks, lets them train, sends `signal` to rank 2, and checks how the job ends.
+fn lose_rank_two(signal: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let ckpt = dir.path().join("ckpt");
+    let timeout = TIMEOUT_S.to_string();
+    let mut launch = Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+        .args([
+            "launch",
+            "--nproc",
+            "3",
+            "--",
+            "train",
+            "--steps",
+            "100000",
+            "--batch-size",
+            "2",
+        ])
+        .args([
+            "--seq-len",
+            "16",
+            "--eval-every",
+            "0",
+            "--threads",
+            "1",
+            "--timeout",
+            &timeout,
+        ])
+        .args(["--save-every", "1000000", "--save"])
+        .arg(&ckpt)
+        .arg("--metrics")
+        .arg(&metrics)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while steps_logged(&metrics) < 5 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the job never got going");
+        assert!(launch.try_wait().unwrap().is_none(), "the job ended early");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let victim = worker_pid(&launch, 2);
+    let status = Command::new("kill")
+        .args([signal, &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let lost_at = Instant::now();
+    // Everyone must be done within the deadline plus a few seconds; a stopped rank never exits by itself.
+    let limit = Duration::from_secs(TIMEOUT_S + 8);
+    let status = loop {
+        if let Some(status) = launch.try_wait().unwrap() {
+            break status;
+        }
+        if lost_at.elapsed() > limit {
+            let _ = Command::new("kill").args(["-KILL", &victim.to_string()]).status();
+            let _ = launch.kill();
+            panic!("the job was still running {limit:?} after rank 2 got {signal}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = lost_at.elapsed();
+    let mut stderr = String::new();
+    launch.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(!status.success(), "launch exited 0 after losing rank 2:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // Both survivors say why they stopped, and blame rank 2 alone.
+    // (launch's own closing line lists every rank that exited non-zero.)
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("error:") && !l.contains("of the workers failed"))
+        .collect();
+    assert!(errors.len() >= 2, "expected an error from each survivor:\n{stderr}");
+    for line in &errors {
+        assert!(
+            line.contains("rank 2"),
+            "a survivor blamed someone else: {line}\n{stderr}"
+        );
+        assert!(
+            !line.contains("rank 0 ") && !line.contains("rank 1 "),
+            "names a healthy rank: {line}"
+        );
+    }
+    assert!(!ckpt.exists(), "a checkpoint appeared: {}", ckpt.display());
+    eprintln!("rank 2 lost by {signal}: job ended {took:.1?} later; survivors said {errors:?}");
+}
+
+#[test]
+fn a_frozen_rank_is_named_by_every_survivor_and_ended_by_launch() {
+    lose_rank_two("-STOP");
+}
+
+#[test]
+fn a_killed_rank_is_named_by_every_survivor() {
+    lose_rank_two("-KILL");
+}
