@@ -171,6 +171,8 @@ fn non_loopback_without_secret_refused() {
     c.bind_ip = Some("0.0.0.0".parse().unwrap());
     let e = QuicCollective::connect(c).err().expect("must refuse");
     assert!(e.to_string().contains("without a cluster secret"), "{e}");
+    // The message names the master address the user gave, not only the wildcard.
+    assert!(e.to_string().contains("127.0.0.1:9"), "{e}");
 }
 
 #[test]
@@ -432,5 +434,45 @@ fn links_survive_pauses_longer_than_the_idle_timeout() {
         for s in sums {
             assert_eq!(s, want, "rank {r}");
         }
+    }
+}
+
+#[test]
+fn a_rank_with_another_secret_is_named_when_the_rendezvous_times_out() {
+    let (sock, master) = master_socket();
+    let mut healthy: Vec<QuicConfig> = (0..2).map(|r| cfg(r, 3, master)).collect();
+    for c in &mut healthy {
+        c.rendezvous_timeout = Duration::from_secs(3);
+    }
+    let mut stranger = cfg(2, 3, master);
+    stranger.secret = Some(b"another secret".to_vec());
+    let started = Instant::now();
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let c0 = healthy.remove(0);
+        let h0 = s.spawn(move || {
+            QuicCollective::connect_with_socket(c0, sock)
+                .err()
+                .map(|e| e.to_string())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let c1 = healthy.remove(0);
+        let h1 = s.spawn(move || QuicCollective::connect(c1).err().map(|e| e.to_string()));
+        let own = QuicCollective::connect(stranger)
+            .err()
+            .expect("the stranger is refused")
+            .to_string();
+        assert!(own.contains("authentication"), "{own}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the stranger learns at once"
+        );
+        [h0, h1]
+            .map(|h| h.join().unwrap().expect("the job cannot start"))
+            .to_vec()
+    });
+    assert!(started.elapsed() < Duration::from_secs(8), "{:?}", started.elapsed());
+    for e in &errors {
+        assert!(e.contains("did not join") && e.contains("failed authentication"), "{e}");
+        assert!(e.contains("127.0.0.1:"), "names the address: {e}");
     }
 }

@@ -28,7 +28,7 @@ pub struct JoinOptions {
     pub config_hash: u64,
     /// Cluster secret ([`load_secret`]); required unless the master is a loopback address.
     pub secret: Option<Vec<u8>>,
-    /// Per-collective deadline.
+    /// Per-collective deadline, and how long the rendezvous waits for every rank to join.
     pub timeout: Duration,
 }
 
@@ -52,9 +52,11 @@ pub fn join(launch: &LaunchEnv, opts: &JoinOptions) -> anyhow::Result<Box<dyn Co
         return Ok(single_rank());
     }
     let master = resolve_master(&launch.master_addr, launch.master_port).map_err(anyhow::Error::msg)?;
+    refuse_unreachable_master(launch, master)?;
     let mut cfg = QuicConfig::new(launch.rank, launch.world_size, master);
     cfg.secret = opts.secret.clone();
     cfg.timeout = opts.timeout;
+    cfg.rendezvous_timeout = opts.timeout;
     cfg.config_hash = opts.config_hash;
     cfg.job_id = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
     let comm = QuicCollective::connect(cfg).with_context(|| {
@@ -66,9 +68,57 @@ pub fn join(launch: &LaunchEnv, opts: &JoinOptions) -> anyhow::Result<Box<dyn Co
     Ok(Box::new(comm))
 }
 
+/// A master name that resolves to a loopback address on this host (Debian's `/etc/hosts` maps the host's
+/// own name to 127.0.1.1) while ranks run on other hosts: rank 0 would listen where no other host can
+/// reach it, and they would retry until the timeout. Refused with what to do instead. An address given as
+/// an IP, or `localhost`, says what it means and is taken as it is.
+fn refuse_unreachable_master(launch: &LaunchEnv, master: std::net::SocketAddr) -> anyhow::Result<()> {
+    let host = launch.master_addr.trim();
+    let named = host.parse::<std::net::IpAddr>().is_err() && !host.eq_ignore_ascii_case("localhost");
+    if named && master.ip().is_loopback() && launch.local_world_size < launch.world_size {
+        anyhow::bail!(
+            "MASTER_ADDR {host} resolves to {} on this host, a loopback address, but only {} of the {} ranks              run here (LOCAL_WORLD_SIZE or Slurm): ranks on other hosts could not reach rank 0. Set MASTER_ADDR              to an address of rank 0's host that the others can reach (for one host, 127.0.0.1)",
+            master.ip(),
+            launch.local_world_size,
+            launch.world_size
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn launch(master_addr: &str, local_world_size: usize) -> LaunchEnv {
+        LaunchEnv {
+            rank: 0,
+            world_size: 3,
+            local_rank: 0,
+            local_world_size,
+            master_addr: master_addr.into(),
+            master_port: 29500,
+            source: LaunchSource::Torchrun,
+        }
+    }
+
+    #[test]
+    fn a_host_name_resolving_to_loopback_is_refused_when_other_hosts_take_part() {
+        let loopback: std::net::SocketAddr = "127.0.1.1:29500".parse().unwrap();
+        let err = refuse_unreachable_master(&launch("trainer-0", 1), loopback)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("MASTER_ADDR trainer-0") && err.contains("127.0.1.1"),
+            "{err}"
+        );
+        // All ranks on this host, an IP given as such, or localhost: taken as they are.
+        assert!(refuse_unreachable_master(&launch("trainer-0", 3), loopback).is_ok());
+        assert!(refuse_unreachable_master(&launch("127.0.1.1", 1), loopback).is_ok());
+        assert!(refuse_unreachable_master(&launch("localhost", 1), loopback).is_ok());
+        let remote: std::net::SocketAddr = "10.0.0.5:29500".parse().unwrap();
+        assert!(refuse_unreachable_master(&launch("trainer-0", 1), remote).is_ok());
+    }
 
     #[test]
     fn job_id_is_the_variable_or_the_config_hash() {

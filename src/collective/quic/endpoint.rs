@@ -23,10 +23,17 @@ pub(super) const SERVER_NAME: &str = "ringtrain";
 /// learns its master address here.
 pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Result<UdpSocket> {
     let bind = bind_addr(cfg);
+    let master = cfg.master;
     let no_secret_refusal = |addr: SocketAddr| {
+        // Name what the user gave (the master address), not only the wildcard this rank would listen on.
+        let what = if addr == master {
+            format!("refusing to listen on the master address {master} without a cluster secret")
+        } else {
+            format!("refusing to join the job at {master} without a cluster secret: this rank would listen on {addr}")
+        };
         local(format!(
-            "refusing to bind non-loopback address {addr} without a cluster secret: set RINGTRAIN_SECRET or \
-             --secret-file"
+            "{what}, which is not a loopback address, so anyone who can reach it could join; set RINGTRAIN_SECRET \
+             or --secret-file"
         ))
     };
     if cfg.secret.is_none() && socket.is_none() && !bind.ip().is_loopback() {

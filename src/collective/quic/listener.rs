@@ -2,6 +2,8 @@
 //! on rank 0, a ring neighbour's peer hello on any rank) in its own task, before setup sees it; once setup
 //! is over, a late hello is refused.
 
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
@@ -24,6 +26,33 @@ pub(super) struct Listener {
     arrivals: mpsc::UnboundedReceiver<Joined>,
     /// Peer hellos that arrived during the rendezvous (from fast neighbours), kept for the ring stage.
     pub(super) early_peers: Vec<Joined>,
+    /// Peers that failed authentication (see [`Refusals`]).
+    pub(super) refusals: Refusals,
+}
+
+/// Addresses whose connection failed authentication: each is logged once, and the rendezvous names them
+/// when it times out (a rank started with another secret is the usual reason a rank "did not join").
+/// Bounded, so garbage from many addresses costs a fixed amount of memory and log.
+#[derive(Clone, Default)]
+pub(super) struct Refusals(Arc<Mutex<Vec<SocketAddr>>>);
+
+/// Most refused addresses remembered (and logged).
+const MAX_REFUSALS: usize = 16;
+
+impl Refusals {
+    /// Records a refused peer; logs it the first time its address is seen.
+    fn record(&self, addr: SocketAddr, reason: &str) {
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.len() < MAX_REFUSALS && !seen.contains(&addr) {
+            seen.push(addr);
+            tracing::warn!("refused a connection from {addr}: {reason} (a rank started with another secret?)");
+        }
+    }
+
+    /// The refused addresses so far, in order of first refusal.
+    pub(super) fn addresses(&self) -> Vec<SocketAddr> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 impl Listener {
@@ -31,14 +60,17 @@ impl Listener {
     pub(super) fn start(endpoint: &Endpoint, key: [u8; 32]) -> Self {
         let (tx, arrivals) = mpsc::unbounded_channel::<Joined>();
         let ep = endpoint.clone();
+        let refusals = Refusals::default();
+        let record = refusals.clone();
         tokio::spawn(async move {
             while let Some(inc) = ep.accept().await {
-                tokio::spawn(serve_incoming(inc, key, tx.clone()));
+                tokio::spawn(serve_incoming(inc, key, tx.clone(), record.clone()));
             }
         });
         Listener {
             arrivals,
             early_peers: Vec::new(),
+            refusals,
         }
     }
 
@@ -53,6 +85,7 @@ impl Listener {
         let Listener {
             mut arrivals,
             early_peers,
+            refusals: _,
         } = self;
         drop(early_peers);
         tokio::spawn(async move {
@@ -73,9 +106,19 @@ impl Listener {
 }
 
 /// Authenticates one incoming connection and reads its first control message; gives up after 30 s.
-async fn serve_incoming(incoming: quinn::Incoming, key: [u8; 32], tx: mpsc::UnboundedSender<Joined>) {
+async fn serve_incoming(
+    incoming: quinn::Incoming,
+    key: [u8; 32],
+    tx: mpsc::UnboundedSender<Joined>,
+    refusals: Refusals,
+) {
+    let addr = incoming.remote_address();
     let work = async {
-        let (conn, send, mut recv) = auth::accept(incoming, &key).await?;
+        let (conn, send, mut recv) = auth::accept(incoming, &key).await.inspect_err(|e| {
+            if e.contains("authentication") {
+                refusals.record(addr, e);
+            }
+        })?;
         let msg = match read_control(&mut recv, None).await {
             Ok(m) => m,
             Err(e) => {

@@ -62,8 +62,22 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
             j = listener.next() => j.ok_or_else(|| local("rendezvous listener stopped"))?,
             _ = tokio::time::sleep_until(deadline) => {
                 let missing: Vec<usize> = (1..n).filter(|&r| slots[r].is_none()).collect();
-                return Err(local(format!("rendezvous timed out after {:?}: ranks {missing:?} did not join",
-                    cfg.rendezvous_timeout)));
+                let mut reason = format!("rendezvous timed out after {:?}: ranks {missing:?} did not join",
+                    cfg.rendezvous_timeout);
+                let refused = listener.refusals.addresses();
+                if !refused.is_empty() {
+                    let list: Vec<String> = refused.iter().map(|a| a.to_string()).collect();
+                    reason.push_str(&format!(
+                        "; meanwhile a peer at {} failed authentication (started with another cluster secret?)",
+                        list.join(", ")
+                    ));
+                }
+                // The ranks that did join hear why from rank 0, instead of only that they waited too long.
+                for j in slots.into_iter().flatten() {
+                    refuse(cfg.job_id, j, reason.clone());
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                return Err(local(reason));
             }
         };
         let hello = match &j.msg {
