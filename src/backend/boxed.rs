@@ -166,6 +166,37 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).check_step_shape(b, t, c, nh)
     }
 
+    fn matmul_gelu_forward(&mut self, pre: View, out: View, inp: View, weight: View, bias: View, shape: MatmulShape) {
+        (**self).matmul_gelu_forward(pre, out, inp, weight, bias, shape)
+    }
+
+    fn add_layernorm_forward(
+        &mut self,
+        residual: View,
+        skip: View,
+        out: View,
+        mean: View,
+        rstd: View,
+        w: View,
+        b: View,
+        n: usize,
+        c: usize,
+    ) {
+        (**self).add_layernorm_forward(residual, skip, out, mean, rstd, w, b, n, c)
+    }
+
+    fn crossentropy_forward_backward(
+        &mut self,
+        losses: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    ) {
+        (**self).crossentropy_forward_backward(losses, logits, targets, n, v, dloss)
+    }
+
     fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {
         (**self).begin_download(src, host)
     }

@@ -217,6 +217,52 @@ pub trait Backend {
         Ok(())
     }
 
+    // ---- fused ops: the defaults run the ops above in sequence; a backend overrides one to save passes over
+    // memory, with the same results ----
+    /// `pre = inp @ W + bias`, then `out = gelu(pre)` (the MLP's first layer and its activation): the same
+    /// as [`Backend::matmul_forward`] then [`Backend::gelu_forward`].
+    /// Shapes: pre, out `[n, oc]`, inp `[n, c]`, weight per `shape.layout`, bias `[oc]`.
+    fn matmul_gelu_forward(&mut self, pre: View, out: View, inp: View, weight: View, bias: View, shape: MatmulShape) {
+        self.matmul_forward(pre, inp, weight, Some(bias), shape);
+        self.gelu_forward(out, pre);
+    }
+
+    /// `residual += skip`, then the layer norm of the new `residual` into `out`, saving mean and 1/std: the
+    /// same as [`Backend::add_inplace`] then [`Backend::layernorm_forward`].
+    /// Shapes: residual, skip, out `[n, c]`, mean, rstd `[n]`, w, b `[c]`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_layernorm_forward(
+        &mut self,
+        residual: View,
+        skip: View,
+        out: View,
+        mean: View,
+        rstd: View,
+        w: View,
+        b: View,
+        n: usize,
+        c: usize,
+    ) {
+        self.add_inplace(residual, skip);
+        self.layernorm_forward(out, mean, rstd, residual, w, b, n, c);
+    }
+
+    /// The per-position losses, then `logits` replaced in place by their gradient `dloss * (softmax -
+    /// onehot(targets))`: the same as [`Backend::crossentropy_forward`] then
+    /// [`Backend::crossentropy_backward`] in place. Shapes: losses `[n]`, logits `[n, v]`, targets `[n]`.
+    fn crossentropy_forward_backward(
+        &mut self,
+        losses: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    ) {
+        self.crossentropy_forward(losses, logits, targets, n, v);
+        self.crossentropy_backward(logits, logits, targets, n, v, dloss);
+    }
+
     /// Starts reading `src` back into `host` (resized to `src.len`), ordered after every op recorded so far
     /// but without waiting for them or for what is recorded later: the gradient sync reads a finished
     /// bucket while backward goes on. The default copies at once, which is what a synchronous backend wants.

@@ -152,6 +152,8 @@ pub struct Gpt2 {
     /// [layout.total]: gradients, same layout; accumulated by backward until `zero_grads`.
     pub grads: View,
     acts: Option<Activations>,
+    /// Set by [`Gpt2::forward_train`]: the logits already hold the head's gradient, for this `dloss`.
+    head_gradient_for: Option<f32>,
 }
 
 impl Gpt2 {
@@ -188,6 +190,7 @@ impl Gpt2 {
             params,
             grads,
             acts: None,
+            head_gradient_for: None,
         })
     }
 
@@ -231,7 +234,7 @@ impl Gpt2 {
         b: usize,
         t: usize,
     ) -> Result<f64> {
-        self.forward_reporting(be, inputs, targets, b, t, &mut |_, _| Ok(()))
+        self.forward_impl(be, inputs, targets, b, t, None, &mut |_, _| Ok(()))
     }
 
     /// [`Gpt2::forward`], calling `needs(be, upto)` before the first op that reads the parameters `..upto`
@@ -245,6 +248,37 @@ impl Gpt2 {
         targets: &[u32],
         b: usize,
         t: usize,
+        needs: &mut dyn FnMut(&mut B, usize) -> Result<()>,
+    ) -> Result<f64> {
+        self.forward_impl(be, inputs, targets, b, t, None, needs)
+    }
+
+    /// [`Gpt2::forward_reporting`] for a training step whose [`Gpt2::backward`] will use `dloss`: the loss and
+    /// the head's gradient come from one pass over the logits (`crossentropy_forward_backward`), so the
+    /// logits are gone afterwards and backward must be called with the same `dloss`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_train<B: Backend>(
+        &mut self,
+        be: &mut B,
+        inputs: &[u32],
+        targets: &[u32],
+        b: usize,
+        t: usize,
+        dloss: f32,
+        needs: &mut dyn FnMut(&mut B, usize) -> Result<()>,
+    ) -> Result<f64> {
+        self.forward_impl(be, inputs, targets, b, t, Some(dloss), needs)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_impl<B: Backend>(
+        &mut self,
+        be: &mut B,
+        inputs: &[u32],
+        targets: &[u32],
+        b: usize,
+        t: usize,
+        dloss: Option<f32>,
         needs: &mut dyn FnMut(&mut B, usize) -> Result<()>,
     ) -> Result<f64> {
         if inputs.len() != b * t || targets.len() != b * t {
@@ -264,7 +298,11 @@ impl Gpt2 {
         be.upload_tokens(acts.targets, targets)?;
         self.forward_logits(be, &acts, needs)?;
         let n = b * t;
-        be.crossentropy_forward(acts.losses, acts.logits, acts.targets, n, v);
+        match dloss {
+            Some(dloss) => be.crossentropy_forward_backward(acts.losses, acts.logits, acts.targets, n, v, dloss),
+            None => be.crossentropy_forward(acts.losses, acts.logits, acts.targets, n, v),
+        }
+        self.head_gradient_for = dloss;
         let mut losses = vec![0f32; n];
         be.download(acts.losses, &mut losses)?;
         Ok(losses.iter().map(|&x| x as f64).sum::<f64>() / n as f64)
@@ -318,10 +356,18 @@ impl Gpt2 {
             be.attention_forward(a.atty, a.att, a.qkv, attn_shape);
             // residual2 = residual + c_proj(atty): project into residual2, then add the skip in place.
             be.matmul_forward(a.residual2, a.atty, w.attn_proj_w, Some(w.attn_proj_b), mm(n, c, c));
-            be.add_inplace(a.residual2, residual);
-            be.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.residual2, w.ln_2_w, w.ln_2_b, n, c);
-            be.matmul_forward(a.fch, a.ln2, w.fc_w, Some(w.fc_b), mm(n, c, 4 * c));
-            be.gelu_forward(a.fch_gelu, a.fch);
+            be.add_layernorm_forward(
+                a.residual2,
+                residual,
+                a.ln2,
+                a.ln2_mean,
+                a.ln2_rstd,
+                w.ln_2_w,
+                w.ln_2_b,
+                n,
+                c,
+            );
+            be.matmul_gelu_forward(a.fch, a.fch_gelu, a.ln2, w.fc_w, w.fc_b, mm(n, c, 4 * c));
             be.matmul_forward(a.residual3, a.fch_gelu, w.fc_proj_w, Some(w.fc_proj_b), mm(n, 4 * c, c));
             be.add_inplace(a.residual3, a.residual2);
             residual = a.residual3;
@@ -362,8 +408,14 @@ impl Gpt2 {
         let cfg = &self.config;
         let (b, t, c, v) = (acts.b, acts.t, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
+        match self.head_gradient_for.take() {
+            None => be.crossentropy_backward(acts.logits, acts.logits, acts.targets, n, v, dloss),
+            Some(done) if done == dloss => {}
+            Some(done) => {
+                bail!("backward with dloss {dloss} after forward_train computed the head's gradient for {done}")
+            }
+        }
         let lay = &self.layout;
-        be.crossentropy_backward(acts.logits, acts.logits, acts.targets, n, v, dloss);
         let dlogits = acts.logits;
         let head = MatmulShape {
             n,

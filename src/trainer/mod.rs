@@ -279,14 +279,20 @@ impl<B: Backend> Trainer<B> {
         for (i, windows) in micro.iter().enumerate() {
             fill_batch(&self.train, windows, t, &mut self.inputs, &mut self.targets)?;
             let (sync, params) = (&mut self.sync, self.model.params);
-            loss_sum +=
-                self.model
-                    .forward_reporting(&mut self.be, &self.inputs, &self.targets, b, t, &mut |be, upto| {
-                        let waited = Instant::now();
-                        sync.await_params(be, params, upto)?;
-                        gather_wait += waited.elapsed();
-                        Ok(())
-                    })?;
+            loss_sum += self.model.forward_train(
+                &mut self.be,
+                &self.inputs,
+                &self.targets,
+                b,
+                t,
+                dloss,
+                &mut |be, upto| {
+                    let waited = Instant::now();
+                    sync.await_params(be, params, upto)?;
+                    gather_wait += waited.elapsed();
+                    Ok(())
+                },
+            )?;
             // Only the last micro-batch's backward finishes gradients (DDP's no_sync before it).
             let overlap = self.world > 1 && self.opts.overlap && i + 1 == micro.len();
             if overlap {

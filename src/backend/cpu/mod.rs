@@ -327,6 +327,46 @@ impl<F: Real> Backend for CpuBackend<F> {
         ops::add_inplace(d, s);
     }
 
+    fn matmul_gelu_forward(&mut self, pre: View, out: View, inp: View, weight: View, bias: View, s: MatmulShape) {
+        assert!(pre.len == s.n * s.oc && out.len == pre.len && inp.len == s.n * s.c && weight.len == s.c * s.oc);
+        assert_eq!(bias.len, s.oc);
+        let ([p, o], [x, w, b]) = borrow_views(&mut self.bufs, [pre, out], [inp, weight, bias]);
+        ops::matmul_gelu_forward(p, o, x, w, b, s);
+    }
+
+    fn add_layernorm_forward(
+        &mut self,
+        residual: View,
+        skip: View,
+        out: View,
+        mean: View,
+        rstd: View,
+        w: View,
+        b: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(residual.len == n * c && skip.len == n * c && out.len == n * c);
+        assert!(mean.len == n && rstd.len == n && w.len == c && b.len == c);
+        let ([x, o, m, r], [k, w, b]) = borrow_views(&mut self.bufs, [residual, out, mean, rstd], [skip, w, b]);
+        ops::add_layernorm_forward(x, k, o, m, r, w, b, c);
+    }
+
+    fn crossentropy_forward_backward(
+        &mut self,
+        losses: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    ) {
+        assert!(losses.len == n && logits.len == n * v && targets.len == n);
+        let tgt = tokens_below(&self.tokens, targets, v);
+        let ([l, x], []) = borrow_views(&mut self.bufs, [losses, logits], []);
+        ops::crossentropy_forward_backward(l, x, tgt, v, F::from_f32(dloss));
+    }
+
     fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
         assert!(losses.len == n && logits.len == n * v && targets.len == n);
         let tgt = tokens_below(&self.tokens, targets, v);

@@ -25,10 +25,28 @@ pub fn crossentropy_backward_inplace<F: Real>(logits: &mut [F], targets: &[u32],
         .zip(targets.par_iter())
         .for_each(|(row, &target)| {
             let lse = logsumexp(row);
-            for (j, x) in row.iter_mut().enumerate() {
-                let p = (*x - lse).exp();
-                let indicator = if j == target as usize { F::one() } else { F::zero() };
-                *x = dloss * (p - indicator);
-            }
+            gradient_row(row, lse, target, dloss);
         });
+}
+
+/// [`crossentropy_forward`] then [`crossentropy_backward_inplace`], with one log-sum-exp per row instead of
+/// two: the same bits.
+pub fn crossentropy_forward_backward<F: Real>(losses: &mut [F], logits: &mut [F], targets: &[u32], v: usize, dloss: F) {
+    logits
+        .par_chunks_mut(v)
+        .zip(losses.par_iter_mut().zip(targets.par_iter()))
+        .for_each(|(row, (loss, &target))| {
+            let lse = logsumexp(row);
+            *loss = lse - row[target as usize];
+            gradient_row(row, lse, target, dloss);
+        });
+}
+
+/// One row of logits, whose log-sum-exp is `lse`, replaced by its gradient.
+fn gradient_row<F: Real>(row: &mut [F], lse: F, target: u32, dloss: F) {
+    for (j, x) in row.iter_mut().enumerate() {
+        let p = (*x - lse).exp();
+        let indicator = if j == target as usize { F::one() } else { F::zero() };
+        *x = dloss * (p - indicator);
+    }
 }

@@ -24,15 +24,19 @@ fn gelu_tanh_arg<F: Real>(arg: &mut [F], inp: &[F]) {
 pub fn gelu_forward<F: Real>(out: &mut [F], inp: &[F]) {
     out.par_chunks_mut(ELEMENTWISE_GRAIN)
         .zip(inp.par_chunks(ELEMENTWISE_GRAIN))
-        .for_each(|(out, inp)| {
-            // `out` holds the tanh argument, then its tanh, then the result: three passes over a chunk
-            // that stays in cache.
-            gelu_tanh_arg(out, inp);
-            F::tanh_in_place(out);
-            for (o, &x) in out.iter_mut().zip(inp) {
-                *o = c::<F>(0.5) * x * (F::one() + *o);
-            }
-        });
+        .for_each(|(out, inp)| gelu_chunk(out, inp));
+}
+
+/// [`gelu_forward`] of one chunk, on the calling thread. Each element's result depends on that element
+/// alone, so any chunking gives the same bits.
+pub fn gelu_chunk<F: Real>(out: &mut [F], inp: &[F]) {
+    // `out` holds the tanh argument, then its tanh, then the result: three passes over a chunk that stays
+    // in cache.
+    gelu_tanh_arg(out, inp);
+    F::tanh_in_place(out);
+    for (o, &x) in out.iter_mut().zip(inp) {
+        *o = c::<F>(0.5) * x * (F::one() + *o);
+    }
 }
 
 /// Overwrites `dinp` with `dout * gelu'(inp)`.

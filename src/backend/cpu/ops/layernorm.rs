@@ -23,17 +23,46 @@ pub fn layernorm_forward<F: Real>(
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .enumerate()
         .for_each(|(row, (o, (m, s)))| {
-            let x = &inp[row * ch..][..ch];
-            let n = F::from_f64(ch as f64);
-            let mu = x.iter().copied().fold(F::zero(), |a, b| a + b) / n;
-            let var = x.iter().fold(F::zero(), |a, &v| a + (v - mu) * (v - mu)) / n;
-            let r = F::one() / (var + c(LAYERNORM_EPS)).sqrt();
-            for i in 0..ch {
-                o[i] = (x[i] - mu) * r * weight[i] + bias[i];
-            }
-            *m = mu;
-            *s = r;
+            (*m, *s) = layernorm_row(o, &inp[row * ch..][..ch], weight, bias);
         });
+}
+
+/// `residual += skip` row by row, then [`layernorm_forward`] of that row while it is in cache: the same
+/// bits as the two passes.
+#[allow(clippy::too_many_arguments)]
+pub fn add_layernorm_forward<F: Real>(
+    residual: &mut [F],
+    skip: &[F],
+    out: &mut [F],
+    mean: &mut [F],
+    rstd: &mut [F],
+    weight: &[F],
+    bias: &[F],
+    ch: usize,
+) {
+    residual
+        .par_chunks_mut(ch)
+        .zip(out.par_chunks_mut(ch))
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+        .enumerate()
+        .for_each(|(row, ((x, o), (m, s)))| {
+            for (v, &k) in x.iter_mut().zip(&skip[row * ch..][..ch]) {
+                *v = *v + k;
+            }
+            (*m, *s) = layernorm_row(o, x, weight, bias);
+        });
+}
+
+/// The layer norm of one row `x [c]` into `o`; returns its mean and 1/std.
+fn layernorm_row<F: Real>(o: &mut [F], x: &[F], weight: &[F], bias: &[F]) -> (F, F) {
+    let n = F::from_f64(x.len() as f64);
+    let mu = x.iter().copied().fold(F::zero(), |a, b| a + b) / n;
+    let var = x.iter().fold(F::zero(), |a, &v| a + (v - mu) * (v - mu)) / n;
+    let r = F::one() / (var + c(LAYERNORM_EPS)).sqrt();
+    for i in 0..x.len() {
+        o[i] = (x[i] - mu) * r * weight[i] + bias[i];
+    }
+    (mu, r)
 }
 
 /// Accumulates the layer-norm gradients: `dinp += ...`, `dweight += ...`, `dbias += ...`.

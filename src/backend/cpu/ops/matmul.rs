@@ -48,6 +48,24 @@ pub fn matmul_forward<F: Real>(out: &mut [F], inp: &[F], weight: &[F], bias: Opt
     }
 }
 
+/// `pre [n, oc] = inp [n, c] @ W + bias [oc]`, then `out = gelu(pre)`, bias and GELU in one pass over each
+/// block of rows while it is in cache: the same bits as [`matmul_forward`] then
+/// [`gelu_forward`](super::gelu_forward).
+pub fn matmul_gelu_forward<F: Real>(pre: &mut [F], out: &mut [F], inp: &[F], weight: &[F], bias: &[F], s: MatmulShape) {
+    matmul_forward(pre, inp, weight, None, s);
+    let rows = (super::ELEMENTWISE_GRAIN / s.oc.max(1)).max(1);
+    pre.par_chunks_mut(rows * s.oc)
+        .zip(out.par_chunks_mut(rows * s.oc))
+        .for_each(|(pre, out)| {
+            for row in pre.chunks_mut(s.oc) {
+                for (o, &b) in row.iter_mut().zip(bias) {
+                    *o = *o + b;
+                }
+            }
+            super::elementwise::gelu_chunk(out, pre);
+        });
+}
+
 /// `dinp = dout @ W^T`; `dW += inp^T @ dout` (in W's layout); `dbias += sum over rows of dout`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward<F: Real>(

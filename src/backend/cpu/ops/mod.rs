@@ -15,11 +15,11 @@ mod reduce;
 
 pub use adamw::adamw;
 pub use attention::{attention_backward, attention_forward};
-pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
+pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward, crossentropy_forward_backward};
 pub use elementwise::{add_inplace, gelu_backward, gelu_forward, residual_forward, scale};
 pub use encoder::{encoder_backward, encoder_forward};
-pub use layernorm::{layernorm_backward, layernorm_forward, LAYERNORM_EPS};
-pub use matmul::{matmul_backward, matmul_forward};
+pub use layernorm::{add_layernorm_forward, layernorm_backward, layernorm_forward, LAYERNORM_EPS};
+pub use matmul::{matmul_backward, matmul_forward, matmul_gelu_forward};
 pub use reduce::{sum_squares, SUM_BLOCK};
 
 use super::real::Real;
