@@ -370,7 +370,12 @@ impl<B: Backend> Trainer<B> {
             tokens: self.tokens_seen,
             tokens_per_s: self.tokens_per_step() as f64 / (step_ms / 1e3),
             step_ms,
-            comm_ms: comm_busy.as_secs_f64() * 1e3,
+            // One rank communicates nothing; what the timers saw there is bookkeeping.
+            comm_ms: if self.world > 1 {
+                comm_busy.as_secs_f64() * 1e3
+            } else {
+                0.0
+            },
             exposed_comm_ms: if self.world > 1 {
                 exposed.as_secs_f64() * 1e3
             } else {
