@@ -80,12 +80,20 @@ pub fn thread_budget(
     })
 }
 
-/// Sizes the process-wide rayon pool that the CPU kernels run on. Call once, before any kernel runs.
+/// Sizes the process-wide rayon pool that the CPU kernels run on. Call once, from the thread that will run
+/// the kernels, before any kernel runs.
+///
+/// With one compute thread, that calling thread becomes the pool's only worker, so every parallel loop
+/// runs inline on it. Otherwise each kernel call would hand its work to a separate worker thread and sleep
+/// until it finished: about a hundred hand-offs per step, which cost `tiny` a fifth of its step on two
+/// cores (BENCHMARKS.md). The price is that no other thread may use the global pool: such work would wait
+/// until the calling thread next runs a parallel loop. Only the training thread does.
 pub fn install(budget: ThreadBudget) -> Result<(), String> {
-    match rayon::ThreadPoolBuilder::new()
-        .num_threads(budget.compute)
-        .build_global()
-    {
+    let mut builder = rayon::ThreadPoolBuilder::new().num_threads(budget.compute);
+    if budget.compute == 1 {
+        builder = builder.use_current_thread();
+    }
+    match builder.build_global() {
         Ok(()) => Ok(()),
         // Already built (a second run in the same process, as in tests): fine if the size agrees.
         Err(_) if rayon::current_num_threads() == budget.compute => Ok(()),
