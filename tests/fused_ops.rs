@@ -116,7 +116,7 @@ fn the_fused_training_path_gives_the_same_loss_and_gradients() {
         model.zero_grads(&mut be);
         let loss = if fused {
             model
-                .forward_train(&mut be, &inputs, &targets, b, t, dloss, &mut |_, _| Ok(()))
+                .forward_train(&mut be, &inputs, &targets, b, t, Some(dloss), &mut |_, _| Ok(()))
                 .unwrap()
         } else {
             model.forward(&mut be, &inputs, &targets, b, t).unwrap()
@@ -129,7 +129,7 @@ fn the_fused_training_path_gives_the_same_loss_and_gradients() {
     let mut be = CpuBackend::<f32>::new();
     let mut model = Gpt2::new(&mut be, cfg.clone(), &init).unwrap();
     model
-        .forward_train(&mut be, &inputs, &targets, b, t, dloss, &mut |_, _| Ok(()))
+        .forward_train(&mut be, &inputs, &targets, b, t, Some(dloss), &mut |_, _| Ok(()))
         .unwrap();
     assert!(model.backward(&mut be, dloss * 2.0).is_err());
 }

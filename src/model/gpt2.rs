@@ -234,44 +234,19 @@ impl Gpt2 {
         b: usize,
         t: usize,
     ) -> Result<f64> {
-        self.forward_impl(be, inputs, targets, b, t, None, &mut |_, _| Ok(()))
+        self.forward_train(be, inputs, targets, b, t, None, &mut |_, _| Ok(()))
     }
 
-    /// [`Gpt2::forward`], calling `needs(be, upto)` before the first op that reads the parameters `..upto`
-    /// of the flat layout: the embeddings, then each block in order, then the final layer norm and the
-    /// tied head (`upto` = everything). A sharded trainer waits there for the parameter all-gather of the
-    /// buckets the layer reads, so the gather of later layers overlaps the forward of earlier ones.
-    pub fn forward_reporting<B: Backend>(
-        &mut self,
-        be: &mut B,
-        inputs: &[u32],
-        targets: &[u32],
-        b: usize,
-        t: usize,
-        needs: &mut dyn FnMut(&mut B, usize) -> Result<()>,
-    ) -> Result<f64> {
-        self.forward_impl(be, inputs, targets, b, t, None, needs)
-    }
-
-    /// [`Gpt2::forward_reporting`] for a training step whose [`Gpt2::backward`] will use `dloss`: the loss and
-    /// the head's gradient come from one pass over the logits (`crossentropy_forward_backward`), so the
-    /// logits are gone afterwards and backward must be called with the same `dloss`.
+    /// [`Gpt2::forward`] for training:
+    /// - `needs(be, upto)` is called before the first op that reads the parameters `..upto` of the flat
+    ///   layout (the embeddings, then each block in order, then the final layer norm and the tied head with
+    ///   `upto` = everything). A sharded trainer waits there for the parameter all-gather of the buckets the
+    ///   layer reads, so the gather of later layers overlaps the forward of earlier ones.
+    /// - With `dloss`, the loss and the head's gradient come from one pass over the logits
+    ///   (`crossentropy_forward_backward`): the logits are gone afterwards, and [`Gpt2::backward`] must be
+    ///   called with the same `dloss`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_train<B: Backend>(
-        &mut self,
-        be: &mut B,
-        inputs: &[u32],
-        targets: &[u32],
-        b: usize,
-        t: usize,
-        dloss: f32,
-        needs: &mut dyn FnMut(&mut B, usize) -> Result<()>,
-    ) -> Result<f64> {
-        self.forward_impl(be, inputs, targets, b, t, Some(dloss), needs)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn forward_impl<B: Backend>(
         &mut self,
         be: &mut B,
         inputs: &[u32],

@@ -285,7 +285,7 @@ impl<B: Backend> Trainer<B> {
                 &self.targets,
                 b,
                 t,
-                dloss,
+                Some(dloss),
                 &mut |be, upto| {
                     let waited = Instant::now();
                     sync.await_params(be, params, upto)?;
