@@ -17,7 +17,6 @@ type Job = Box<dyn FnOnce(&mut dyn Collective) + Send>;
 /// The communication thread of one rank.
 pub struct CommThread {
     rank: usize,
-    world: usize,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -57,7 +56,7 @@ fn thread_gone() -> CollectiveError {
 impl CommThread {
     /// Moves `comm` onto a new thread named after its rank.
     pub fn spawn(mut comm: Box<dyn Collective>) -> Self {
-        let (rank, world) = (comm.rank(), comm.world());
+        let rank = comm.rank();
         let (jobs, queue) = channel::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("ringtrain-comm-{rank}"))
@@ -69,7 +68,6 @@ impl CommThread {
             .expect("spawning the communication thread");
         CommThread {
             rank,
-            world,
             jobs: Some(jobs),
             thread: Some(thread),
         }
@@ -77,10 +75,6 @@ impl CommThread {
 
     pub fn rank(&self) -> usize {
         self.rank
-    }
-
-    pub fn world(&self) -> usize {
-        self.world
     }
 
     /// Queues `job` behind every job submitted before it.

@@ -173,11 +173,6 @@ impl GradSync {
         self.await_params(be, params, usize::MAX)
     }
 
-    /// Whether parameter gathers are still outstanding.
-    pub fn gathering(&self) -> bool {
-        !self.gathering.is_empty()
-    }
-
     /// The communication thread's time in the gathers waited for since the last call.
     pub fn take_gather_busy(&mut self) -> Duration {
         std::mem::take(&mut self.gather_busy)
