@@ -54,8 +54,8 @@ fn thread_gone() -> CollectiveError {
 }
 
 impl CommThread {
-    /// Moves `comm` onto a new thread named after its rank.
-    pub fn spawn(mut comm: Box<dyn Collective>) -> Self {
+    /// Moves `comm` onto a new thread named after its rank; fails only when the system refuses a thread.
+    pub fn spawn(mut comm: Box<dyn Collective>) -> std::io::Result<Self> {
         let rank = comm.rank();
         let (jobs, queue) = channel::<Job>();
         let thread = std::thread::Builder::new()
@@ -64,13 +64,12 @@ impl CommThread {
                 for job in queue {
                     job(comm.as_mut());
                 }
-            })
-            .expect("spawning the communication thread");
-        CommThread {
+            })?;
+        Ok(CommThread {
             rank,
             jobs: Some(jobs),
             thread: Some(thread),
-        }
+        })
     }
 
     pub fn rank(&self) -> usize {
@@ -146,7 +145,7 @@ mod tests {
             .into_iter()
             .map(|comm| {
                 std::thread::spawn(move || {
-                    let comm = CommThread::spawn(Box::new(comm));
+                    let comm = CommThread::spawn(Box::new(comm)).unwrap();
                     let r = comm.rank() as f32;
                     let first = comm.all_reduce_mean(vec![r; 5]);
                     let second = comm.all_reduce_mean(vec![2.0 * r; 7]);
@@ -173,7 +172,7 @@ mod tests {
             ..Default::default()
         };
         let mut comms = mem::mem_cluster(2, options);
-        let lonely = CommThread::spawn(Box::new(comms.remove(0)));
+        let lonely = CommThread::spawn(Box::new(comms.remove(0))).unwrap();
         drop(comms);
         let err = lonely.all_reduce_mean(vec![1.0; 3]).wait().unwrap_err();
         assert!(

@@ -172,7 +172,7 @@ impl<B: Backend> Trainer<B> {
             tokens_seen,
             world,
             rank,
-            comm: CommThread::spawn(comm),
+            comm: CommThread::spawn(comm).context("starting the communication thread")?,
             sync,
             inputs: vec![0; n],
             targets: vec![0; n],
