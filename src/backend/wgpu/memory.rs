@@ -230,11 +230,23 @@ impl WgpuBackend {
                 ),
             });
         }
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+        self.create_buffer(what, bytes.div_ceil(4) * 4, usage)
+    }
+
+    /// A device buffer of `bytes` bytes, or [`BackendError::OutOfMemory`] naming `what` when the device has no
+    /// room (the one place that turns wgpu's out-of-memory scope into an error).
+    pub(super) fn create_buffer(
+        &self,
+        what: &str,
+        bytes: u64,
+        usage: wgpu::BufferUsages,
+    ) -> Result<wgpu::Buffer, BackendError> {
         let scope = self.ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buffer = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(what),
-            size: bytes.div_ceil(4) * 4,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            size: bytes,
+            usage,
             mapped_at_creation: false,
         });
         if pollster::block_on(scope.pop()).is_some() {

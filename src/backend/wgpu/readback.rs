@@ -261,20 +261,8 @@ impl WgpuBackend {
         if let Some(buffer) = self.readbacks.take(bytes) {
             return Ok(buffer);
         }
-        let scope = self.ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let buffer = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("early read-back"),
-            size: bytes,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        if pollster::block_on(scope.pop()).is_some() {
-            return Err(BackendError::OutOfMemory {
-                what: format!("a read-back staging buffer on {}", self.ctx.report.name),
-                bytes: Some(bytes),
-            });
-        }
-        Ok(buffer)
+        let usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        self.create_buffer("a read-back staging buffer", bytes, usage)
     }
 
     fn unknown_ticket(&self, ticket: u64) -> BackendError {
