@@ -45,8 +45,13 @@ impl BucketPlan {
     /// Rank `rank`'s part of bucket `bucket` when it is reduce-scattered, as a flat range.
     pub fn owned_in(&self, bucket: usize, world: usize, rank: usize) -> Range<usize> {
         let b = &self.buckets[bucket];
-        let chunk = chunk_range(b.len(), world, rank);
+        let chunk = self.owned_within(bucket, world, rank);
         b.start + chunk.start..b.start + chunk.end
+    }
+
+    /// The same part as a range within the bucket (what the ring leaves reduced in the bucket's buffer).
+    pub fn owned_within(&self, bucket: usize, world: usize, rank: usize) -> Range<usize> {
+        chunk_range(self.buckets[bucket].len(), world, rank)
     }
 
     /// The flat ranges whose optimizer state rank `rank` keeps, ascending: everything for a replicated

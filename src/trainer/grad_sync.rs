@@ -124,9 +124,8 @@ impl GradSync {
             match self.update {
                 UpdateMode::Replicated => be.upload(grads.sub(range.start, range.len()), &host)?,
                 UpdateMode::Sharded => {
-                    let owned = self.plan.owned_in(bucket, self.world, self.rank);
-                    let local = owned.start - range.start..owned.end - range.start;
-                    be.upload(grads.sub(owned.start, owned.len()), &host[local.clone()])?;
+                    let local = self.plan.owned_within(bucket, self.world, self.rank);
+                    be.upload(grads.sub(range.start + local.start, local.len()), &host[local.clone()])?;
                     owned_sq += host_sum_squares(&host[local]);
                 }
             }
@@ -145,11 +144,10 @@ impl GradSync {
     pub fn start_gather<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
         for bucket in (0..self.plan.buckets.len()).rev() {
             let range = self.plan.buckets[bucket].clone();
-            let owned = self.plan.owned_in(bucket, self.world, self.rank);
+            let local = self.plan.owned_within(bucket, self.world, self.rank);
             let mut host = self.spare.pop().unwrap_or_default();
             host.resize(range.len(), 0.0);
-            let local = owned.start - range.start..owned.end - range.start;
-            be.download(params.sub(owned.start, owned.len()), &mut host[local])?;
+            be.download(params.sub(range.start + local.start, local.len()), &mut host[local])?;
             self.gathering.push_back((range, comm.all_gather(host)));
         }
         Ok(())
