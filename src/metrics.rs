@@ -56,6 +56,10 @@ pub struct StepMetrics {
     /// True when the step was skipped because the loss or gradients were not finite.
     #[serde(default)]
     pub skipped: bool,
+    /// On a loss spike only (`--loss-spike`): the running average of the earlier losses that this step's
+    /// loss exceeded by more than the factor. Absent otherwise, and in files written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_spike_reference: Option<f64>,
 }
 
 /// JSON has no NaN or infinity: serde_json writes a non-finite float as `null`. Read `null` back as NaN so a
@@ -196,12 +200,16 @@ mod tests {
         let json = serde_json::to_string(&sample(1)).unwrap();
         assert!(!json.contains("param_hash"));
         assert!(!json.contains("val_loss"));
+        assert!(!json.contains("loss_spike_reference"));
         let mut m = sample(2);
         m.param_hash = Some("abc".into());
         m.val_loss = Some(2.5);
+        m.loss_spike_reference = Some(0.75);
         let json = serde_json::to_string(&m).unwrap();
         assert!(json.contains("\"param_hash\":\"abc\""));
         assert!(json.contains("\"val_loss\":2.5"));
+        assert!(json.contains("\"loss_spike_reference\":0.75"));
+        assert_eq!(serde_json::from_str::<StepMetrics>(&json).unwrap(), m);
     }
 
     #[test]
@@ -262,5 +270,6 @@ mod tests {
         )
         .unwrap();
         assert!(!m.skipped);
+        assert_eq!(m.loss_spike_reference, None);
     }
 }

@@ -229,6 +229,73 @@ fn toml_config_supplies_flags_and_flags_win() {
     );
 }
 
+/// `--loss-spike X` (here from the TOML file) warns, naming the step, whenever a loss exceeds X times the
+/// running average of the earlier losses, and marks that step in the metrics; it changes nothing else, and
+/// `--loss-spike 0` on the command line turns it off.
+#[test]
+fn a_loss_spike_is_logged_and_marked_in_the_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("run.toml");
+    std::fs::write(&toml, "loss-spike = 4\n").unwrap();
+    let (spiky, quiet) = (dir.path().join("spiky.jsonl"), dir.path().join("quiet.jsonl"));
+    // A learning rate of 1 without warmup throws the model off at its first update: the loss jumps.
+    let mut base: Vec<&str> = SMALL[..10].to_vec();
+    base.extend_from_slice(&[
+        "--lr",
+        "1",
+        "--warmup",
+        "0",
+        "--lr-schedule",
+        "constant",
+        "--steps",
+        "6",
+    ]);
+    base.extend_from_slice(&["--config", toml.to_str().unwrap()]);
+    let stderr = ok(&with(&base, &["--metrics", spiky.to_str().unwrap()]));
+    let records = ringtrain::metrics::read_metrics(&spiky).unwrap();
+    // The reference is the moving average (weight 0.1 on the newest) of the losses before each step.
+    let mut average: Option<f64> = None;
+    let mut flagged = Vec::new();
+    for r in &records {
+        let warned = stderr.contains(&format!("warning: step {}: loss spike: loss {:.4}", r.step, r.loss));
+        match average {
+            Some(avg) if r.loss > 4.0 * avg => {
+                let reference = r.loss_spike_reference.expect("a spike step is marked");
+                assert!(
+                    (reference - avg).abs() < 1e-9 * avg,
+                    "step {}: {reference} vs {avg}",
+                    r.step
+                );
+                assert!(warned, "step {} not logged:\n{stderr}", r.step);
+                flagged.push(r.step);
+            }
+            _ => assert!(
+                r.loss_spike_reference.is_none() && !warned,
+                "step {}:\n{stderr}",
+                r.step
+            ),
+        }
+        average = Some(average.map_or(r.loss, |avg| avg + 0.1 * (r.loss - avg)));
+    }
+    assert!(!flagged.is_empty(), "no spike in {records:?}");
+    assert!(stderr.contains("(--loss-spike 4)"), "{stderr}");
+    // Off: no warning, no mark, and the same losses bit for bit.
+    let stderr = ok(&with(
+        &base,
+        &["--loss-spike", "0", "--metrics", quiet.to_str().unwrap()],
+    ));
+    assert!(!stderr.contains("loss spike"), "{stderr}");
+    let off = ringtrain::metrics::read_metrics(&quiet).unwrap();
+    assert!(off.iter().all(|r| r.loss_spike_reference.is_none()));
+    let losses = |rs: &[ringtrain::metrics::StepMetrics]| rs.iter().map(|r| r.loss.to_bits()).collect::<Vec<_>>();
+    assert_eq!(losses(&off), losses(&records));
+    // A factor that would flag ordinary noise is refused.
+    fails_with(
+        &with(&SMALL, &["--loss-spike", "1"]),
+        "--loss-spike 1 must be a factor over 1",
+    );
+}
+
 #[test]
 fn sample_and_eval_run_on_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();

@@ -111,6 +111,10 @@ pub struct TrainArgs {
     /// skip or abort
     #[arg(long)]
     pub on_nonfinite: Option<String>,
+    /// Warn when a step's loss exceeds this many times the running average of the earlier losses; only
+    /// logged, 0 turns it off [default: 3]
+    #[arg(long)]
+    pub loss_spike: Option<f64>,
     /// Gradient bucket size for the AllReduce, MiB
     #[arg(long)]
     pub bucket_mb: Option<f64>,
@@ -258,6 +262,11 @@ impl TrainArgs {
             Some("abort") => OnNonFinite::Abort,
             Some(other) => bail!("--on-nonfinite {other:?}: expected skip or abort"),
         };
+        let loss_spike = self.loss_spike.unwrap_or(d.loss_spike);
+        ensure!(
+            loss_spike == 0.0 || (loss_spike.is_finite() && loss_spike > 1.0),
+            "--loss-spike {loss_spike} must be a factor over 1, or 0 to turn the warning off"
+        );
         let update = match self.update.as_deref() {
             None => d.update,
             Some("sharded") => UpdateMode::Sharded,
@@ -297,6 +306,7 @@ impl TrainArgs {
             seed: self.seed.unwrap_or(d.seed),
             shuffle,
             on_nonfinite,
+            loss_spike,
             eval_every: self.eval_every.unwrap_or(d.eval_every),
             eval_batches: self.eval_batches.unwrap_or(d.eval_batches),
             save: self.save.clone(),

@@ -288,6 +288,7 @@ mod tests {
             param_hash: (step % 50 == 0).then(|| format!("{step:016x}")),
             val_loss: (step % 25 == 0).then(|| 4.0 * (-s / 60.0).exp() + 1.6),
             skipped: false,
+            loss_spike_reference: None,
         }
     }
 

@@ -10,7 +10,7 @@
 //! The line format and the choice of which steps to log are pure functions ([`format_step_line`],
 //! [`should_log`]) so they can be tested without a terminal.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -114,6 +114,15 @@ impl Progress {
         }
     }
 
+    /// Prints a line even when the progress itself is hidden: what each rank decided on its own, which
+    /// every rank must say.
+    pub fn warn(&self, msg: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(msg),
+            None => eprint_line(msg),
+        }
+    }
+
     /// Ends the bar, leaving its last state on screen.
     pub fn finish(&mut self) {
         if let Some(bar) = self.bar.take() {
@@ -129,6 +138,14 @@ impl Drop for Progress {
             bar.abandon();
         }
     }
+}
+
+/// Writes `msg` and its newline to stderr in one write, so that the ranks of a job sharing one stderr
+/// (`ringtrain launch`) cannot interleave inside the line (`eprintln!` writes the pieces separately).
+pub fn eprint_line(msg: &str) {
+    let line = format!("{msg}\n");
+    // Nothing useful is left to do when stderr itself is gone.
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// Steps between two log lines off a terminal: `max(1, total_steps / 20)`.
@@ -163,6 +180,32 @@ pub fn format_step_line(m: &StepMetrics, total_steps: u64) -> String {
         line.push_str(" | skipped");
     }
     line
+}
+
+/// A skipped step, as every rank reports it: `rank 1: step 3: non-finite loss (2.1) or gradient norm (NaN),
+/// update skipped (--on-nonfinite skip)`; no rank prefix for a single process.
+pub fn format_skip_line(m: &StepMetrics, rank: usize) -> String {
+    let who = if m.world_size > 1 {
+        format!("rank {rank}: ")
+    } else {
+        String::new()
+    };
+    format!(
+        "{who}step {}: non-finite loss ({}) or gradient norm ({}), update skipped (--on-nonfinite skip)",
+        m.step, m.loss, m.grad_norm
+    )
+}
+
+/// The `--loss-spike` warning, or `None` when the step was not a spike: `warning: step 7: loss spike:
+/// loss 9.1000 is 3.5x its running average 2.6000 (--loss-spike 3)`.
+pub fn format_spike_line(m: &StepMetrics, factor: f64) -> Option<String> {
+    let reference = m.loss_spike_reference?;
+    Some(format!(
+        "warning: step {}: loss spike: loss {:.4} is {:.1}x its running average {reference:.4} (--loss-spike {factor})",
+        m.step,
+        m.loss,
+        m.loss / reference
+    ))
 }
 
 /// The bar's message: `loss 2.3412 | 20800 tok/s`.
@@ -225,6 +268,26 @@ mod tests {
         assert_eq!(
             format_step_line(&s, 10),
             "step 5/10 | loss NaN | lr 3.00e-04 | norm 0.812 | 12.3 ms | 20800 tok/s | val 2.1000 | skipped"
+        );
+    }
+
+    #[test]
+    fn skip_and_spike_lines_name_the_step() {
+        let mut s = m(3);
+        s.grad_norm = f64::NAN;
+        s.skipped = true;
+        assert_eq!(
+            format_skip_line(&s, 0),
+            "step 3: non-finite loss (2.34123) or gradient norm (NaN), update skipped (--on-nonfinite skip)"
+        );
+        s.world_size = 3;
+        assert!(format_skip_line(&s, 2).starts_with("rank 2: step 3: "));
+        assert_eq!(format_spike_line(&s, 3.0), None);
+        s.loss = 9.1;
+        s.loss_spike_reference = Some(2.6);
+        assert_eq!(
+            format_spike_line(&s, 3.0).unwrap(),
+            "warning: step 3: loss spike: loss 9.1000 is 3.5x its running average 2.6000 (--loss-spike 3)"
         );
     }
 

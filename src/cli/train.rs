@@ -3,7 +3,7 @@
 
 use super::args::TrainArgs;
 use super::backend::{open_backend, parse_backend, with_flag_hints};
-use super::progress::Progress;
+use super::progress::{eprint_line, format_skip_line, format_spike_line, Progress};
 use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::Backend;
@@ -13,6 +13,7 @@ use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
 };
 use ringtrain::metrics::{MetricsWriter, StepMetrics};
+use ringtrain::trainer::fault_injection::{NonFiniteFault, INJECT_FAULT_VAR};
 use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
 
@@ -33,6 +34,8 @@ struct RunSetup {
     threads: ThreadBudget,
     /// What this rank will allocate, checked against the room it has once the backend is open.
     plan: MemoryPlan,
+    /// A test hook armed by [`INJECT_FAULT_VAR`].
+    fault: Option<NonFiniteFault>,
 }
 
 /// Default deadline of one collective: generous, since it also covers waiting for the slowest rank's
@@ -83,6 +86,15 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let job_hash = opts.job_hash(&model, launch.world_size);
     let resume = matches!(source, ModelSource::Resume(_));
     let plan = MemoryPlan::new(&model, &opts, launch.world_size, launch.rank, resume);
+    let fault = match std::env::var_os(INJECT_FAULT_VAR) {
+        None => None,
+        Some(v) => {
+            let v = v
+                .to_str()
+                .with_context(|| format!("{INJECT_FAULT_VAR} is not valid UTF-8"))?;
+            NonFiniteFault::from_env(Some(v), launch.world_size, opts.steps)?
+        }
+    };
     Ok(RunSetup {
         source,
         data,
@@ -95,7 +107,21 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         job_hash,
         threads,
         plan,
+        fault,
     })
+}
+
+/// Arms the fault of [`INJECT_FAULT_VAR`], if any, saying so loudly: a run with it is not a real run.
+fn arm_fault<B: Backend>(trainer: &mut Trainer<B>, fault: Option<NonFiniteFault>) {
+    let Some(fault) = fault else { return };
+    eprint_line(&format!(
+        "rank {}: WARNING: FAULT INJECTION ARMED ({INJECT_FAULT_VAR}={fault}): rank {}'s gradient will be made {} at step {}",
+        trainer.rank(),
+        fault.rank,
+        fault.value,
+        fault.step
+    ));
+    trainer.arm_fault(fault);
 }
 
 /// Prints this rank's memory plan and refuses to go on when it does not fit the backend's memory.
@@ -132,6 +158,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let comm = connect(&s)?;
     let is_rank0 = s.launch.rank == 0;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
+    arm_fault(&mut trainer, s.fault);
     let result = run_steps(
         &mut trainer,
         s.metrics_path.as_deref(),
@@ -187,8 +214,13 @@ fn run_steps<B: Backend>(
     while trainer.step < opts.steps {
         let mut m = trainer.train_step().map_err(with_flag_hints)?;
         comm.add(&m);
+        // Every rank says it skipped (each decides on its own, from the same reduced values); the loss is
+        // global, so rank 0 alone reports a spike.
         if m.skipped {
-            progress.message(&format!("step {}: non-finite gradients, update skipped", m.step));
+            progress.warn(&format_skip_line(&m, trainer.rank()));
+        }
+        if let Some(line) = format_spike_line(&m, opts.loss_spike) {
+            progress.message(&line);
         }
         let at_end = trainer.step == opts.steps;
         if (opts.eval_every > 0 && trainer.step % opts.eval_every == 0) || at_end {
@@ -275,6 +307,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     let comm = connect(&s)?;
     let plan_peak = s.plan.peak();
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
+    arm_fault(&mut trainer, s.fault);
     for _ in 0..warmup {
         trainer.train_step()?;
     }

@@ -27,12 +27,16 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 pub mod buckets;
+pub mod fault_injection;
 pub mod grad_sync;
+pub mod loss_spike;
 mod memory_plan;
 mod options;
 
 use buckets::BucketPlan;
+use fault_injection::{write_if_final, NonFiniteFault, PendingInjection};
 use grad_sync::{GradSync, SyncTrace};
+use loss_spike::LossSpikeDetector;
 
 pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
@@ -75,6 +79,10 @@ pub struct Trainer<B: Backend> {
     /// Host staging for one micro-batch: `[batch_size * seq_len]` each.
     inputs: Vec<u32>,
     targets: Vec<u32>,
+    /// `--loss-spike`: the running average each step's loss is compared with.
+    spikes: LossSpikeDetector,
+    /// A test hook ([`fault_injection`]): the step at which one rank's gradient is made non-finite.
+    fault: Option<NonFiniteFault>,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -160,6 +168,7 @@ impl<B: Backend> Trainer<B> {
         }
         let n = opts.batch_size * opts.seq_len;
         let sync = GradSync::new(plan, opts.update, world, rank);
+        let spikes = LossSpikeDetector::new(opts.loss_spike);
         let mut trainer = Trainer {
             be,
             model,
@@ -176,6 +185,8 @@ impl<B: Backend> Trainer<B> {
             sync,
             inputs: vec![0; n],
             targets: vec![0; n],
+            spikes,
+            fault: None,
         };
         trainer.replicate()?;
         Ok(trainer)
@@ -183,6 +194,12 @@ impl<B: Backend> Trainer<B> {
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Arms a fault ([`fault_injection`]): when it names this rank, one element of the local gradient is
+    /// made non-finite at its step, before synchronisation.
+    pub fn arm_fault(&mut self, fault: NonFiniteFault) {
+        self.fault = Some(fault);
     }
 
     pub fn world(&self) -> usize {
@@ -276,6 +293,10 @@ impl<B: Backend> Trainer<B> {
         // Sharded: the last update's parameter gathers arrive while forward runs; what forward waits for
         // them is exposed communication.
         let mut gather_wait = std::time::Duration::ZERO;
+        // Fault injection: written once the last micro-batch's backward has finished its element.
+        let mut inject = (self.fault)
+            .filter(|f| f.fires(self.rank, self.step))
+            .map(|f| PendingInjection::new(f, self.model.layout.total));
         for (i, windows) in micro.iter().enumerate() {
             fill_batch(&self.train, windows, t, &mut self.inputs, &mut self.targets)?;
             let (sync, params) = (&mut self.sync, self.model.params);
@@ -297,13 +318,17 @@ impl<B: Backend> Trainer<B> {
             let overlap = self.world > 1 && self.opts.overlap && i + 1 == micro.len();
             if overlap {
                 let (sync, comm, grads) = (&mut self.sync, &self.comm, self.model.grads);
+                let inject = &mut inject;
                 self.model.backward_reporting(&mut self.be, dloss, &mut |be, from| {
+                    write_if_final(inject, be, grads, from)?;
                     sync.finished(be, comm, grads, from)
                 })?;
             } else {
                 self.model.backward(&mut self.be, dloss)?;
             }
         }
+        // Without overlap the local gradients are final here, before any of them is read back.
+        write_if_final(&mut inject, &mut self.be, self.model.grads, 0)?;
         let backward_ended = Instant::now();
         self.sync.trace.backward_ended = Some(backward_ended);
         // Synchronise: average gradients (and the loss) over ranks.
@@ -327,6 +352,7 @@ impl<B: Backend> Trainer<B> {
         let grad_norm = grad_sq.sqrt();
         let lr = self.opts.schedule.lr_at(self.step);
         let skipped = !grad_norm.is_finite() || !loss.is_finite();
+        let loss_spike_reference = self.spikes.observe(loss);
         if skipped {
             if self.opts.on_nonfinite == OnNonFinite::Abort {
                 bail!(
@@ -386,6 +412,7 @@ impl<B: Backend> Trainer<B> {
             param_hash,
             val_loss: None,
             skipped,
+            loss_spike_reference,
         })
     }
 

@@ -1,6 +1,7 @@
 //! What the training loop is asked to do: [`TrainOptions`], the choices it holds, their defaults, and the
 //! digest of what every rank of a job must agree on.
 
+use super::loss_spike::DEFAULT_LOSS_SPIKE;
 use crate::model::ModelConfig;
 use crate::optim::schedule::ScheduleKind;
 use crate::optim::{AdamWConfig, LrSchedule};
@@ -88,6 +89,9 @@ pub struct TrainOptions {
     pub seed: u64,
     pub shuffle: bool,
     pub on_nonfinite: OnNonFinite,
+    /// Warn when a step's loss exceeds this many times the running average of the earlier losses (0: never);
+    /// only reported, never acted on ([`super::loss_spike`]).
+    pub loss_spike: f64,
     pub eval_every: u64,
     pub eval_batches: usize,
     pub save: Option<PathBuf>,
@@ -110,8 +114,9 @@ impl TrainOptions {
     /// no accumulation, 200 steps of cosine decay from [`default_lr`] to a tenth of it after a linear warmup
     /// over the first fifth of the steps ([`default_warmup`]),
     /// AdamW (0.9, 0.95, 1e-8, decay 0.1), clipping at norm 1, seed 1337, shuffled data, skip non-finite
-    /// steps, evaluate every 100 steps on 16 batches, no checkpoints, the sharded update, no replica
-    /// verification (abort on divergence when asked for it), 25 MiB buckets overlapping backward.
+    /// steps, warn of losses over 3x their running average, evaluate every 100 steps on 16 batches, no
+    /// checkpoints, the sharded update, no replica verification (abort on divergence when asked for it),
+    /// 25 MiB buckets overlapping backward.
     pub fn for_model(model: &ModelConfig) -> TrainOptions {
         let lr = default_lr(model);
         TrainOptions {
@@ -131,6 +136,7 @@ impl TrainOptions {
             seed: 1337,
             shuffle: true,
             on_nonfinite: OnNonFinite::Skip,
+            loss_spike: DEFAULT_LOSS_SPIKE,
             eval_every: 100,
             eval_batches: 16,
             save: None,
