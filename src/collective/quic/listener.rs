@@ -184,3 +184,30 @@ async fn serve_incoming(
         let _ = tx.send(j);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remembered(r: &Refusals) -> Vec<(SocketAddr, Cause)> {
+        r.0.lock().unwrap().clone()
+    }
+
+    /// Once per (address, cause), and a fixed amount of state however many addresses misbehave.
+    #[test]
+    fn refusals_are_remembered_once_and_bounded() {
+        let r = Refusals::default();
+        let a: SocketAddr = "127.0.0.1:1000".parse().unwrap();
+        for _ in 0..3 {
+            r.record(a, Cause::Secret, "x");
+            r.record(a, Cause::Handshake, "x");
+        }
+        assert_eq!(remembered(&r), vec![(a, Cause::Secret), (a, Cause::Handshake)]);
+        assert_eq!(r.wrong_secret(), vec![a]);
+        for port in 2000..2100 {
+            r.record(SocketAddr::new(a.ip(), port), Cause::Handshake, "x");
+        }
+        // The bound, plus the one entry that says the rest are not logged.
+        assert_eq!(remembered(&r).len(), MAX_REFUSALS + 1);
+    }
+}
