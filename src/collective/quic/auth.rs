@@ -1,6 +1,7 @@
 //! Authentication of every connection (protocol in the [module doc](super)): the key derived from the
 //! cluster secret, the exporter-bound tokens and the frames that carry them, both sides of the exchange,
-//! and the certificate verifier that leaves identity to the tokens.
+//! the certificate verifier that leaves membership to the tokens, and the certificate fingerprints that
+//! pin each rank's identity once rank 0 has seen it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -80,31 +81,129 @@ pub(super) async fn dial(
     Ok((conn, send, recv))
 }
 
+/// Why an incoming connection was not accepted.
+#[derive(Debug)]
+pub(super) enum AcceptFail {
+    /// The handshake failed, or the peer left before sending its token.
+    Handshake(String),
+    /// The peer's token is wrong: it does not know the cluster secret.
+    Secret,
+    /// This side gave up (its endpoint closing, its TLS exporter failing): nothing to blame the peer for.
+    Local(String),
+}
+
+impl std::fmt::Display for AcceptFail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AcceptFail::Handshake(e) => write!(f, "handshake failed (not a ringtrain peer?): {e}"),
+            AcceptFail::Secret => write!(f, "authentication failed: wrong cluster secret"),
+            AcceptFail::Local(e) => write!(f, "not accepted: {e}"),
+        }
+    }
+}
+
 /// Accepts an incoming connection and runs the server side of the authentication exchange: the client's
 /// token is checked before this side says anything.
 pub(super) async fn accept(
     incoming: quinn::Incoming,
     key: &[u8; 32],
-) -> Result<(Connection, SendStream, RecvStream), String> {
-    let conn = incoming.await.map_err(|e| e.to_string())?;
-    let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
+) -> Result<(Connection, SendStream, RecvStream), AcceptFail> {
+    let peer_failed = |e: quinn::ConnectionError| match e {
+        quinn::ConnectionError::LocallyClosed => AcceptFail::Local(e.to_string()),
+        e => AcceptFail::Handshake(e.to_string()),
+    };
+    let conn = incoming.await.map_err(peer_failed)?;
+    let (mut send, mut recv) = conn.accept_bi().await.map_err(peer_failed)?;
     let res = read_frame(&mut recv, TOKEN_LEN).await;
+    let want = auth_token(key, &conn, b'C').map_err(AcceptFail::Local)?;
     let ok = match &res {
-        Ok((h, p)) => is_auth_token(h, p, &auth_token(key, &conn, b'C')?),
-        Err(_) => false,
+        Ok((h, p)) => is_auth_token(h, p, &want),
+        Err(ReadFail::Closed(s)) => return Err(AcceptFail::Handshake(format!("left before authenticating: {s}"))),
+        Err(ReadFail::Bad(_)) => false,
     };
     if !ok {
         conn.close(1u32.into(), b"authentication failed: wrong cluster secret");
-        return Err("authentication failed".to_string());
+        return Err(AcceptFail::Secret);
     }
-    let tok = auth_token(key, &conn, b'S')?;
-    send.write_all(&auth_frame(&tok)).await.map_err(|e| e.to_string())?;
+    let tok = auth_token(key, &conn, b'S').map_err(AcceptFail::Local)?;
+    send.write_all(&auth_frame(&tok))
+        .await
+        .map_err(|e| AcceptFail::Handshake(e.to_string()))?;
     Ok((conn, send, recv))
 }
 
-/// Accepts any certificate but checks the handshake signatures; identity comes from the exporter-bound MAC.
+/// BLAKE3 of a certificate's DER encoding: what a rank's identity is pinned by.
+pub type Fingerprint = [u8; 32];
+
+/// The fingerprint of a certificate.
+pub(super) fn fingerprint(cert_der: &[u8]) -> Fingerprint {
+    *blake3::hash(cert_der).as_bytes()
+}
+
+/// The fingerprint of the certificate the peer presented in this connection's handshake (both sides
+/// present one, see [`ExporterBound`]).
+pub(super) fn peer_fingerprint(conn: &Connection) -> Option<Fingerprint> {
+    let certs = conn
+        .peer_identity()?
+        .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+        .ok()?;
+    certs.first().map(|c| fingerprint(c))
+}
+
+/// Checks that the peer on `conn` presented the certificate `rank` presented at rendezvous.
+pub(super) fn check_pinned(conn: &Connection, rank: usize, pinned: &Fingerprint) -> Result<(), String> {
+    match peer_fingerprint(conn) {
+        Some(f) if f == *pinned => Ok(()),
+        Some(_) => Err(format!(
+            "{} presented a certificate other than the one rank {rank} presented at rendezvous",
+            conn.remote_address()
+        )),
+        None => Err(format!("{} presented no certificate", conn.remote_address())),
+    }
+}
+
+/// Accepts any certificate, as server or client certificate, but checks the handshake signatures: the
+/// certificate proves that the peer holds its key, which is what pinning needs; membership comes from
+/// the exporter-bound MAC. Client certificates are mandatory, so every connection names one.
 #[derive(Debug)]
 pub(super) struct ExporterBound(pub(super) Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::server::danger::ClientCertVerifier for ExporterBound {
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        Ok(rustls::server::danger::ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
 
 impl rustls::client::danger::ServerCertVerifier for ExporterBound {
     fn verify_server_cert(

@@ -1,5 +1,5 @@
 //! This rank's UDP socket and quinn endpoint: which address to bind, the TLS configuration (one cipher suite,
-//! a fresh self-signed certificate), and the transport tuning per link type (datagram size, MTU discovery,
+//! a fresh self-signed certificate presented as server and as client certificate), and the transport tuning per link type (datagram size, MTU discovery,
 //! congestion and flow-control windows, socket buffers).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
@@ -10,12 +10,13 @@ use quinn::Endpoint;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use super::auth::ExporterBound;
+use super::auth::{fingerprint, ExporterBound, Fingerprint};
 use super::{local, QuicConfig};
 use crate::collective::Result;
 
 const ALPN: &[u8] = b"ringtrain/1";
-/// The name every certificate is issued for and every connection asks for (certificates prove nothing here).
+/// The name every certificate is issued for and every connection asks for (names prove nothing here: a
+/// certificate is pinned by its fingerprint, see `auth`).
 pub(super) const SERVER_NAME: &str = "ringtrain";
 
 /// Binds this rank's UDP socket, unless one is given: rank 0 binds the master address, the others an
@@ -153,29 +154,60 @@ fn flow_window_for(reported_rcvbuf: usize) -> u32 {
 }
 
 /// Starts the QUIC endpoint on `socket` (server and client side), tuned for loopback when the socket is
-/// bound to a loopback address.
-pub(super) fn start(socket: UdpSocket, idle: Duration) -> std::result::Result<Endpoint, String> {
+/// bound to a loopback address. Returns it with the fingerprint of the certificate it presents, as server
+/// and as client alike.
+pub(super) fn start(socket: UdpSocket, idle: Duration) -> std::result::Result<(Endpoint, Fingerprint), String> {
     let loopback = socket.local_addr().map(|a| a.ip().is_loopback()).unwrap_or(false);
     make_endpoint(socket, idle, Tuning::for_link(loopback))
 }
 
-fn make_endpoint(socket: UdpSocket, idle: Duration, tuning: Tuning) -> std::result::Result<Endpoint, String> {
-    let provider = crypto_provider();
-    let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| e.to_string())?;
-    let cert_der = CertificateDer::from(cert.cert.der().to_vec());
-    let key_der = PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+/// A fresh self-signed certificate and its key: an endpoint's identity for its lifetime.
+struct Identity {
+    cert: CertificateDer<'static>,
+    key: PrivateKeyDer<'static>,
+}
 
+impl Identity {
+    fn fresh() -> std::result::Result<Self, String> {
+        let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(|e| e.to_string())?;
+        Ok(Identity {
+            cert: CertificateDer::from(cert.cert.der().to_vec()),
+            key: PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into()),
+        })
+    }
+
+    fn fingerprint(&self) -> Fingerprint {
+        fingerprint(&self.cert)
+    }
+}
+
+fn make_endpoint(
+    socket: UdpSocket,
+    idle: Duration,
+    tuning: Tuning,
+) -> std::result::Result<(Endpoint, Fingerprint), String> {
+    let provider = crypto_provider();
+    let id = Identity::fresh()?;
     let granted_rcvbuf = size_socket_buffers(&socket, tuning);
     let transport = Arc::new(transport_config(idle, tuning, granted_rcvbuf)?);
     let ep_cfg = endpoint_config(tuning)?;
-    let server = server_config(provider.clone(), cert_der, key_der, transport.clone())?;
-    let client = client_config(provider, transport)?;
+    let server = server_config(provider.clone(), &id, transport.clone())?;
+    let client = client_config(provider, &id, transport)?;
 
     let runtime = quinn::default_runtime().ok_or("no async runtime for quinn")?;
     let mut ep = Endpoint::new(ep_cfg, Some(server), socket, runtime)
         .map_err(|e| format!("cannot start the QUIC endpoint: {e}"))?;
     ep.set_default_client_config(client);
-    Ok(ep)
+    Ok((ep, id.fingerprint()))
+}
+
+/// Test support: makes `ep` present a new certificate to the connections it accepts from now on, as an
+/// endpoint that took over a rank's address would. Returns the new certificate's fingerprint.
+pub(super) fn present_another_certificate(ep: &Endpoint, idle: Duration) -> std::result::Result<Fingerprint, String> {
+    let id = Identity::fresh()?;
+    let transport = Arc::new(transport_config(idle, Tuning::for_link(true), None)?);
+    ep.set_server_config(Some(server_config(crypto_provider(), &id, transport)?));
+    Ok(id.fingerprint())
 }
 
 /// AES-128-GCM only: QUIC's mandatory suite, with 10 AES rounds instead of AES-256's 14 (packet protection
@@ -251,18 +283,18 @@ fn endpoint_config(tuning: Tuning) -> std::result::Result<quinn::EndpointConfig,
     Ok(ep_cfg)
 }
 
-/// TLS 1.3 with this endpoint's certificate, no client certificates (the token exchange authenticates).
+/// TLS 1.3 with this endpoint's certificate; the client must present one too (any, see [`ExporterBound`]),
+/// so that the ring links can be pinned to it.
 fn server_config(
     provider: Arc<CryptoProvider>,
-    cert_der: CertificateDer<'static>,
-    key_der: PrivateKeyDer<'static>,
+    id: &Identity,
     transport: Arc<quinn::TransportConfig>,
 ) -> std::result::Result<quinn::ServerConfig, String> {
-    let mut server_tls = rustls::ServerConfig::builder_with_provider(provider)
+    let mut server_tls = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
-        .with_no_client_auth()
-        .with_single_cert(vec![cert_der], key_der)
+        .with_client_cert_verifier(Arc::new(ExporterBound(provider)))
+        .with_single_cert(vec![id.cert.clone()], id.key.clone_key())
         .map_err(|e| e.to_string())?;
     server_tls.alpn_protocols = vec![ALPN.to_vec()];
     let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(server_tls).map_err(|e| e.to_string())?;
@@ -271,9 +303,10 @@ fn server_config(
     Ok(server)
 }
 
-/// TLS 1.3 accepting any server certificate ([`ExporterBound`]).
+/// TLS 1.3 accepting any server certificate ([`ExporterBound`]), presenting this endpoint's own.
 fn client_config(
     provider: Arc<CryptoProvider>,
+    id: &Identity,
     transport: Arc<quinn::TransportConfig>,
 ) -> std::result::Result<quinn::ClientConfig, String> {
     let mut client_tls = rustls::ClientConfig::builder_with_provider(provider.clone())
@@ -281,7 +314,8 @@ fn client_config(
         .map_err(|e| e.to_string())?
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(ExporterBound(provider)))
-        .with_no_client_auth();
+        .with_client_auth_cert(vec![id.cert.clone()], id.key.clone_key())
+        .map_err(|e| e.to_string())?;
     client_tls.alpn_protocols = vec![ALPN.to_vec()];
     let client_crypto = quinn::crypto::rustls::QuicClientConfig::try_from(client_tls).map_err(|e| e.to_string())?;
     let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));

@@ -1,17 +1,18 @@
 //! The ring's data links. Each rank opens a link to its right neighbour (saying [`Control::PeerHello`]
 //! first) and accepts one from its left; a reader task moves the left link's frames to the collective loop
-//! through a bounded queue.
+//! through a bounded queue. Both ends pin the link to the neighbour's certificate as rank 0 saw it at
+//! rendezvous ([`Ring::certs`]): a peer that knows the secret but is not that rank is refused, and the
+//! real neighbour can still connect.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::auth::dial;
+use super::auth::{check_pinned, dial, Fingerprint};
 use super::framing::{control_frame, read_data_frame, LinkEvent, ReadFail};
-use super::listener::Listener;
+use super::listener::{Cause, Listener, Refusals};
 use super::messages::Control;
 use super::{local, QuicConfig, Shared, MAX_GATHER_BLOB};
 use crate::collective::{CollectiveError, Result};
@@ -26,6 +27,12 @@ const MAX_QUEUED_FRAMES: usize = 32;
 pub(super) type RightLink = (Connection, SendStream);
 /// The link from the left neighbour: its connection and the reader task's queue.
 pub(super) type LeftLink = (Connection, mpsc::Receiver<LinkEvent>);
+
+/// The ring as rank 0 handed it out: every rank's listen address and certificate fingerprint, in rank order.
+pub(super) struct Ring {
+    pub(super) addrs: Vec<SocketAddr>,
+    pub(super) certs: Vec<Fingerprint>,
+}
 
 /// Both links of a rank in the ring (none in a world of one).
 #[derive(Default)]
@@ -42,7 +49,7 @@ pub(super) async fn connect(
     cfg: &QuicConfig,
     endpoint: &Endpoint,
     key: &[u8; 32],
-    addrs: &[SocketAddr],
+    ring: &Ring,
     listener: &mut Listener,
     shared: &Shared,
     deadline: Instant,
@@ -54,9 +61,19 @@ pub(super) async fn connect(
     let rank = cfg.rank;
     let left_rank = (rank + n - 1) % n;
     let right_rank = (rank + 1) % n;
-    let right_addr = if right_rank == 0 { cfg.master } else { addrs[right_rank] };
-    let open_right = open_right(cfg, endpoint, key, right_rank, right_addr, deadline);
-    let accept_left = accept_left(cfg.job_id, left_rank, listener, deadline);
+    let right_addr = if right_rank == 0 {
+        cfg.master
+    } else {
+        ring.addrs[right_rank]
+    };
+    let right = Neighbour {
+        rank: right_rank,
+        addr: right_addr,
+        cert: ring.certs[right_rank],
+    };
+    let refusals = listener.refusals.clone();
+    let open_right = open_right(cfg, endpoint, key, right, &refusals, deadline);
+    let accept_left = accept_left(cfg.job_id, left_rank, &ring.certs[left_rank], listener, deadline);
     // A rank that dies while the ring forms is reported by rank 0: stop waiting then.
     let mut prx = shared.poison.subscribe();
     let (r, l) = tokio::select! {
@@ -75,19 +92,33 @@ pub(super) async fn connect(
     })
 }
 
-/// Dials the right neighbour and says who is calling.
+/// The right neighbour as the ring describes it.
+struct Neighbour {
+    rank: usize,
+    addr: SocketAddr,
+    cert: Fingerprint,
+}
+
+/// Dials the right neighbour, checks that it is the endpoint that rank joined from, and says who is
+/// calling. Whoever else answers at its address is refused (and logged once): the ring cannot form then.
 async fn open_right(
     cfg: &QuicConfig,
     endpoint: &Endpoint,
     key: &[u8; 32],
-    right_rank: usize,
-    right_addr: SocketAddr,
+    right: Neighbour,
+    refusals: &Refusals,
     deadline: Instant,
 ) -> Result<RightLink> {
-    let (conn, mut send, recv) = tokio::time::timeout_at(deadline, dial(endpoint, right_addr, key))
+    let right_rank = right.rank;
+    let (conn, mut send, recv) = tokio::time::timeout_at(deadline, dial(endpoint, right.addr, key))
         .await
         .map_err(|_| local(format!("connecting to right neighbour rank {right_rank} timed out")))?
         .map_err(|e| local(format!("connecting to right neighbour rank {right_rank}: {e}")))?;
+    if let Err(e) = check_pinned(&conn, right_rank, &right.cert) {
+        refusals.record(right.addr, Cause::Certificate, &e);
+        conn.close(5u32.into(), b"not the certificate pinned at rendezvous");
+        return Err(local(format!("connecting to right neighbour rank {right_rank}: {e}")));
+    }
     send.write_all(&control_frame(
         cfg.job_id,
         &Control::PeerHello {
@@ -104,11 +135,13 @@ async fn open_right(
     Ok((conn, send))
 }
 
-/// Waits for the left neighbour's peer hello. A rendezvous hello arriving now is refused; any other
-/// connection is closed.
+/// Waits for the left neighbour's peer hello from the certificate that rank presented at rendezvous
+/// (`pinned`). Anyone else is refused with the reason (a rank they are not, a certificate other than the
+/// pinned one, a rendezvous already closed), and the wait goes on.
 async fn accept_left(
     job: u64,
     left_rank: usize,
+    pinned: &Fingerprint,
     listener: &mut Listener,
     deadline: Instant,
 ) -> Result<(Connection, SendStream, RecvStream)> {
@@ -121,26 +154,32 @@ async fn accept_left(
                     return Err(local(format!("left neighbour rank {left_rank} did not connect in time"))),
             },
         };
-        match j.msg {
-            Control::PeerHello { job_id, rank: r } if job_id == job && r == left_rank => {
-                return Ok((j.conn, j.send, j.recv))
+        let refusal = match &j.msg {
+            Control::PeerHello { job_id, rank } if *job_id == job && *rank == left_rank => {
+                match check_pinned(&j.conn, left_rank, pinned) {
+                    Ok(()) => return Ok((j.conn, j.send, j.recv)),
+                    Err(e) => (Cause::Certificate, format!("ring link refused: {e}")),
+                }
             }
-            Control::Hello(_) => {
-                let mut j = j;
-                let bytes = control_frame(
-                    job,
-                    &Control::Refused {
-                        reason: "the rendezvous is closed (all ranks have joined)".into(),
-                    },
-                );
-                tokio::spawn(async move {
-                    let _ = j.send.write_all(&bytes).await;
-                    let _ = j.send.finish();
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                });
-            }
-            _ => j.conn.close(3u32.into(), b"unexpected peer"),
-        }
+            Control::PeerHello { job_id, rank } if *job_id != job => (
+                Cause::Refused,
+                format!("ring link refused: rank {rank} says job {job_id:#x}, this job is {job:#x}"),
+            ),
+            Control::PeerHello { rank, .. } => (
+                Cause::Refused,
+                format!("ring link refused: rank {rank} is not this rank's left neighbour (rank {left_rank})"),
+            ),
+            Control::Hello(h) => (
+                Cause::Refused,
+                format!(
+                    "the rendezvous is closed (all ranks have joined): rank {} has already joined",
+                    h.rank
+                ),
+            ),
+            other => (Cause::Refused, format!("unexpected {other:?} on a ring link")),
+        };
+        let (cause, reason) = refusal;
+        j.refuse(job, &listener.refusals, cause, reason);
     }
 }
 

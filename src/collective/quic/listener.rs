@@ -1,6 +1,7 @@
 //! Incoming connections. Each one is authenticated and its first control message read (a rendezvous hello
 //! on rank 0, a ring neighbour's peer hello on any rank) in its own task, before setup sees it; once setup
-//! is over, a late hello is refused.
+//! is over, a late hello is refused. Every refusal is logged once per address and cause ([`Refusals`]):
+//! never once per connection or datagram, which an attacker could repeat at will.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -9,7 +10,7 @@ use std::time::Duration;
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
 use tokio::sync::mpsc;
 
-use super::auth;
+use super::auth::{self, AcceptFail};
 use super::framing::{control_frame, read_control};
 use super::messages::Control;
 
@@ -30,28 +31,73 @@ pub(super) struct Listener {
     pub(super) refusals: Refusals,
 }
 
-/// Addresses whose connection failed authentication: each is logged once, and the rendezvous names them
-/// when it times out (a rank started with another secret is the usual reason a rank "did not join").
-/// Bounded, so garbage from many addresses costs a fixed amount of memory and log.
-#[derive(Clone, Default)]
-pub(super) struct Refusals(Arc<Mutex<Vec<SocketAddr>>>);
+/// Why a peer was turned away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Cause {
+    /// The TLS handshake failed, or the peer left before authenticating: not a ringtrain peer, or
+    /// garbage that looked enough like a QUIC handshake for quinn to start one.
+    Handshake,
+    /// The peer does not know the cluster secret.
+    Secret,
+    /// A member said what this rank cannot accept: a hello that does not match, a rank already taken, a
+    /// rendezvous already closed.
+    Refused,
+    /// A member claimed a rank without presenting the certificate that rank presented at rendezvous.
+    Certificate,
+}
 
-/// Most refused addresses remembered (and logged).
+/// Peers turned away: each address is logged once per cause, and the rendezvous names the ones that
+/// failed authentication when it times out (a rank started with another secret is the usual reason a rank
+/// "did not join"). Bounded, so garbage from many addresses costs a fixed amount of memory and log.
+#[derive(Clone, Default)]
+pub(super) struct Refusals(Arc<Mutex<Vec<(SocketAddr, Cause)>>>);
+
+/// Most (address, cause) pairs remembered (and logged).
 const MAX_REFUSALS: usize = 16;
 
 impl Refusals {
-    /// Records a refused peer; logs it the first time its address is seen.
-    fn record(&self, addr: SocketAddr, reason: &str) {
+    /// Records a refused peer; logs it the first time its address is refused for this cause.
+    pub(super) fn record(&self, addr: SocketAddr, cause: Cause, reason: &str) {
         let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.len() < MAX_REFUSALS && !seen.contains(&addr) {
-            seen.push(addr);
-            tracing::warn!("refused a connection from {addr}: {reason} (a rank started with another secret?)");
+        if seen.len() > MAX_REFUSALS || seen.contains(&(addr, cause)) {
+            return;
         }
+        if seen.len() == MAX_REFUSALS {
+            // One entry past the bound stands for "the rest", so this is said once too.
+            seen.push((addr, cause));
+            tracing::warn!("refused a connection from {addr}; further refusals are not logged");
+            return;
+        }
+        seen.push((addr, cause));
+        let hint = match cause {
+            Cause::Secret => " (a rank started with another secret?)",
+            _ => "",
+        };
+        tracing::warn!("refused a connection from {addr}: {reason}{hint}");
     }
 
-    /// The refused addresses so far, in order of first refusal.
-    pub(super) fn addresses(&self) -> Vec<SocketAddr> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// The addresses refused for not knowing the secret, in order of first refusal.
+    pub(super) fn wrong_secret(&self) -> Vec<SocketAddr> {
+        let seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        seen.iter()
+            .filter(|(_, c)| *c == Cause::Secret)
+            .map(|(a, _)| *a)
+            .collect()
+    }
+}
+
+impl Joined {
+    /// Tells the peer why it is turned away (and logs that once per address, see [`Refusals`]), then
+    /// closes its connection once the answer is through (or after 2 s).
+    pub(super) fn refuse(mut self, job: u64, refusals: &Refusals, cause: Cause, reason: String) {
+        refusals.record(self.conn.remote_address(), cause, &reason);
+        let bytes = control_frame(job, &Control::Refused { reason });
+        tokio::spawn(async move {
+            let _ = self.send.write_all(&bytes).await;
+            let _ = self.send.finish();
+            let _ = tokio::time::timeout(Duration::from_secs(2), self.send.stopped()).await;
+            self.conn.close(3u32.into(), b"refused");
+        });
     }
 }
 
@@ -79,27 +125,25 @@ impl Listener {
         self.arrivals.recv().await
     }
 
-    /// After setup: late connections (a refused impostor, a retry) keep being answered. Early peers that
-    /// were never taken are closed.
-    pub(super) fn refuse_late(self) {
+    /// After setup: late connections (a second peer claiming a rank, a retry) keep being answered with a
+    /// refusal that names the rank they claim. Early peers that were never taken are closed.
+    pub(super) fn refuse_late(self, job: u64) {
         let Listener {
             mut arrivals,
             early_peers,
-            refusals: _,
+            refusals,
         } = self;
         drop(early_peers);
         tokio::spawn(async move {
-            while let Some(mut j) = arrivals.recv().await {
-                if matches!(j.msg, Control::Hello(_)) {
-                    let bytes = control_frame(
-                        0,
-                        &Control::Refused {
-                            reason: "the rendezvous is closed".into(),
-                        },
-                    );
-                    let _ = j.send.write_all(&bytes).await;
-                    let _ = j.send.finish();
-                }
+            while let Some(j) = arrivals.recv().await {
+                let reason = match &j.msg {
+                    Control::Hello(h) => format!("the rendezvous is closed: rank {} has already joined", h.rank),
+                    Control::PeerHello { rank, .. } => {
+                        format!("the ring is formed: rank {rank}'s link is already connected")
+                    }
+                    other => format!("unexpected {other:?} after setup"),
+                };
+                j.refuse(job, &refusals, Cause::Refused, reason);
             }
         });
     }
@@ -114,10 +158,16 @@ async fn serve_incoming(
 ) {
     let addr = incoming.remote_address();
     let work = async {
-        let (conn, send, mut recv) = auth::accept(incoming, &key).await.inspect_err(|e| {
-            if e.contains("authentication") {
-                refusals.record(addr, e);
+        let (conn, send, mut recv) = auth::accept(incoming, &key).await.map_err(|e| {
+            let cause = match e {
+                AcceptFail::Handshake(_) => Some(Cause::Handshake),
+                AcceptFail::Secret => Some(Cause::Secret),
+                AcceptFail::Local(_) => None,
+            };
+            if let Some(cause) = cause {
+                refusals.record(addr, cause, &e.to_string());
             }
+            e.to_string()
         })?;
         let msg = match read_control(&mut recv, None).await {
             Ok(m) => m,
@@ -132,5 +182,32 @@ async fn serve_incoming(
     };
     if let Ok(Ok(j)) = tokio::time::timeout(Duration::from_secs(30), work).await {
         let _ = tx.send(j);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remembered(r: &Refusals) -> Vec<(SocketAddr, Cause)> {
+        r.0.lock().unwrap().clone()
+    }
+
+    /// Once per (address, cause), and a fixed amount of state however many addresses misbehave.
+    #[test]
+    fn refusals_are_remembered_once_and_bounded() {
+        let r = Refusals::default();
+        let a: SocketAddr = "127.0.0.1:1000".parse().unwrap();
+        for _ in 0..3 {
+            r.record(a, Cause::Secret, "x");
+            r.record(a, Cause::Handshake, "x");
+        }
+        assert_eq!(remembered(&r), vec![(a, Cause::Secret), (a, Cause::Handshake)]);
+        assert_eq!(r.wrong_secret(), vec![a]);
+        for port in 2000..2100 {
+            r.record(SocketAddr::new(a.ip(), port), Cause::Handshake, "x");
+        }
+        // The bound, plus the one entry that says the rest are not logged.
+        assert_eq!(remembered(&r).len(), MAX_REFUSALS + 1);
     }
 }

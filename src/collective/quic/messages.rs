@@ -1,6 +1,6 @@
 //! Control messages (JSON in `Kind::Control` frames). Rank 0 hosts the rendezvous; every other rank sends a
-//! [`Hello`], and rank 0 answers [`Control::Welcome`] with the ring of listen addresses once all ranks have
-//! joined, or [`Control::Refused`] with a message naming the field that does not match. A ring link opens
+//! [`Hello`], and rank 0 answers [`Control::Welcome`] with the ring of listen addresses and certificate
+//! fingerprints once all ranks have joined, or [`Control::Refused`] with a message naming the field that does not match. A ring link opens
 //! with [`Control::PeerHello`], and a rank leaving cleanly tells rank 0 [`Control::Bye`].
 
 use std::net::SocketAddr;
@@ -60,9 +60,15 @@ impl Hello {
 pub enum Control {
     /// Joining rank → rank 0.
     Hello(Hello),
-    /// Rank 0 → every rank: listen address of every rank, in rank order (entry 0 is the master address).
-    Welcome { addrs: Vec<SocketAddr> },
-    /// Rank 0 → a joining rank whose hello does not match.
+    /// Rank 0 → every rank: listen address of every rank, in rank order (entry 0 is the master address),
+    /// and the fingerprint of the certificate each rank presented at rendezvous (BLAKE3 of its DER), which
+    /// its ring links are pinned to.
+    Welcome {
+        addrs: Vec<SocketAddr>,
+        certs: Vec<[u8; 32]>,
+    },
+    /// Any rank → a peer it turns away (a hello that does not match, a rank already taken, a certificate
+    /// other than the pinned one), naming why.
     Refused { reason: String },
     /// Ring link opener → its right neighbour.
     PeerHello { job_id: u64, rank: usize },

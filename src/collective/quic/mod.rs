@@ -4,12 +4,13 @@
 //! Rank 0 hosts the rendezvous on `MASTER_ADDR:MASTER_PORT`. Every other rank connects to it from its own
 //! endpoint and says [`Hello`] (protocol version, job id, rank, world size, config hash); rank 0 refuses a
 //! mismatch with a message naming the field. Once all ranks have joined, rank 0 sends every rank the ring of
-//! listen addresses (the address it saw each hello come from, which is that rank's own endpoint), and each
+//! listen addresses (the address it saw each hello come from, which is that rank's own endpoint) and of
+//! certificate fingerprints (see Identity below), and each
 //! rank opens a link to its right neighbour. The rendezvous connections stay open as the control plane:
 //! aborts and deaths are reported to rank 0, which tells everyone else.
 //!
 //! # Authentication (TLS-exporter-bound HMAC)
-//! Every endpoint presents a fresh self-signed certificate; the certificate itself proves nothing. Right
+//! Every endpoint presents a fresh self-signed certificate; the certificate proves no membership. Right
 //! after the TLS 1.3 handshake, the connecting side sends `MAC(key, "C" || exporter)` and the accepting side
 //! checks it before answering with `MAC(key, "S" || exporter)`, which the connecting side checks in turn.
 //! `exporter` is 32 bytes of TLS keying material (RFC 5705/8446 exporter, label
@@ -18,6 +19,18 @@
 //! relay it. `key = BLAKE3-derive_key(context, secret)` and `MAC` is keyed BLAKE3; comparison is constant
 //! time. Nothing but the token is read from an unauthenticated peer, and its frame is bounded to 32 bytes.
 //! There is no switch that turns this off.
+//!
+//! # Identity (certificate pinning)
+//! The secret proves membership, not identity: any member could claim any rank. So every endpoint also
+//! presents its certificate as the (mandatory) TLS client certificate, and rank 0 records the BLAKE3
+//! fingerprint of the one each rank presented on its rendezvous connection. The welcome carries every
+//! rank's fingerprint with its address (rank 0's own first; each rank checks that entry against its
+//! control connection). Both ends of a ring link check the neighbour's certificate against its pin: the
+//! dialling side refuses whoever answers at the address with another certificate (the ring cannot form
+//! then), the accepting side refuses a peer hello from another certificate and keeps waiting for the real
+//! neighbour. A second claim on a rank (at rendezvous, or any hello or peer hello after setup) is refused
+//! naming the rank. Every refusal is logged once per address and cause (`listener::Refusals`). A member
+//! can still claim a rank before the real one joins, and can still corrupt what it sends itself.
 //!
 //! The secret is [`QuicConfig::secret`], which the launcher reads from `RINGTRAIN_SECRET` or `--secret-file`
 //! (`dist::load_secret`). Without one, binding a non-loopback address is refused; on loopback a fixed
@@ -47,6 +60,8 @@ mod links;
 mod listener;
 mod messages;
 mod rendezvous;
+#[doc(hidden)]
+pub mod test_support;
 
 pub use messages::{Control, Hello};
 
@@ -65,7 +80,7 @@ use super::rank_runtime::RankRuntime;
 use super::ring::Engine;
 use super::{Collective, CollectiveError, Result};
 use control::ControlPlane;
-use links::{LeftLink, RightLink, RingLinks};
+use links::{LeftLink, RightLink, Ring, RingLinks};
 use listener::Listener;
 
 /// Largest byte-gather blob (hashes, scalars) accepted on a data link.
@@ -237,6 +252,21 @@ impl QuicCollective {
         self.endpoint.local_addr().ok()
     }
 
+    /// Test support: writes `bytes` unchanged onto the link to the right neighbour, between collectives, as
+    /// a member holding the secret could (a replayed or forged frame). Nothing in the transport calls it.
+    #[doc(hidden)]
+    pub fn send_raw_to_right(&mut self, bytes: &[u8]) -> Result<()> {
+        let rt = self.rt.take().expect("runtime present until drop");
+        let res = rt.block_on(async {
+            let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
+            send.write_all(bytes)
+                .await
+                .map_err(|e| local(format!("raw write to the right neighbour: {e}")))
+        });
+        self.rt = Some(rt);
+        res
+    }
+
     fn rt(&self) -> &RankRuntime {
         self.rt.as_ref().expect("runtime present until drop")
     }
@@ -312,24 +342,28 @@ struct Setup {
 /// as a joining rank), start the control plane, connect the ring links, then keep refusing late arrivals.
 async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Result<Setup> {
     let key = auth::auth_key(cfg.secret.as_deref());
-    let endpoint = endpoint::start(socket, cfg.idle_timeout).map_err(local)?;
+    let (endpoint, own_cert) = endpoint::start(socket, cfg.idle_timeout).map_err(local)?;
     let mut listener = Listener::start(&endpoint, key);
     let deadline = Instant::now() + cfg.rendezvous_timeout;
-    let (addrs, control) = if cfg.world == 1 {
-        (vec![cfg.master], ControlPlane::Alone)
+    let (ring, control) = if cfg.world == 1 {
+        let ring = Ring {
+            addrs: vec![cfg.master],
+            certs: vec![own_cert],
+        };
+        (ring, ControlPlane::Alone)
     } else if cfg.rank == 0 {
-        let (addrs, joined) = rendezvous::host(cfg, &mut listener, deadline).await?;
-        (addrs, ControlPlane::start_host(cfg.job_id, cfg.world, joined, &shared))
+        let (ring, joined) = rendezvous::host(cfg, &mut listener, own_cert, deadline).await?;
+        (ring, ControlPlane::start_host(cfg.job_id, cfg.world, joined, &shared))
     } else {
-        let (addrs, host) = rendezvous::join(cfg, &endpoint, &key, deadline).await?;
-        (addrs, ControlPlane::start_client(host, &shared))
+        let (ring, host) = rendezvous::join(cfg, &endpoint, &key, deadline).await?;
+        (ring, ControlPlane::start_client(host, &shared))
     };
-    let (links, ring_error) = match links::connect(cfg, &endpoint, &key, &addrs, &mut listener, &shared, deadline).await
+    let (links, ring_error) = match links::connect(cfg, &endpoint, &key, &ring, &mut listener, &shared, deadline).await
     {
         Ok(links) => (links, None),
         Err(e) => (RingLinks::default(), Some(e)),
     };
-    listener.refuse_late();
+    listener.refuse_late(cfg.job_id);
     Ok(Setup {
         endpoint,
         links,

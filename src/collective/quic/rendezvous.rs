@@ -1,17 +1,18 @@
-//! The rendezvous: rank 0 waits for every other rank's [`Hello`], refuses one that does not match its own,
-//! and once all have joined sends each the ring of listen addresses ([`Control::Welcome`]). The other ranks
-//! dial rank 0 until it is up, say hello and wait for the welcome. Either way the connections to rank 0 stay
+//! The rendezvous: rank 0 waits for every other rank's [`Hello`], refuses one that does not match its own
+//! or claims a rank already taken, and once all have joined sends each the ring of listen addresses and
+//! the fingerprint of the certificate each rank presented ([`Control::Welcome`]). The other ranks dial
+//! rank 0 until it is up, say hello and wait for the welcome. Either way the connections to rank 0 stay
 //! open afterwards as the control plane.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
 use tokio::time::Instant;
 
-use super::auth::dial;
+use super::auth::{check_pinned, dial, peer_fingerprint, Fingerprint};
 use super::framing::{control_frame, read_control};
-use super::listener::{Joined, Listener};
+use super::links::Ring;
+use super::listener::{Cause, Joined, Listener};
 use super::messages::{Control, Hello};
 use super::{local, QuicConfig};
 use crate::collective::frame::PROTOCOL_VERSION;
@@ -28,26 +29,41 @@ fn hello(cfg: &QuicConfig) -> Hello {
     }
 }
 
-/// Rank 0: waits until every other rank has joined, then welcomes them all. Returns the ring of listen
-/// addresses and the joined ranks' connections (entry `r - 1` is rank `r`'s).
+/// Rank 0 (whose endpoint presents the certificate `own_cert`): waits until every other rank has joined,
+/// then welcomes them all. Returns the ring and the joined ranks' connections (entry `r - 1` is rank `r`'s).
 pub(super) async fn host(
     cfg: &QuicConfig,
     listener: &mut Listener,
+    own_cert: Fingerprint,
     deadline: Instant,
-) -> Result<(Vec<SocketAddr>, Vec<Joined>)> {
+) -> Result<(Ring, Vec<Joined>)> {
     let slots = collect_hellos(cfg, listener, deadline).await?;
     let mut joined: Vec<Joined> = slots.into_iter().skip(1).map(|s| s.expect("all joined")).collect();
-    let mut addrs = vec![cfg.master];
-    // The address each hello came from is that rank's own endpoint.
-    addrs.extend(joined.iter().map(|j| j.conn.remote_address()));
-    let welcome = control_frame(cfg.job_id, &Control::Welcome { addrs: addrs.clone() });
+    let mut ring = Ring {
+        addrs: vec![cfg.master],
+        certs: vec![own_cert],
+    };
+    for j in &joined {
+        // The address each hello came from is that rank's own endpoint, and the certificate it presented
+        // is that endpoint's (checked present when the hello was taken).
+        ring.addrs.push(j.conn.remote_address());
+        ring.certs
+            .push(peer_fingerprint(&j.conn).expect("checked in collect_hellos"));
+    }
+    let welcome = control_frame(
+        cfg.job_id,
+        &Control::Welcome {
+            addrs: ring.addrs.clone(),
+            certs: ring.certs.clone(),
+        },
+    );
     for j in &mut joined {
         j.send
             .write_all(&welcome)
             .await
             .map_err(|e| local(format!("rendezvous: {e}")))?;
     }
-    Ok((addrs, joined))
+    Ok((ring, joined))
 }
 
 /// Rank 0: takes hellos until ranks 1..world have each joined with a matching one (`slots[r]` is rank
@@ -64,7 +80,7 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
                 let missing: Vec<usize> = (1..n).filter(|&r| slots[r].is_none()).collect();
                 let mut reason = format!("rendezvous timed out after {:?}: ranks {missing:?} did not join",
                     cfg.rendezvous_timeout);
-                let refused = listener.refusals.addresses();
+                let refused = listener.refusals.wrong_secret();
                 if !refused.is_empty() {
                     let list: Vec<String> = refused.iter().map(|a| a.to_string()).collect();
                     reason.push_str(&format!(
@@ -74,7 +90,7 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
                 }
                 // The ranks that did join hear why from rank 0, instead of only that they waited too long.
                 for j in slots.into_iter().flatten() {
-                    refuse(cfg.job_id, j, reason.clone());
+                    j.refuse(cfg.job_id, &listener.refusals, Cause::Refused, reason.clone());
                 }
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 return Err(local(reason));
@@ -91,6 +107,8 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
         let verdict = hello.check_against(&me).and_then(|_| {
             if slots[hello.rank].is_some() {
                 Err(format!("rank {} has already joined", hello.rank))
+            } else if peer_fingerprint(&j.conn).is_none() {
+                Err(format!("rank {} presented no certificate", hello.rank))
             } else {
                 Ok(())
             }
@@ -100,22 +118,10 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
                 slots[hello.rank] = Some(j);
                 joined += 1;
             }
-            Err(reason) => refuse(cfg.job_id, j, reason),
+            Err(reason) => j.refuse(cfg.job_id, &listener.refusals, Cause::Refused, reason),
         }
     }
     Ok(slots)
-}
-
-/// Tells a rank why it cannot join, then closes its connection once the answer is through (or after 2 s).
-fn refuse(job: u64, mut j: Joined, reason: String) {
-    tracing::warn!("rendezvous refused a rank: {reason}");
-    let bytes = control_frame(job, &Control::Refused { reason });
-    tokio::spawn(async move {
-        let _ = j.send.write_all(&bytes).await;
-        let _ = j.send.finish();
-        let _ = tokio::time::timeout(Duration::from_secs(2), j.send.stopped()).await;
-        j.conn.close(3u32.into(), b"refused");
-    });
 }
 
 /// The connection to rank 0 that a joining rank keeps as its control plane.
@@ -125,14 +131,14 @@ pub(super) struct HostLink {
     pub(super) recv: RecvStream,
 }
 
-/// Ranks 1..world: dials rank 0, says hello and waits for the welcome. Returns the ring of listen addresses
-/// and the connection to rank 0.
+/// Ranks 1..world: dials rank 0, says hello and waits for the welcome. Returns the ring and the connection
+/// to rank 0.
 pub(super) async fn join(
     cfg: &QuicConfig,
     endpoint: &Endpoint,
     key: &[u8; 32],
     deadline: Instant,
-) -> Result<(Vec<SocketAddr>, HostLink)> {
+) -> Result<(Ring, HostLink)> {
     let (conn, mut send, mut recv) = dial_host(cfg, endpoint, key, deadline).await?;
     send.write_all(&control_frame(cfg.job_id, &Control::Hello(hello(cfg))))
         .await
@@ -141,8 +147,10 @@ pub(super) async fn join(
         .await
         .map_err(|_| local("rendezvous timed out waiting for the other ranks"))?
         .map_err(|e| local(format!("rendezvous with rank 0: {e}")))?;
-    let addrs = welcomed_addrs(reply, cfg.world)?;
-    Ok((addrs, HostLink { conn, send, recv }))
+    let ring = welcomed_ring(reply, cfg.world)?;
+    // Rank 0's entry must be the certificate it presented to this connection, the control plane.
+    check_pinned(&conn, 0, &ring.certs[0]).map_err(|e| local(format!("rendezvous: {e}")))?;
+    Ok((ring, HostLink { conn, send, recv }))
 }
 
 /// Dials rank 0, retrying every 200 ms until it answers (it may not be up yet) or the deadline passes. A
@@ -172,13 +180,14 @@ async fn dial_host(
     }
 }
 
-/// The ring of listen addresses from rank 0's reply, or why there is none.
-fn welcomed_addrs(reply: Control, world: usize) -> Result<Vec<SocketAddr>> {
+/// The ring from rank 0's reply, or why there is none.
+fn welcomed_ring(reply: Control, world: usize) -> Result<Ring> {
     match reply {
-        Control::Welcome { addrs } if addrs.len() == world => Ok(addrs),
-        Control::Welcome { addrs } => Err(local(format!(
-            "rendezvous: rank 0 sent {} addresses for world size {world}",
-            addrs.len()
+        Control::Welcome { addrs, certs } if addrs.len() == world && certs.len() == world => Ok(Ring { addrs, certs }),
+        Control::Welcome { addrs, certs } => Err(local(format!(
+            "rendezvous: rank 0 sent {} addresses and {} certificates for world size {world}",
+            addrs.len(),
+            certs.len()
         ))),
         Control::Refused { reason } => Err(local(format!("rendezvous refused by rank 0: {reason}"))),
         other => Err(local(format!("rendezvous: unexpected reply {other:?}"))),
