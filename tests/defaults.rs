@@ -7,8 +7,9 @@
 //! the numerics. A warmup over the first tenth of the run only moved the blow-up: `tiny` with seed 1 then
 //! jumped from 3.88 to 6.04 at step 17 (norm 94). They run the first steps of the default 200-step schedule,
 //! where the warmup acts.
-//! Later in a run, at low loss, consecutive batches of 8 sequences differ by up to 30% on their own
-//! (scripts/check_spikes.py says how 200-step runs are judged).
+//! Later in a run, at low loss, consecutive batches of 8 sequences differ by up to 30% on their own, which is
+//! why `small` trains on 64 sequences by default (`SMALL_BATCH_SIZE`); whole 200-step default runs are judged
+//! by scripts/check_spikes.py (BENCHMARKS.md, "Default runs").
 
 use ringtrain::backend::cpu::CpuBackend;
 use ringtrain::collective::mem::single_rank as solo;

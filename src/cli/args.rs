@@ -53,7 +53,7 @@ pub struct TrainArgs {
     /// auto, cpu, wgpu or cuda
     #[arg(long)]
     pub backend: Option<String>,
-    /// Sequences per micro-batch per rank [default: 8]
+    /// Sequences per micro-batch per rank [default: 8; 64 for --model small]
     #[arg(long)]
     pub batch_size: Option<usize>,
     /// Tokens per sequence

@@ -41,8 +41,8 @@ use loss_spike::LossSpikeDetector;
 pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
 pub use options::{
-    bucket_elems, default_lr, OnDivergence, OnNonFinite, TrainOptions, UpdateMode, DEFAULT_BATCH_SIZE,
-    DEFAULT_BUCKET_MB, DEFAULT_STEPS,
+    bucket_elems, default_batch_size, default_lr, OnDivergence, OnNonFinite, TrainOptions, UpdateMode,
+    DEFAULT_BATCH_SIZE, DEFAULT_BUCKET_MB, DEFAULT_STEPS, SMALL_BATCH_SIZE,
 };
 
 /// Where the parameters of a new run come from.
