@@ -27,7 +27,7 @@ use std::collections::HashSet;
 use super::ring::{Msg, Payload};
 
 pub const MAGIC: [u8; 4] = *b"RTRF";
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 48;
 /// Hard ceiling on any payload, whatever the caller allows (64 MiB).
 pub const ABSOLUTE_MAX_PAYLOAD: usize = 64 << 20;

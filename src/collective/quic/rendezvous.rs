@@ -25,6 +25,7 @@ fn hello(cfg: &QuicConfig) -> Hello {
         rank: cfg.rank,
         world: cfg.world,
         config_hash: cfg.config_hash,
+        advertise: cfg.advertise_addr,
     }
 }
 
@@ -38,8 +39,7 @@ pub(super) async fn host(
     let slots = collect_hellos(cfg, listener, deadline).await?;
     let mut joined: Vec<Joined> = slots.into_iter().skip(1).map(|s| s.expect("all joined")).collect();
     let mut addrs = vec![cfg.master];
-    // The address each hello came from is that rank's own endpoint.
-    addrs.extend(joined.iter().map(|j| j.conn.remote_address()));
+    addrs.extend(joined.iter().map(listen_addr));
     let welcome = control_frame(cfg.job_id, &Control::Welcome { addrs: addrs.clone() });
     for j in &mut joined {
         j.send
@@ -48,6 +48,15 @@ pub(super) async fn host(
             .map_err(|e| local(format!("rendezvous: {e}")))?;
     }
     Ok((addrs, joined))
+}
+
+/// Where the others should dial a joined rank: the address it advertised, else the one its hello came from
+/// (its own endpoint, unless something stands between it and rank 0).
+fn listen_addr(j: &Joined) -> SocketAddr {
+    match &j.msg {
+        Control::Hello(Hello { advertise: Some(a), .. }) => *a,
+        _ => j.conn.remote_address(),
+    }
 }
 
 /// Rank 0: takes hellos until ranks 1..world have each joined with a matching one (`slots[r]` is rank
