@@ -29,8 +29,28 @@ struct RankRun {
     hashes: Vec<String>,
 }
 
-/// Trains `options.steps` steps of `model` on the CPU backend over `comm`.
-fn train_rank(comm: Box<dyn Collective>, model: &ModelConfig, options: &TrainOptions) -> RankRun {
+/// A job's runs, by rank, and how long it took: all of it (setup and goodbye included), and its steps
+/// alone on rank 0.
+struct Job {
+    runs: Vec<RankRun>,
+    wall: Duration,
+    steps_wall: Duration,
+}
+
+impl Job {
+    fn of(ranks: Vec<(RankRun, Duration)>, wall: Duration) -> Job {
+        let steps_wall = ranks[0].1;
+        Job {
+            runs: ranks.into_iter().map(|r| r.0).collect(),
+            wall,
+            steps_wall,
+        }
+    }
+}
+
+/// Trains `options.steps` steps of `model` on the CPU backend over `comm`; also returns how long the
+/// steps took.
+fn train_rank(comm: Box<dyn Collective>, model: &ModelConfig, options: &TrainOptions) -> (RankRun, Duration) {
     let rank = comm.rank();
     let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
     let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
@@ -41,6 +61,7 @@ fn train_rank(comm: Box<dyn Collective>, model: &ModelConfig, options: &TrainOpt
         losses: Vec::new(),
         hashes: Vec::new(),
     };
+    let start = Instant::now();
     while t.step < t.opts.steps {
         let m = t
             .train_step()
@@ -48,31 +69,31 @@ fn train_rank(comm: Box<dyn Collective>, model: &ModelConfig, options: &TrainOpt
         run.losses.push(m.loss);
         run.hashes.push(t.param_hash().unwrap());
     }
-    run
+    (run, start.elapsed())
 }
 
-/// The job over the in-memory ring, and how long it took.
-fn train_in_memory(model: &ModelConfig, options: &TrainOptions) -> (Vec<RankRun>, Duration) {
+/// The job over the in-memory ring.
+fn train_in_memory(model: &ModelConfig, options: &TrainOptions) -> Job {
     let start = Instant::now();
-    let runs = std::thread::scope(|s| {
+    let ranks = std::thread::scope(|s| {
         let handles: Vec<_> = mem_cluster(WORLD, MemOptions::default())
             .into_iter()
             .map(|comm| s.spawn(move || train_rank(Box::new(comm), model, options)))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    (runs, start.elapsed())
+    Job::of(ranks, start.elapsed())
 }
 
 /// The job over QUIC with every datagram crossing `faults`' relay, and how long it took (rendezvous and
 /// goodbye included). Every rank binds its endpoint first; the relay then opens a front for each, and the
 /// ranks are told to dial the fronts: rank 0's is the master address, the others advertise theirs.
-fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: LinkFaults) -> (Vec<RankRun>, Duration) {
+fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: LinkFaults) -> Job {
     let sockets: Vec<UdpSocket> = (0..WORLD).map(|_| UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
     let endpoints: Vec<SocketAddr> = sockets.iter().map(|s| s.local_addr().unwrap()).collect();
     let relay = UdpRelay::start(&endpoints, faults).unwrap();
     let start = Instant::now();
-    let runs: Vec<RankRun> = std::thread::scope(|s| {
+    let ranks = std::thread::scope(|s| {
         let handles: Vec<_> = sockets
             .into_iter()
             .enumerate()
@@ -105,7 +126,7 @@ fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: Link
         relay.forwarded(),
         relay.dropped()
     );
-    (runs, wall)
+    Job::of(ranks, wall)
 }
 
 fn options(model: &ModelConfig, update: UpdateMode) -> TrainOptions {
@@ -125,21 +146,27 @@ fn training_across_a_lossy_delaying_link_matches_the_in_memory_run() {
     let model = ModelConfig::tiny();
     for (seed, update) in [(1, UpdateMode::Sharded), (2, UpdateMode::Replicated)] {
         let opts = options(&model, update);
-        let (mem, mem_wall) = train_in_memory(&model, &opts);
-        let (quic, quic_wall) = train_through_relay(&model, &opts, LinkFaults::wan(seed));
+        let mem = train_in_memory(&model, &opts);
+        let quic = train_through_relay(&model, &opts, LinkFaults::wan(seed));
         let what = update.as_str();
-        assert_eq!(mem[0].hashes.len(), 3, "{what}");
-        for (rank, run) in quic.iter().enumerate() {
+        assert_eq!(mem.runs[0].hashes.len(), 3, "{what}");
+        for (rank, run) in quic.runs.iter().enumerate() {
             assert_eq!(
-                run, &mem[rank],
+                run, &mem.runs[rank],
                 "{what}: rank {rank} over the relay differs from the in-memory run"
             );
         }
+        let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
         eprintln!(
-            "{what}: {WORLD} ranks, {} steps: in memory {mem_wall:.2?}, QUIC through the relay {quic_wall:.2?} \
-             ({:.1}x)",
+            "{what}: {WORLD} ranks, {} steps: in memory {:.2?} (steps {:.2?}), QUIC through the relay {:.2?} \
+             (steps {:.2?}): {:.1}x overall, {:.1}x per step",
             opts.steps,
-            quic_wall.as_secs_f64() / mem_wall.as_secs_f64()
+            mem.wall,
+            mem.steps_wall,
+            quic.wall,
+            quic.steps_wall,
+            ratio(quic.wall, mem.wall),
+            ratio(quic.steps_wall, mem.steps_wall)
         );
     }
 }
