@@ -8,6 +8,7 @@
 mod common;
 
 use std::net::{SocketAddr, UdpSocket};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::udp_relay::{LinkFaults, UdpRelay};
@@ -21,6 +22,14 @@ use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{ModelSource, TrainOptions, Trainer, UpdateMode};
 
 const WORLD: usize = 3;
+
+/// Held by each test for its whole run: both measure time, so neither runs beside the other.
+static ALONE: Mutex<()> = Mutex::new(());
+
+fn alone() -> MutexGuard<'static, ()> {
+    // A test that failed while holding it leaves it poisoned; the next one may still run.
+    ALONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// Per-step losses and parameter fingerprints of one rank.
 #[derive(Debug, PartialEq)]
@@ -135,7 +144,7 @@ fn options(model: &ModelConfig, update: UpdateMode) -> TrainOptions {
         seq_len: 32,
         update,
         eval_every: 0,
-        // Several buckets, so that several collectives are in flight per step.
+        // Several buckets, so that every step runs several collectives.
         bucket_elems: 20_000,
         ..TrainOptions::for_model(model).with_steps(3)
     }
@@ -143,6 +152,7 @@ fn options(model: &ModelConfig, update: UpdateMode) -> TrainOptions {
 
 #[test]
 fn training_across_a_lossy_delaying_link_matches_the_in_memory_run() {
+    let _alone = alone();
     let model = ModelConfig::tiny();
     for (seed, update) in [(1, UpdateMode::Sharded), (2, UpdateMode::Replicated)] {
         let opts = options(&model, update);
@@ -181,6 +191,7 @@ struct Arrivals {
 
 #[test]
 fn the_relay_loses_delays_and_reorders_as_configured() {
+    let _alone = alone();
     const SENT: u32 = 2000;
     let faults = LinkFaults::wan(7);
     let target = UdpSocket::bind("127.0.0.1:0").unwrap();

@@ -19,8 +19,8 @@ const ALPN: &[u8] = b"ringtrain/1";
 pub(super) const SERVER_NAME: &str = "ringtrain";
 
 /// Binds this rank's UDP socket, unless one is given: rank 0 binds the master port, the others an ephemeral
-/// one (on [`bind_addr`]'s address). A non-loopback address without a cluster secret is refused. Rank 0 bound to port 0
-/// learns its master port here, and an advertised address without a port gets the bound one.
+/// one (on [`bind_addr`]'s address). A non-loopback address without a cluster secret is refused. Rank 0
+/// bound to port 0 learns its master port here, and an advertised address without a port gets the bound one.
 pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Result<UdpSocket> {
     let bind = bind_addr(cfg);
     let master = cfg.master;

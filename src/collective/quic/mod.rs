@@ -3,12 +3,12 @@
 //! # Topology
 //! Rank 0 hosts the rendezvous on `MASTER_ADDR:MASTER_PORT`. Every other rank connects to it from its own
 //! endpoint and says [`Hello`] (protocol version, job id, rank, world size, config hash, and optionally the
-//! address it should be dialled at); rank 0 refuses a mismatch with a message naming the field. Once all ranks
-//! have joined, rank 0 sends every rank the ring of listen addresses, and each rank opens a link to its right
-//! neighbour. A rank's listen address is the one it advertised ([`QuicConfig::advertise_addr`]), else the
-//! address rank 0 saw its hello come from, which is that rank's own endpoint when nothing (NAT, a relay)
-//! stands between them; rank 0 itself is reached at the master address. The rendezvous connections stay open as the control plane:
-//! aborts and deaths are reported to rank 0, which tells everyone else.
+//! address it should be dialled at); rank 0 refuses a mismatch with a message naming the field. Once all
+//! ranks have joined, rank 0 sends every rank the ring of listen addresses, and each rank opens a link to its
+//! right neighbour. A rank's listen address is the one it advertised ([`QuicConfig::advertise_addr`]), else
+//! the address rank 0 saw its hello come from, which is that rank's own endpoint when nothing (NAT, a relay)
+//! stands between them; rank 0 itself is reached at the master address. The rendezvous connections stay
+//! open as the control plane: aborts and deaths are reported to rank 0, which tells everyone else.
 //!
 //! # Authentication (TLS-exporter-bound HMAC)
 //! Every endpoint presents a fresh self-signed certificate; the certificate itself proves nothing. Right
@@ -80,7 +80,7 @@ const POOL_MAX_BYTES: usize = 64 << 20;
 pub struct QuicConfig {
     pub rank: usize,
     pub world: usize,
-    /// Rendezvous address; rank 0 binds it.
+    /// Rendezvous address: the others dial it, and rank 0 binds it (its port only, when `bind_ip` is set).
     pub master: SocketAddr,
     /// Address this rank binds: rank 0 with the master port, the others with an ephemeral one. Default: the
     /// master address for rank 0; for the others 127.0.0.1 when the master is loopback, else the unspecified
