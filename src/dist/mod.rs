@@ -71,6 +71,9 @@ pub fn join_with(launch: &LaunchEnv, opts: &JoinOptions, network: &NetworkEnv) -
         None => None,
     };
     refuse_unreachable_rank(launch, master, network.bind_ip, advertise)?;
+    if let Some(a) = &network.advertise {
+        refuse_shared_advertised_port(launch, a)?;
+    }
     let mut cfg = QuicConfig::new(launch.rank, launch.world_size, master);
     cfg.bind_ip = network.bind_ip;
     cfg.advertise_addr = advertise;
@@ -157,6 +160,19 @@ fn refuse_unreachable_rank(
     Ok(())
 }
 
+/// An advertised address with a port while several ranks run on this host: launchers hand every local rank
+/// the same environment, so they would all advertise one port, and the others would dial the wrong rank.
+fn refuse_shared_advertised_port(launch: &LaunchEnv, advertise: &AdvertiseAddr) -> anyhow::Result<()> {
+    match advertise.port {
+        Some(port) if launch.local_world_size > 1 => anyhow::bail!(
+            "{ADVERTISE_ADDR_VAR} names port {port}, but {} ranks run on this host and would all advertise it; \
+             give only the host, and each rank advertises the port it binds",
+            launch.local_world_size
+        ),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,6 +227,21 @@ mod tests {
         assert!(refuse_unreachable_rank(&launch("10.0.0.5", 1), master, ip("0.0.0.0"), None).is_ok());
         assert!(refuse_unreachable_rank(&launch("10.0.0.5", 1), master, ip("10.0.0.7"), addr("10.0.0.7:0")).is_ok());
         assert!(refuse_unreachable_rank(&launch("10.0.0.5", 3), master, ip("127.0.0.1"), addr("127.0.0.1:0")).is_ok());
+    }
+
+    #[test]
+    fn an_advertised_port_is_refused_when_several_ranks_share_the_host() {
+        let with_port = AdvertiseAddr::parse("10.0.0.7:4000").unwrap();
+        let host_only = AdvertiseAddr::parse("10.0.0.7").unwrap();
+        let err = refuse_shared_advertised_port(&launch("10.0.0.5", 2), &with_port)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("RINGTRAIN_ADVERTISE_ADDR names port 4000") && err.contains("2 ranks"),
+            "{err}"
+        );
+        assert!(refuse_shared_advertised_port(&launch("10.0.0.5", 1), &with_port).is_ok());
+        assert!(refuse_shared_advertised_port(&launch("10.0.0.5", 2), &host_only).is_ok());
     }
 
     #[test]
