@@ -135,6 +135,7 @@ fn a_second_claim_on_a_taken_rank_is_refused() {
             rank,
             world,
             config_hash: 77,
+            advertise: None,
         })
     };
     let sums: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {

@@ -27,7 +27,8 @@ use std::collections::HashSet;
 use super::ring::{Msg, Payload};
 
 pub const MAGIC: [u8; 4] = *b"RTRF";
-/// Version 2: ring welcomes carry certificate fingerprints, and every endpoint presents a client certificate.
+/// Version 2: ring welcomes carry certificate fingerprints, every endpoint presents a client certificate,
+/// and a hello may carry the address the rank asks the others to dial.
 pub const PROTOCOL_VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 48;
 /// Hard ceiling on any payload, whatever the caller allows (64 MiB).

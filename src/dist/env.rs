@@ -1,10 +1,14 @@
 //! Launch settings: flags, then torchrun variables, then Slurm, then a single process.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
 /// torchrun's default rendezvous port.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
+/// The IP this rank binds (rank 0 with the master port, the others with an ephemeral one).
+pub const BIND_ADDR_VAR: &str = "RINGTRAIN_BIND_ADDR";
+/// Where the other ranks should dial this rank: `host:port`, or a host alone for the bound port.
+pub const ADVERTISE_ADDR_VAR: &str = "RINGTRAIN_ADVERTISE_ADDR";
 
 /// Launch-related command-line flags (all optional).
 #[derive(Clone, Debug, Default)]
@@ -194,18 +198,105 @@ pub fn generate_secret() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Which address this rank listens on and which the others dial ([`BIND_ADDR_VAR`], [`ADVERTISE_ADDR_VAR`]);
+/// both optional.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetworkEnv {
+    pub bind_ip: Option<IpAddr>,
+    pub advertise: Option<AdvertiseAddr>,
+}
+
+/// A host the other ranks should dial this rank at, and the port unless it is the one this rank binds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdvertiseAddr {
+    /// An IP, or a host name resolved on this rank.
+    pub host: String,
+    pub port: Option<u16>,
+}
+
+impl AdvertiseAddr {
+    /// Parses `ip`, `ip:port`, `[ipv6]:port`, `name` or `name:port`. The unspecified address and port 0
+    /// cannot be dialled and are refused.
+    pub fn parse(value: &str) -> Result<Self, String> {
+        let v = value.trim();
+        let bad = |why: &str| format!("environment variable {ADVERTISE_ADDR_VAR}={value:?} is not valid: {why}");
+        let (host, port) = if let Ok(a) = v.parse::<SocketAddr>() {
+            (a.ip().to_string(), Some(a.port()))
+        } else if let Ok(ip) = v.parse::<IpAddr>() {
+            (ip.to_string(), None)
+        } else {
+            let (name, port) = match v.split_once(':') {
+                Some((name, port)) => {
+                    let port = port
+                        .parse::<u16>()
+                        .map_err(|_| bad("expected host:port, an IP, or [IPv6]:port"))?;
+                    (name, Some(port))
+                }
+                None => (v, None),
+            };
+            let name_chars = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '.';
+            if name.is_empty() || !name.chars().all(name_chars) {
+                return Err(bad("expected host:port, an IP, or [IPv6]:port"));
+            }
+            (name.to_string(), port)
+        };
+        if host.parse::<IpAddr>().is_ok_and(|ip| ip.is_unspecified()) {
+            return Err(bad(
+                "the unspecified address cannot be dialled; name an address of this host",
+            ));
+        }
+        if port == Some(0) {
+            return Err(bad(
+                "port 0 cannot be dialled; give the port, or only the host for the bound port",
+            ));
+        }
+        Ok(AdvertiseAddr { host, port })
+    }
+
+    /// The address to send in the hello (port 0: the port this rank binds, filled in once bound).
+    pub fn resolve(&self) -> Result<SocketAddr, String> {
+        let port = self.port.unwrap_or(0);
+        if let Ok(ip) = self.host.parse::<IpAddr>() {
+            return Ok(SocketAddr::new(ip, port));
+        }
+        resolve_host(&self.host, port).map_err(|e| format!("{ADVERTISE_ADDR_VAR}: {e}"))
+    }
+}
+
+/// Reads [`BIND_ADDR_VAR`] and [`ADVERTISE_ADDR_VAR`]; an invalid value is an error naming the variable.
+pub fn detect_network(getenv: impl Fn(&str) -> Option<String>) -> Result<NetworkEnv, String> {
+    let bind_ip = match getenv(BIND_ADDR_VAR) {
+        None => None,
+        Some(v) => Some(v.trim().parse::<IpAddr>().map_err(|_| {
+            format!(
+                "environment variable {BIND_ADDR_VAR}={v:?} is not an IP address (give the address of the \
+                 interface to listen on, or 0.0.0.0 for all)"
+            )
+        })?),
+    };
+    let advertise = getenv(ADVERTISE_ADDR_VAR)
+        .map(|v| AdvertiseAddr::parse(&v))
+        .transpose()?;
+    Ok(NetworkEnv { bind_ip, advertise })
+}
+
 /// Resolves `host:port`, preferring IPv4.
 pub fn resolve_master(host: &str, port: u16) -> Result<SocketAddr, String> {
+    resolve_host(host, port).map_err(|e| format!("master address {e}"))
+}
+
+/// Resolves `host:port`, preferring IPv4; the error starts with `host:port`.
+fn resolve_host(host: &str, port: u16) -> Result<SocketAddr, String> {
     let addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve master address {host}:{port}: {e}"))?
+        .map_err(|e| format!("{host}:{port} cannot be resolved: {e}"))?
         .collect();
     addrs
         .iter()
         .find(|a| a.is_ipv4())
         .or(addrs.first())
         .copied()
-        .ok_or_else(|| format!("master address {host}:{port} resolves to nothing"))
+        .ok_or_else(|| format!("{host}:{port} resolves to nothing"))
 }
 
 /// Convenience for callers holding a path flag.
@@ -332,6 +423,72 @@ mod tests {
         assert_eq!(first_slurm_host("a,b").as_deref(), Some("a"));
         assert_eq!(first_slurm_host("n[001-004]").as_deref(), Some("n001"));
         assert_eq!(first_slurm_host("").as_deref(), None);
+    }
+
+    #[test]
+    fn network_variables() {
+        assert_eq!(detect_network(env(&[])).unwrap(), NetworkEnv::default());
+        let n = detect_network(env(&[
+            ("RINGTRAIN_BIND_ADDR", " 0.0.0.0 "),
+            ("RINGTRAIN_ADVERTISE_ADDR", "203.0.113.9:4000"),
+        ]))
+        .unwrap();
+        assert_eq!(n.bind_ip, Some("0.0.0.0".parse().unwrap()));
+        assert_eq!(
+            n.advertise.unwrap().resolve().unwrap(),
+            "203.0.113.9:4000".parse().unwrap()
+        );
+        let v6 = detect_network(env(&[("RINGTRAIN_BIND_ADDR", "::")])).unwrap();
+        assert_eq!(v6.bind_ip, Some("::".parse().unwrap()));
+        for bad in ["eth0", "10.0.0.1:29500", ""] {
+            let e = detect_network(env(&[("RINGTRAIN_BIND_ADDR", bad)])).unwrap_err();
+            assert!(
+                e.contains("RINGTRAIN_BIND_ADDR") && e.contains("not an IP address"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn advertised_addresses() {
+        let parsed = |v: &str| AdvertiseAddr::parse(v).map(|a| (a.host, a.port));
+        let some = |h: &str, p: Option<u16>| Ok((h.to_string(), p));
+        assert_eq!(parsed("10.0.0.5"), some("10.0.0.5", None));
+        assert_eq!(parsed("10.0.0.5:4000"), some("10.0.0.5", Some(4000)));
+        assert_eq!(parsed("[fe80::1]:4000"), some("fe80::1", Some(4000)));
+        assert_eq!(parsed("fe80::1"), some("fe80::1", None));
+        assert_eq!(parsed("node-7.cluster:4000"), some("node-7.cluster", Some(4000)));
+        assert_eq!(parsed("node7"), some("node7", None));
+        // Only the host: the bound port is filled in once the socket is bound.
+        assert_eq!(
+            AdvertiseAddr::parse("10.0.0.5").unwrap().resolve().unwrap(),
+            "10.0.0.5:0".parse().unwrap()
+        );
+        assert_eq!(
+            AdvertiseAddr::parse("localhost:4000")
+                .unwrap()
+                .resolve()
+                .unwrap()
+                .port(),
+            4000
+        );
+        for (bad, why) in [
+            ("", "expected host:port"),
+            ("node7:http", "expected host:port"),
+            ("a:1:2", "expected host:port"),
+            ("node 7", "expected host:port"),
+            ("0.0.0.0:4000", "unspecified"),
+            ("::", "unspecified"),
+            ("10.0.0.5:0", "port 0"),
+        ] {
+            let e = AdvertiseAddr::parse(bad).unwrap_err();
+            assert!(
+                e.contains("RINGTRAIN_ADVERTISE_ADDR") && e.contains(why),
+                "{bad:?}: {e}"
+            );
+        }
+        let e = detect_network(env(&[("RINGTRAIN_ADVERTISE_ADDR", "x:y")])).unwrap_err();
+        assert!(e.contains("RINGTRAIN_ADVERTISE_ADDR=\"x:y\""), "{e}");
     }
 
     #[test]

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod udp_relay;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

@@ -19,9 +19,9 @@ const ALPN: &[u8] = b"ringtrain/1";
 /// certificate is pinned by its fingerprint, see `auth`).
 pub(super) const SERVER_NAME: &str = "ringtrain";
 
-/// Binds this rank's UDP socket, unless one is given: rank 0 binds the master address, the others an
-/// ephemeral port. A non-loopback address without a cluster secret is refused. Rank 0 bound to port 0
-/// learns its master address here.
+/// Binds this rank's UDP socket, unless one is given: rank 0 binds the master port, the others an ephemeral
+/// one (on [`bind_addr`]'s address). A non-loopback address without a cluster secret is refused. Rank 0
+/// bound to port 0 learns its master port here, and an advertised address without a port gets the bound one.
 pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Result<UdpSocket> {
     let bind = bind_addr(cfg);
     let master = cfg.master;
@@ -46,7 +46,10 @@ pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Re
     };
     let bind = socket.local_addr().map_err(|e| local(format!("socket address: {e}")))?;
     if cfg.rank == 0 && cfg.master.port() == 0 {
-        cfg.master = bind;
+        cfg.master.set_port(bind.port());
+    }
+    if let Some(a) = cfg.advertise_addr.as_mut().filter(|a| a.port() == 0) {
+        a.set_port(bind.port());
     }
     if cfg.secret.is_none() && !bind.ip().is_loopback() {
         return Err(no_secret_refusal(bind));
@@ -57,7 +60,7 @@ pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Re
 /// The address this rank binds when it is not given a socket (see [`QuicConfig::bind_ip`]).
 fn bind_addr(cfg: &QuicConfig) -> SocketAddr {
     if cfg.rank == 0 {
-        return cfg.master;
+        return SocketAddr::new(cfg.bind_ip.unwrap_or(cfg.master.ip()), cfg.master.port());
     }
     let ip = cfg.bind_ip.unwrap_or(match cfg.master.ip() {
         ip if ip.is_loopback() => ip,

@@ -15,6 +15,8 @@ pub struct Hello {
     pub rank: usize,
     pub world: usize,
     pub config_hash: u64,
+    /// Where the other ranks should dial this rank; `None`: where rank 0 sees this hello come from.
+    pub advertise: Option<SocketAddr>,
 }
 
 impl Hello {
@@ -51,6 +53,9 @@ impl Hello {
                 host.world
             ));
         }
+        if let Some(a) = self.advertise.filter(|a| a.ip().is_unspecified() || a.port() == 0) {
+            return Err(format!("rank {r} advertises {a}, which no rank can dial"));
+        }
         Ok(())
     }
 }
@@ -60,8 +65,8 @@ impl Hello {
 pub enum Control {
     /// Joining rank → rank 0.
     Hello(Hello),
-    /// Rank 0 → every rank: listen address of every rank, in rank order (entry 0 is the master address),
-    /// and the fingerprint of the certificate each rank presented at rendezvous (BLAKE3 of its DER), which
+    /// Rank 0 → every rank: listen address of every rank (advertised, else observed), in rank order (entry 0
+    /// is the master address), and the fingerprint of the certificate each rank presented at rendezvous (BLAKE3 of its DER), which
     /// its ring links are pinned to.
     Welcome {
         addrs: Vec<SocketAddr>,
@@ -88,6 +93,7 @@ mod tests {
             rank: 0,
             world: 4,
             config_hash: 9,
+            advertise: None,
         };
         let ok = Hello {
             rank: 2,
@@ -117,7 +123,16 @@ mod tests {
         .check_against(&host)
         .unwrap_err();
         assert!(e.contains("protocol version"), "{e}");
-        let e = Hello { rank: 4, ..ok }.check_against(&host).unwrap_err();
+        let e = Hello { rank: 4, ..ok.clone() }.check_against(&host).unwrap_err();
         assert!(e.contains("rank 4"), "{e}");
+        let advertising = |a: &str| Hello {
+            advertise: Some(a.parse().unwrap()),
+            ..ok.clone()
+        };
+        assert!(advertising("10.0.0.7:4000").check_against(&host).is_ok());
+        for bad in ["0.0.0.0:4000", "10.0.0.7:0"] {
+            let e = advertising(bad).check_against(&host).unwrap_err();
+            assert!(e.contains("advertises") && e.contains(bad), "{e}");
+        }
     }
 }

@@ -2,12 +2,14 @@
 //!
 //! # Topology
 //! Rank 0 hosts the rendezvous on `MASTER_ADDR:MASTER_PORT`. Every other rank connects to it from its own
-//! endpoint and says [`Hello`] (protocol version, job id, rank, world size, config hash); rank 0 refuses a
-//! mismatch with a message naming the field. Once all ranks have joined, rank 0 sends every rank the ring of
-//! listen addresses (the address it saw each hello come from, which is that rank's own endpoint) and of
-//! certificate fingerprints (see Identity below), and each
-//! rank opens a link to its right neighbour. The rendezvous connections stay open as the control plane:
-//! aborts and deaths are reported to rank 0, which tells everyone else.
+//! endpoint and says [`Hello`] (protocol version, job id, rank, world size, config hash, and optionally the
+//! address it should be dialled at); rank 0 refuses a mismatch with a message naming the field. Once all
+//! ranks have joined, rank 0 sends every rank the ring of listen addresses and of certificate fingerprints
+//! (see Identity below), and each rank opens a link to its right neighbour. A rank's listen address is the
+//! one it advertised ([`QuicConfig::advertise_addr`]), else the address rank 0 saw its hello come from, which
+//! is that rank's own endpoint when nothing (NAT, a relay) stands between them; rank 0 itself is reached at
+//! the master address. The rendezvous connections stay
+//! open as the control plane: aborts and deaths are reported to rank 0, which tells everyone else.
 //!
 //! # Authentication (TLS-exporter-bound HMAC)
 //! Every endpoint presents a fresh self-signed certificate; the certificate proves no membership. Right
@@ -93,11 +95,16 @@ const POOL_MAX_BYTES: usize = 64 << 20;
 pub struct QuicConfig {
     pub rank: usize,
     pub world: usize,
-    /// Rendezvous address; rank 0 binds it.
+    /// Rendezvous address: the others dial it, and rank 0 binds it (its port only, when `bind_ip` is set).
     pub master: SocketAddr,
-    /// Address other ranks bind (port 0 = ephemeral). Default: 127.0.0.1 when the master is loopback, else
-    /// the unspecified address of the master's family.
+    /// Address this rank binds: rank 0 with the master port, the others with an ephemeral one. Default: the
+    /// master address for rank 0; for the others 127.0.0.1 when the master is loopback, else the unspecified
+    /// address of the master's family.
     pub bind_ip: Option<IpAddr>,
+    /// Address the other ranks should dial to reach this rank, sent in its [`Hello`], when it is not the one
+    /// rank 0 sees the hello come from (NAT, a relay, a chosen interface). Port 0 means this rank's bound
+    /// port. Not used on rank 0, which the others reach at `master`.
+    pub advertise_addr: Option<SocketAddr>,
     pub job_id: u64,
     pub config_hash: u64,
     /// Cluster secret; `None` is allowed on loopback only.
@@ -125,6 +132,7 @@ impl QuicConfig {
             world,
             master,
             bind_ip: None,
+            advertise_addr: None,
             job_id: 0,
             config_hash: 0,
             secret: None,
@@ -320,6 +328,11 @@ fn validate(cfg: &mut QuicConfig) -> Result<()> {
     }
     if cfg.secret.as_ref().is_some_and(|s| s.is_empty()) {
         return Err(local("the cluster secret is empty"));
+    }
+    if let Some(a) = cfg.advertise_addr.filter(|a| a.ip().is_unspecified()) {
+        return Err(local(format!(
+            "cannot advertise {a}: the unspecified address is not one the other ranks can dial"
+        )));
     }
     // A peer that stops answering (SIGSTOP, a hung host) is then declared dead by every link to it, rank 0's
     // control link included, which tells everyone whom to blame before the collectives waiting on it (and

@@ -4,6 +4,7 @@
 //! rank 0 until it is up, say hello and wait for the welcome. Either way the connections to rank 0 stay
 //! open afterwards as the control plane.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
@@ -26,6 +27,7 @@ fn hello(cfg: &QuicConfig) -> Hello {
         rank: cfg.rank,
         world: cfg.world,
         config_hash: cfg.config_hash,
+        advertise: cfg.advertise_addr,
     }
 }
 
@@ -44,9 +46,9 @@ pub(super) async fn host(
         certs: vec![own_cert],
     };
     for j in &joined {
-        // The address each hello came from is that rank's own endpoint, and the certificate it presented
-        // is that endpoint's (checked present when the hello was taken).
-        ring.addrs.push(j.conn.remote_address());
+        // The address the others dial (advertised, else observed), and the certificate the rank presented
+        // (checked present when the hello was taken).
+        ring.addrs.push(listen_addr(j));
         ring.certs
             .push(peer_fingerprint(&j.conn).expect("checked in collect_hellos"));
     }
@@ -64,6 +66,15 @@ pub(super) async fn host(
             .map_err(|e| local(format!("rendezvous: {e}")))?;
     }
     Ok((ring, joined))
+}
+
+/// Where the others should dial a joined rank: the address it advertised, else the one its hello came from
+/// (its own endpoint, unless something stands between it and rank 0).
+fn listen_addr(j: &Joined) -> SocketAddr {
+    match &j.msg {
+        Control::Hello(Hello { advertise: Some(a), .. }) => *a,
+        _ => j.conn.remote_address(),
+    }
 }
 
 /// Rank 0: takes hellos until ranks 1..world have each joined with a matching one (`slots[r]` is rank

@@ -1,0 +1,91 @@
+//! Choosing the bind address: a rank 0 told by `RINGTRAIN_BIND_ADDR` to listen on 0.0.0.0 forms a 2-rank
+//! job with `MASTER_ADDR=127.0.0.1`, through the same launch-environment path as `ringtrain train`. On
+//! Linux rank 1 dials it at 127.0.0.2, which reaches only a socket bound to all addresses, so a rank 0 that
+//! ignored the variable (and bound 127.0.0.1) would never hear from it.
+
+use std::collections::HashMap;
+use std::net::UdpSocket;
+use std::time::Duration;
+
+use ringtrain::collective::Collective;
+use ringtrain::dist::{detect_launch, detect_network, join_with, JoinOptions, LaunchFlags};
+
+/// An address other than 127.0.0.1 that still reaches this host's wildcard sockets (Linux routes all of
+/// 127.0.0.0/8 to loopback; other systems only 127.0.0.1).
+const OTHER_LOOPBACK: &str = if cfg!(target_os = "linux") {
+    "127.0.0.2"
+} else {
+    "127.0.0.1"
+};
+
+fn vars(pairs: &[(&str, String)]) -> impl Fn(&str) -> Option<String> {
+    let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+    move |k| m.get(k).cloned()
+}
+
+#[test]
+fn rank_0_bound_to_all_addresses_forms_a_job_with_a_loopback_master() {
+    // A port free on every address (rank 0 binds it on 0.0.0.0).
+    let port = UdpSocket::bind("0.0.0.0:0").unwrap().local_addr().unwrap().port();
+    let opts = JoinOptions {
+        config_hash: 11,
+        // Listening beyond loopback requires a secret.
+        secret: Some(b"bind address test".to_vec()),
+        timeout: Duration::from_secs(15),
+    };
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let opts = &opts;
+                s.spawn(move || {
+                    let master = if rank == 0 { "127.0.0.1" } else { OTHER_LOOPBACK };
+                    let mut env = vec![
+                        ("RANK", rank.to_string()),
+                        ("WORLD_SIZE", "2".to_string()),
+                        ("LOCAL_WORLD_SIZE", "2".to_string()),
+                        ("MASTER_ADDR", master.to_string()),
+                        ("MASTER_PORT", port.to_string()),
+                    ];
+                    if rank == 0 {
+                        env.push(("RINGTRAIN_BIND_ADDR", "0.0.0.0".to_string()));
+                    }
+                    let getenv = vars(&env);
+                    let launch = detect_launch(&LaunchFlags::default(), &getenv).unwrap();
+                    let network = detect_network(&getenv).unwrap();
+                    assert_eq!(network.bind_ip.is_some(), rank == 0);
+                    let mut comm: Box<dyn Collective> =
+                        join_with(&launch, opts, &network).unwrap_or_else(|e| panic!("rank {rank}: {e:#}"));
+                    let mut b = vec![rank as f32 + 1.0; 5];
+                    comm.all_reduce_sum(&mut b).unwrap();
+                    b
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(sums, vec![vec![3.0; 5]; 2]);
+}
+
+#[test]
+fn an_invalid_bind_address_is_refused_naming_the_variable() {
+    let e = detect_network(vars(&[("RINGTRAIN_BIND_ADDR", "eth0".to_string())])).unwrap_err();
+    assert!(e.contains("RINGTRAIN_BIND_ADDR=\"eth0\""), "{e}");
+    // A loopback bind while another host takes part is refused before anything is bound.
+    let getenv = vars(&[
+        ("RANK", "1".to_string()),
+        ("WORLD_SIZE", "2".to_string()),
+        ("LOCAL_WORLD_SIZE", "1".to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", "9".to_string()),
+        ("RINGTRAIN_BIND_ADDR", "127.0.0.1".to_string()),
+    ]);
+    let launch = detect_launch(&LaunchFlags::default(), &getenv).unwrap();
+    let network = detect_network(&getenv).unwrap();
+    let opts = JoinOptions {
+        config_hash: 1,
+        secret: None,
+        timeout: Duration::from_secs(2),
+    };
+    let e = format!("{:#}", join_with(&launch, &opts, &network).err().unwrap());
+    assert!(e.contains("RINGTRAIN_BIND_ADDR=127.0.0.1 is a loopback address"), "{e}");
+}
