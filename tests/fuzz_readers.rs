@@ -123,15 +123,6 @@ enum Outcome {
     Inconsistent(String),
 }
 
-impl<E: std::fmt::Display> From<Result<(), E>> for Outcome {
-    fn from(r: Result<(), E>) -> Self {
-        match r {
-            Ok(()) => Outcome::Accepted,
-            Err(e) => Outcome::Refused(e.to_string()),
-        }
-    }
-}
-
 /// Runs a reader on the files of one input.
 type Reader = dyn Fn(&[Vec<u8>]) -> Outcome;
 
@@ -177,16 +168,15 @@ fn check(target: &Target, input: &[Vec<u8>], what: &str) -> Result<bool, String>
     let bound = target.factor * total + SLACK;
     let (result, largest) = measured(|| (target.run)(input));
     let failure = match result {
-        Err(_) => Some("panicked".to_string()),
-        Ok(_) if largest > bound => Some(format!(
-            "allocated {largest} bytes at once for {total} bytes of input (bound {bound})"
-        )),
-        Ok(Outcome::Refused(msg)) if msg.trim().is_empty() => Some("refused it with an empty message".into()),
-        Ok(Outcome::Inconsistent(why)) => Some(format!("accepted it inconsistently: {why}")),
+        Err(_) => "panicked".to_string(),
+        Ok(_) if largest > bound => {
+            format!("allocated {largest} bytes at once for {total} bytes of input (bound {bound})")
+        }
+        Ok(Outcome::Refused(msg)) if msg.trim().is_empty() => "refused it with an empty message".into(),
+        Ok(Outcome::Inconsistent(why)) => format!("accepted it inconsistently: {why}"),
         Ok(Outcome::Accepted) => return Ok(true),
         Ok(Outcome::Refused(_)) => return Ok(false),
     };
-    let failure = failure.unwrap();
     let saved = std::env::temp_dir().join(format!("ringtrain-fuzz-{}-{}.bin", target.name, std::process::id()));
     let _ = std::fs::write(&saved, (target.frame)(input));
     Err(format!(
@@ -237,6 +227,7 @@ fn refusal(target: &Target, input: &[Vec<u8>]) -> String {
     }
 }
 
+/// FNV-1a, so that each target draws its own stream from the one seed.
 fn fnv(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
