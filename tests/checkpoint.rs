@@ -7,8 +7,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
 use ringtrain::model::checkpoint::{
-    config_from_hf_json, hf_config_json, load_model, load_trainer_state, resolve_checkpoint_dir, save_checkpoint,
-    save_checkpoint_with_hook, save_model_files, save_trainer_state, SaveStage, TrainerState,
+    config_from_hf_json, hf_config_json, load_model, load_model_bytes, load_trainer_state, load_trainer_state_bytes,
+    resolve_checkpoint_dir, save_checkpoint, save_checkpoint_with_hook, save_model_files, save_trainer_state,
+    SaveStage, TrainerState,
 };
 use ringtrain::model::{ModelConfig, ParamLayout};
 use safetensors::tensor::TensorView;
@@ -160,6 +161,15 @@ fn roundtrip_is_bit_exact() {
     };
     assert_eq!(strip(&state2), strip(&state));
     assert_eq!(dir_names(tmp.path()), ["ckpt"], "no temporary siblings may remain");
+
+    // The in-memory loaders (what the fuzzers drive) read the same files to the same bits.
+    let read = |name: &str| fs::read(dir.join(name)).unwrap();
+    let (cfg3, params3) = load_model_bytes(&read("config.json"), &read("model.safetensors")).unwrap();
+    assert_eq!(cfg3, cfg);
+    assert!(same_bits(&params, &params3));
+    let state3 = load_trainer_state_bytes(&read("trainer_state.safetensors"), &layout).unwrap();
+    assert!(same_bits(&state.m, &state3.m) && same_bits(&state.v, &state3.v));
+    assert_eq!(strip(&state3), strip(&state));
 }
 
 #[test]
@@ -548,6 +558,31 @@ fn a_huge_config_is_refused_before_allocating() {
     };
     fs::write(tmp.path().join("config.json"), hf_config_json(&cfg).to_string()).unwrap();
     assert_err_mentions(load_model(tmp.path()), &["has shape"]);
+}
+
+/// Found by `tests/fuzz_readers.rs`: a config.json claiming hundreds of layers of a tiny width passes the
+/// parameter-count limit, and the loader used to build the parameter layout (a name and shape for each of
+/// 12 tensors per layer, about 0.5 MB here) before looking at the file. It is now refused first, from the
+/// number of tensors the file holds; a file missing a few tensors still gets them named.
+#[test]
+fn many_layers_over_few_tensors_are_refused_before_building_the_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny_checkpoint(tmp.path());
+    let cfg = ModelConfig {
+        n_layer: 598,
+        n_embd: 4,
+        n_head: 2,
+        ..ModelConfig::tiny()
+    };
+    fs::write(tmp.path().join("config.json"), hf_config_json(&cfg).to_string()).unwrap();
+    let model = fs::read(tmp.path().join("model.safetensors")).unwrap();
+    let config = fs::read(tmp.path().join("config.json")).unwrap();
+    for result in [load_model(tmp.path()), load_model_bytes(&config, &model)] {
+        assert_err_mentions(
+            result,
+            &["model.safetensors", "holds 28 tensors", "n_layer 598", "7180"],
+        );
+    }
 }
 
 #[test]

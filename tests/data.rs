@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use proptest::prelude::*;
 use ringtrain::data::{
-    eval_windows, fill_batch, load_splits, load_tokens, split_for_rank, synthetic, write_shard, Tokenizer,
+    eval_windows, fill_batch, load_splits, load_tokens, split_for_rank, synthetic, write_shard, Shard, Tokenizer,
     TokenizerKind, ValSource, WindowSampler,
 };
 
@@ -89,6 +89,40 @@ fn trailing_bytes_are_an_error() {
         &load_err(&p),
         &["long.bin", "oversized", "2 tokens", "2 trailing bytes"],
     );
+}
+
+/// `Shard::from_bytes` (what the fuzzers drive) refuses every corrupt shard above with the same message as
+/// opening the file.
+#[test]
+fn in_memory_shards_are_checked_like_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(i32, i32, i32, &[u16]); 6] = [
+        (12345, 1, 3, &[1, 2, 3]),
+        (20240520, 2, 3, &[1, 2, 3]),
+        (20240520, 1, 2_000_000_000, &[1, 2, 3]),
+        (20240520, 1, 2, &[1, 2, 3]),
+        (20240520, 1, -5, &[]),
+        (20240520, 1, 3, &[1, 2, 3]),
+    ];
+    for (i, (magic, version, count, tokens)) in cases.into_iter().enumerate() {
+        let p = dir.path().join(format!("{i}.bin"));
+        raw_shard(&p, magic, version, count, tokens);
+        let bytes = std::fs::read(&p).unwrap();
+        match (Shard::open(&p), Shard::from_bytes(&p, bytes)) {
+            (Ok(file), Ok(memory)) => assert_eq!((file.len(), memory.len()), (3, 3)),
+            (Err(file), Err(memory)) => assert_eq!(file.to_string(), memory.to_string()),
+            (file, memory) => panic!("case {i}: the file gives {file:?}, the bytes {memory:?}"),
+        }
+    }
+    for short in [&b""[..], &20240520i32.to_le_bytes()] {
+        let err = Shard::from_bytes(Path::new("short.bin"), short.to_vec())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("short.bin") && (err.contains("empty") || err.contains("truncated")),
+            "{err}"
+        );
+    }
 }
 
 #[test]

@@ -220,8 +220,10 @@ impl TrainArgs {
         let batch_size = positive("--batch-size", self.batch_size.unwrap_or(d.batch_size))?;
         let seq_len = positive("--seq-len", self.seq_len.unwrap_or(d.seq_len))?;
         let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(d.grad_accum))?;
-        let global = world * batch_size * grad_accum;
-        let base_batch = positive("--base-batch", self.base_batch.unwrap_or(batch_size * grad_accum))?;
+        let overflow = || format!("--batch-size {batch_size} x --grad-accum {grad_accum} x {world} ranks is too large");
+        let per_rank = batch_size.checked_mul(grad_accum).with_context(overflow)?;
+        let global = per_rank.checked_mul(world).with_context(overflow)?;
+        let base_batch = positive("--base-batch", self.base_batch.unwrap_or(per_rank))?;
         let scaling = match self.lr_scaling.as_deref() {
             Some(name) => name.parse()?,
             None => LrScaling::None,
@@ -429,6 +431,24 @@ mod tests {
         };
         let err = bad.resolve(&ModelConfig::tiny(), 1).unwrap_err().to_string();
         assert!(err.contains("--update"), "{err}");
+    }
+
+    /// Found by `tests/fuzz_readers.rs` (a `--config` file with a 20-digit batch size): the global batch
+    /// overflowed, a panic in debug builds and a wrapped, wrong batch in release ones.
+    #[test]
+    fn a_global_batch_too_large_for_usize_is_an_error() {
+        let args = TrainArgs {
+            batch_size: Some(usize::MAX / 2),
+            grad_accum: Some(4),
+            ..TrainArgs::default()
+        };
+        let err = args.resolve(&ModelConfig::tiny(), 1).unwrap_err().to_string();
+        assert!(err.contains("--batch-size") && err.contains("too large"), "{err}");
+        let args = TrainArgs {
+            batch_size: Some(usize::MAX / 2),
+            ..TrainArgs::default()
+        };
+        assert!(args.resolve(&ModelConfig::tiny(), 3).is_err());
     }
 
     /// The sim and the integration tests build their options in code; these are the same values the flags

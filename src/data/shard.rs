@@ -23,12 +23,28 @@ pub const HEADER_INTS: usize = 256;
 /// Size of the header in bytes.
 pub const HEADER_BYTES: usize = HEADER_INTS * 4;
 
-/// An opened, validated shard whose tokens are memory-mapped.
+/// An opened, validated shard whose tokens are memory-mapped (or, from [`Shard::from_bytes`], held in memory).
 #[derive(Debug)]
 pub struct Shard {
     path: PathBuf,
-    map: Mmap,
+    bytes: ShardBytes,
     len: usize,
+}
+
+/// Where a shard's bytes (header included) live.
+#[derive(Debug)]
+enum ShardBytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl ShardBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            ShardBytes::Mapped(map) => map,
+            ShardBytes::Owned(bytes) => bytes,
+        }
+    }
 }
 
 impl Shard {
@@ -37,61 +53,15 @@ impl Shard {
     pub fn open(path: &Path) -> Result<Self> {
         let mut file = File::open(path).map_err(|e| DataError::io(path, e))?;
         let file_len = file.metadata().map_err(|e| DataError::io(path, e))?.len();
-        if file_len == 0 {
-            return Err(DataError::EmptyFile {
-                path: path.to_path_buf(),
-            });
-        }
-        if file_len < HEADER_BYTES as u64 {
-            return Err(DataError::TruncatedShard {
-                path: path.to_path_buf(),
-                detail: format!("file is {file_len} bytes, shorter than the {HEADER_BYTES}-byte header"),
-            });
-        }
         let mut header = [0u8; HEADER_BYTES];
-        file.read_exact(&mut header).map_err(|e| DataError::io(path, e))?;
-        let word =
-            |i: usize| i32::from_le_bytes([header[4 * i], header[4 * i + 1], header[4 * i + 2], header[4 * i + 3]]);
-        let (magic, version, count) = (word(0), word(1), word(2));
-        if magic != SHARD_MAGIC {
-            return Err(DataError::BadMagic {
-                path: path.to_path_buf(),
-                found: magic,
-                expected: SHARD_MAGIC,
-            });
-        }
-        if version != SHARD_VERSION {
-            return Err(DataError::BadVersion {
-                path: path.to_path_buf(),
-                found: version,
-                expected: SHARD_VERSION,
-            });
-        }
-        if count < 0 {
-            return Err(DataError::BadTokenCount {
-                path: path.to_path_buf(),
-                count: count.into(),
-            });
-        }
+        let header_read = if file_len >= HEADER_BYTES as u64 {
+            file.read_exact(&mut header).map_err(|e| DataError::io(path, e))?;
+            &header[..]
+        } else {
+            &[]
+        };
+        let count = check_header(path, header_read, file_len)?;
         let expected = HEADER_BYTES as u64 + 2 * count as u64;
-        if file_len < expected {
-            return Err(DataError::TruncatedShard {
-                path: path.to_path_buf(),
-                detail: format!(
-                    "header says {count} tokens ({expected} bytes with the header) but the file has {file_len} bytes"
-                ),
-            });
-        }
-        if file_len > expected {
-            return Err(DataError::OversizedShard {
-                path: path.to_path_buf(),
-                detail: format!(
-                    "header says {count} tokens ({expected} bytes with the header) but the file has {file_len} bytes \
-                     ({} trailing bytes)",
-                    file_len - expected
-                ),
-            });
-        }
         // SAFETY: the map is read-only and we only read it as bytes. Like every reader of memory-mapped data
         // we rely on the shard not being truncated or rewritten by another process while training runs;
         // llm.c and nanoGPT make the same assumption for their np.memmap'd shards.
@@ -104,8 +74,20 @@ impl Shard {
         }
         Ok(Shard {
             path: path.to_path_buf(),
-            map,
-            len: count as usize,
+            bytes: ShardBytes::Mapped(map),
+            len: count,
+        })
+    }
+
+    /// A shard held in memory (whole file, header included), validated exactly as [`Shard::open`] validates
+    /// a file; `path` only names it in messages.
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self> {
+        let header = &bytes[..bytes.len().min(HEADER_BYTES)];
+        let count = check_header(path, header, bytes.len() as u64)?;
+        Ok(Shard {
+            path: path.to_path_buf(),
+            bytes: ShardBytes::Owned(bytes),
+            len: count,
         })
     }
 
@@ -124,7 +106,7 @@ impl Shard {
 
     /// The raw little-endian u16 token bytes.
     fn token_bytes(&self) -> &[u8] {
-        &self.map[HEADER_BYTES..HEADER_BYTES + 2 * self.len]
+        &self.bytes.as_slice()[HEADER_BYTES..HEADER_BYTES + 2 * self.len]
     }
 
     /// Copies tokens `[start, start + dst.len())` into `dst`. The caller guarantees the range is in bounds.
@@ -144,6 +126,65 @@ impl Shard {
             ((t as usize) >= vocab_size).then_some((start + i, u32::from(t)))
         })
     }
+}
+
+/// Validates a shard's header against its total size and returns the token count. `header` holds the
+/// first [`HEADER_BYTES`] bytes, or nothing when the file is shorter than that. Nothing here allocates
+/// for the count: it is only compared with `file_len`.
+fn check_header(path: &Path, header: &[u8], file_len: u64) -> Result<usize> {
+    if file_len == 0 {
+        return Err(DataError::EmptyFile {
+            path: path.to_path_buf(),
+        });
+    }
+    if file_len < HEADER_BYTES as u64 || header.len() < HEADER_BYTES {
+        return Err(DataError::TruncatedShard {
+            path: path.to_path_buf(),
+            detail: format!("file is {file_len} bytes, shorter than the {HEADER_BYTES}-byte header"),
+        });
+    }
+    let word = |i: usize| i32::from_le_bytes([header[4 * i], header[4 * i + 1], header[4 * i + 2], header[4 * i + 3]]);
+    let (magic, version, count) = (word(0), word(1), word(2));
+    if magic != SHARD_MAGIC {
+        return Err(DataError::BadMagic {
+            path: path.to_path_buf(),
+            found: magic,
+            expected: SHARD_MAGIC,
+        });
+    }
+    if version != SHARD_VERSION {
+        return Err(DataError::BadVersion {
+            path: path.to_path_buf(),
+            found: version,
+            expected: SHARD_VERSION,
+        });
+    }
+    let Ok(count) = usize::try_from(count) else {
+        return Err(DataError::BadTokenCount {
+            path: path.to_path_buf(),
+            count: count.into(),
+        });
+    };
+    let expected = HEADER_BYTES as u64 + 2 * count as u64;
+    if file_len < expected {
+        return Err(DataError::TruncatedShard {
+            path: path.to_path_buf(),
+            detail: format!(
+                "header says {count} tokens ({expected} bytes with the header) but the file has {file_len} bytes"
+            ),
+        });
+    }
+    if file_len > expected {
+        return Err(DataError::OversizedShard {
+            path: path.to_path_buf(),
+            detail: format!(
+                "header says {count} tokens ({expected} bytes with the header) but the file has {file_len} bytes \
+                 ({} trailing bytes)",
+                file_len - expected
+            ),
+        });
+    }
+    Ok(count)
 }
 
 /// The header of a version-1 shard holding `count` tokens: magic, version, count, then zeros.

@@ -8,7 +8,10 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
 use super::hf_config::{config_from_hf_json, hf_config_json};
-use super::tensor_io::{self, decode_into, decoded_equals, with_safetensors, write_small_file, write_tensors, F32View};
+use super::tensor_io::{
+    self, decode_into, decoded_equals, with_safetensors, with_safetensors_bytes, write_small_file, write_tensors,
+    F32View,
+};
 use super::{CONFIG_FILE, HF_PREFIX, MODEL_FILE};
 use crate::model::{ModelConfig, ParamLayout, ParamSpec};
 
@@ -34,10 +37,19 @@ pub fn save_model_files(dir: &Path, cfg: &ModelConfig, layout: &ParamLayout, par
 pub fn load_model(dir: &Path) -> Result<(ModelConfig, Vec<f32>)> {
     let dir = super::resolve_checkpoint_dir(dir)?;
     let cfg = read_config(&dir)?;
-    let layout = ParamLayout::new(&cfg);
     let path = dir.join(MODEL_FILE);
     let params = with_safetensors(&path, |st, _| {
-        read_params(st, &cfg, &layout).with_context(|| format!("loading {}", path.display()))
+        read_params(st, &cfg).with_context(|| format!("loading {}", path.display()))
+    })?;
+    Ok((cfg, params))
+}
+
+/// [`load_model`] over the two files already in memory (`config.json` and `model.safetensors`), with the
+/// same checks; lets tests and fuzzers drive the loader without a file system.
+pub fn load_model_bytes(config_json: &[u8], model: &[u8]) -> Result<(ModelConfig, Vec<f32>)> {
+    let cfg = parse_config(config_json, CONFIG_FILE)?;
+    let params = with_safetensors_bytes(model, MODEL_FILE, |st, _| {
+        read_params(st, &cfg).with_context(|| format!("loading {MODEL_FILE}"))
     })?;
     Ok((cfg, params))
 }
@@ -88,8 +100,14 @@ pub(crate) fn slice<'a>(buf: &'a [f32], spec: &ParamSpec) -> &'a [f32] {
 
 pub(crate) fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join(CONFIG_FILE);
-    let text = tensor_io::read_small_text(&path, MAX_CONFIG_BYTES)?;
-    config_from_hf_json(&text).with_context(|| format!("reading {}", path.display()))
+    let bytes = tensor_io::read_small_file(&path, MAX_CONFIG_BYTES)?;
+    parse_config(&bytes, &path.display().to_string())
+}
+
+/// A whole `config.json` (`name` for messages): small UTF-8 JSON describing a GPT-2 we can run.
+fn parse_config(bytes: &[u8], name: &str) -> Result<ModelConfig> {
+    let text = tensor_io::check_small(bytes, MAX_CONFIG_BYTES, name)?;
+    config_from_hf_json(text).with_context(|| format!("reading {name}"))
 }
 
 /// Where each expected tensor lives in the file.
@@ -98,9 +116,21 @@ struct Plan<'a, 'data> {
     lm_head: Option<TensorView<'data>>,
 }
 
-/// Checks names, shapes and dtypes of the whole file, then allocates and decodes. The allocation is
-/// therefore bounded by what the file really holds, whatever config.json claims.
-fn read_params(st: &SafeTensors<'_>, cfg: &ModelConfig, layout: &ParamLayout) -> Result<Vec<f32>> {
+/// Checks names, shapes and dtypes of the whole file, then allocates and decodes. Every allocation is
+/// therefore bounded by what the file really holds, whatever config.json claims: the layout (a name per
+/// tensor) is only built when the file holds at least half as many tensors, enough to name the missing ones
+/// of a damaged file at a cost proportional to its own index; the parameter buffer only once every tensor
+/// has its expected shape.
+fn read_params(st: &SafeTensors<'_>, cfg: &ModelConfig) -> Result<Vec<f32>> {
+    let needed = tensor_count(cfg);
+    if needed > st.len().saturating_mul(2) {
+        bail!(
+            "holds {} tensors, but config.json (n_layer {}) describes a GPT-2 of {needed}",
+            st.len(),
+            cfg.n_layer
+        );
+    }
+    let layout = &ParamLayout::new(cfg);
     let plan = plan_tensors(st, cfg, layout)?;
     let mut params = vec![0f32; layout.total];
     for (spec, key, view) in &plan.params {
@@ -116,6 +146,12 @@ fn read_params(st: &SafeTensors<'_>, cfg: &ModelConfig, layout: &ParamLayout) ->
         }
     }
     Ok(params)
+}
+
+/// The number of parameter tensors of a GPT-2 of `cfg`, as [`ParamLayout::new`] lays them out: wte, wpe,
+/// 12 per block, ln_f weight and bias. Saturates rather than overflowing for absurd layer counts.
+fn tensor_count(cfg: &ModelConfig) -> usize {
+    cfg.n_layer.saturating_mul(12).saturating_add(4)
 }
 
 fn plan_tensors<'a, 'data>(
@@ -218,6 +254,18 @@ mod tests {
         assert!(!is_attention_buffer("h.2.attn.bias", 2));
         assert!(!is_attention_buffer("h.0.attn.c_attn.bias", 2));
         assert!(!is_attention_buffer("h.+0.attn.bias", 2));
+    }
+
+    #[test]
+    fn tensor_count_matches_the_layout() {
+        for n_layer in [1, 2, 5] {
+            let cfg = ModelConfig {
+                n_layer,
+                ..ModelConfig::tiny()
+            };
+            assert_eq!(tensor_count(&cfg), ParamLayout::new(&cfg).specs.len());
+        }
+        assert_eq!(tensor_count(&ModelConfig::gpt2()), 148);
     }
 
     #[test]

@@ -86,49 +86,61 @@ pub(crate) fn fsync_dir(_path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Reads a text file that must be small (a config), refusing a huge one before allocating for it.
-pub(crate) fn read_small_text(path: &Path, max_bytes: u64) -> Result<String> {
+/// Reads a file that must be small (a config), refusing a huge one before allocating for it: at most
+/// `max_bytes + 1` bytes are read, so that [`check_small`] can tell the file was too large.
+pub(crate) fn read_small_file(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut text = String::new();
-    let n = file
-        .take(max_bytes + 1)
-        .read_to_string(&mut text)
-        .with_context(|| format!("reading {} (is it UTF-8 text?)", path.display()))?;
-    if n as u64 > max_bytes {
-        bail!(
-            "{} is larger than {max_bytes} bytes; it is not a model config",
-            path.display()
-        );
-    }
-    Ok(text)
+    let mut bytes = Vec::new();
+    file.take(max_bytes + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading {}", path.display()))?;
+    Ok(bytes)
 }
 
-/// Memory-maps a safetensors file and hands its parsed view to `f`.
+/// The text of a small file read whole (from disk or memory): at most `max_bytes` of UTF-8. `name` names
+/// the file in messages.
+pub(crate) fn check_small<'a>(bytes: &'a [u8], max_bytes: u64, name: &str) -> Result<&'a str> {
+    if bytes.len() as u64 > max_bytes {
+        bail!("{name} is larger than {max_bytes} bytes; it is not a model config");
+    }
+    std::str::from_utf8(bytes).with_context(|| format!("reading {name}: it is not UTF-8 text"))
+}
+
+/// Memory-maps a safetensors file and hands its parsed view to `f` (see [`with_safetensors_bytes`]).
 ///
-/// Mapping instead of reading keeps a 500 MB model at one copy in memory; `safetensors` bounds the header
-/// at 100 MB and checks every offset against the mapped length, so a corrupt header cannot trigger a large
-/// allocation. The file must not be truncated by another process while it is mapped.
+/// Mapping instead of reading keeps a 500 MB model at one copy in memory. The file must not be truncated by
+/// another process while it is mapped.
 pub(crate) fn with_safetensors<R>(
     path: &Path,
     f: impl FnOnce(&SafeTensors<'_>, &HashMap<String, String>) -> Result<R>,
 ) -> Result<R> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let len = file
-        .metadata()
-        .with_context(|| format!("reading metadata of {}", path.display()))?
-        .len();
-    if len < HEADER_LEN_BYTES {
-        bail!(
-            "{} is not a safetensors file: it has {len} bytes, fewer than the 8-byte header length",
-            path.display()
-        );
-    }
     // SAFETY: the map is read-only and private to this call; we only read it through `SafeTensors`, which
     // bounds-checks every access. Concurrent truncation of the file by another process is not supported.
     let map = unsafe { Mmap::map(&file) }.with_context(|| format!("memory-mapping {}", path.display()))?;
-    let invalid = |e| anyhow::anyhow!("{} is not a valid safetensors file: {e}", path.display());
-    let (_, header) = SafeTensors::read_metadata(&map).map_err(invalid)?;
-    let tensors = SafeTensors::deserialize(&map).map_err(invalid)?;
+    with_safetensors_bytes(&map, &path.display().to_string(), f)
+}
+
+/// Parses a whole safetensors file held in memory and hands its view and metadata to `f`. `name` names the
+/// file in messages.
+///
+/// `safetensors` bounds the header at 100 MB, requires it to lie inside `bytes` and checks every tensor's
+/// offsets against the length of `bytes`, so a corrupt header cannot make it allocate for data the file
+/// does not hold.
+pub(crate) fn with_safetensors_bytes<R>(
+    bytes: &[u8],
+    name: &str,
+    f: impl FnOnce(&SafeTensors<'_>, &HashMap<String, String>) -> Result<R>,
+) -> Result<R> {
+    if (bytes.len() as u64) < HEADER_LEN_BYTES {
+        bail!(
+            "{name} is not a safetensors file: it has {} bytes, fewer than the 8-byte header length",
+            bytes.len()
+        );
+    }
+    let invalid = |e| anyhow::anyhow!("{name} is not a valid safetensors file: {e}");
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(invalid)?;
+    let tensors = SafeTensors::deserialize(bytes).map_err(invalid)?;
     f(&tensors, header.metadata().as_ref().unwrap_or(&HashMap::new()))
 }
 

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use safetensors::{Dtype, SafeTensors};
 
 use super::model_files::slice;
-use super::tensor_io::{decode_into, with_safetensors, write_tensors, F32View};
+use super::tensor_io::{decode_into, with_safetensors, with_safetensors_bytes, write_tensors, F32View};
 use super::TRAINER_STATE_FILE;
 use crate::model::ParamLayout;
 
@@ -71,15 +71,25 @@ pub fn save_trainer_state(dir: &Path, layout: &ParamLayout, state: &TrainerState
 pub fn load_trainer_state(dir: &Path, layout: &ParamLayout) -> Result<TrainerState> {
     let dir = super::resolve_checkpoint_dir(dir)?;
     let path = dir.join(TRAINER_STATE_FILE);
-    with_safetensors(&path, |st, meta| {
-        let mut state = parse_metadata(meta)?;
-        check_tensor_names(st, layout)?;
-        check_moments(st, layout)?;
-        state.m = read_moment(st, layout, M_PREFIX)?;
-        state.v = read_moment(st, layout, V_PREFIX)?;
-        Ok(state)
-    })
-    .with_context(|| format!("loading {}", path.display()))
+    with_safetensors(&path, |st, meta| read_state(st, meta, layout))
+        .with_context(|| format!("loading {}", path.display()))
+}
+
+/// [`load_trainer_state`] over the file already in memory, with the same checks; lets tests and fuzzers
+/// drive the loader without a file system.
+pub fn load_trainer_state_bytes(bytes: &[u8], layout: &ParamLayout) -> Result<TrainerState> {
+    with_safetensors_bytes(bytes, TRAINER_STATE_FILE, |st, meta| read_state(st, meta, layout))
+        .with_context(|| format!("loading {TRAINER_STATE_FILE}"))
+}
+
+/// Validates everything (metadata, names, shapes, dtypes) before allocating the moments.
+fn read_state(st: &SafeTensors<'_>, meta: &HashMap<String, String>, layout: &ParamLayout) -> Result<TrainerState> {
+    let mut state = parse_metadata(meta)?;
+    check_tensor_names(st, layout)?;
+    check_moments(st, layout)?;
+    state.m = read_moment(st, layout, M_PREFIX)?;
+    state.v = read_moment(st, layout, V_PREFIX)?;
+    Ok(state)
 }
 
 pub(crate) fn check_state(layout: &ParamLayout, state: &TrainerState) -> Result<()> {
