@@ -157,13 +157,36 @@ pub struct TrainArgs {
     pub threads: Option<usize>,
 }
 
+/// Largest `--config` file read: a run's settings fill a few hundred bytes, and the TOML parser allocates
+/// many times the text it is given, so a huge or wrong file is refused before it is read.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The text of a `--config` file, refused with its size when it is over [`MAX_CONFIG_BYTES`].
+fn read_config_text(path: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).with_context(|| format!("reading --config {}", path.display()))?;
+    let mut text = String::new();
+    // Read one byte past the limit, so a file that grows while being read is refused as well.
+    file.take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("reading --config {}", path.display()))?;
+    if text.len() as u64 > MAX_CONFIG_BYTES {
+        bail!(
+            "--config {}: the file is over {} KiB, far more than any run's settings; is it the right file?",
+            path.display(),
+            MAX_CONFIG_BYTES >> 10
+        );
+    }
+    Ok(text)
+}
+
 impl TrainArgs {
     /// Flags over the `--config` file (if any).
     pub fn merged_with_file(self) -> Result<TrainArgs> {
         let Some(path) = self.config.clone() else {
             return Ok(self);
         };
-        let text = std::fs::read_to_string(&path).with_context(|| format!("reading --config {}", path.display()))?;
+        let text = read_config_text(&path)?;
         let file: TrainArgs = toml::from_str(&text).with_context(|| format!("parsing --config {}", path.display()))?;
         let mut merged = serde_json::to_value(&file)?;
         let flags = serde_json::to_value(&self)?;
@@ -346,6 +369,28 @@ fn unit_interval(name: &str, v: f64) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_file_over_the_limit_is_refused_before_parsing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        let mut text = "steps = 3\n".to_string();
+        text.push_str(&"# padding\n".repeat((MAX_CONFIG_BYTES as usize) / 10 + 1));
+        std::fs::write(&path, &text).unwrap();
+        let args = TrainArgs {
+            config: Some(path.clone()),
+            ..TrainArgs::default()
+        };
+        let err = format!("{:#}", args.merged_with_file().unwrap_err());
+        assert!(err.contains("over 1024 KiB"), "{err}");
+        // The same settings in a file of normal size are read.
+        std::fs::write(&path, "steps = 3\n").unwrap();
+        let args = TrainArgs {
+            config: Some(path),
+            ..TrainArgs::default()
+        };
+        assert_eq!(args.merged_with_file().unwrap().steps, Some(3));
+    }
 
     /// No flags: the trainer's defaults, which are the values the command line has always resolved.
     #[test]
