@@ -12,7 +12,7 @@ pub const DEFAULT_BATCH_SIZE: usize = 8;
 
 /// Sequences per micro-batch per rank by default for the `small` preset: 64 of 128 tokens, as nanoGPT's
 /// character-level preset trains on 64 sequences. With 8, consecutive batches at `small`'s late, low losses
-/// differ by up to 29% on their own (the final model held fixed already scores consecutive batches 26% apart:
+/// differ by up to 28% on their own (the final model held fixed already scores consecutive batches 26% apart:
 /// scripts/batch_noise.py), so a 200-step default run showed loss jumps over 20% without any instability;
 /// with 16 or 32 sequences the worst jump was still 23% and 21%, with 64 it is 15% (BENCHMARKS.md, "Default
 /// runs"). `tiny` stays at 8: its default run has no jump over 16%, and it is the test model and the main job.
