@@ -129,9 +129,20 @@ enum BenchCommand {
     },
 }
 
+/// `RUST_LOG` when set; otherwise ringtrain's own warnings (refused peers, a rendezvous still waiting,
+/// checkpoint clean-up failures) and every crate's errors, so what a user must see is never hidden behind a
+/// variable, while the GPU drivers' chatter stays out.
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    match std::env::var("RUST_LOG") {
+        Ok(directives) if !directives.trim().is_empty() => tracing_subscriber::EnvFilter::new(directives),
+        _ => tracing_subscriber::EnvFilter::new("error,ringtrain=warn"),
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(log_filter())
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

@@ -75,6 +75,10 @@ pub enum Control {
     /// Any rank → a peer it turns away (a hello that does not match, a rank already taken, a certificate
     /// other than the pinned one), naming why.
     Refused { reason: String },
+    /// Rank 0 → the ranks that have joined, while others are still missing: who is missing and any peer
+    /// that failed authentication meanwhile, so every rank can say what it is waiting for long before the
+    /// rendezvous times out.
+    Waiting { note: String },
     /// Ring link opener → its right neighbour.
     PeerHello { job_id: u64, rank: usize },
     /// A rank leaving cleanly after its last collective → rank 0.

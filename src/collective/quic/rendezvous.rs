@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::auth::{check_pinned, dial, peer_fingerprint, Fingerprint};
 use super::framing::{control_frame, read_control};
 use super::links::Ring;
-use super::listener::{Cause, Joined, Listener};
+use super::listener::{Cause, Joined, Listener, Refusals};
 use super::messages::{Control, Hello};
 use super::{local, QuicConfig};
 use crate::collective::frame::PROTOCOL_VERSION;
@@ -84,9 +84,14 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
     let me = hello(cfg);
     let mut slots: Vec<Option<Joined>> = (0..n).map(|_| None).collect();
     let mut joined = 0;
+    let mut progress = Progress::new();
     while joined < n - 1 {
         let j = tokio::select! {
             j = listener.next() => j.ok_or_else(|| local("rendezvous listener stopped"))?,
+            _ = tokio::time::sleep_until(progress.next_report) => {
+                progress.report(cfg, &mut slots, &listener.refusals).await;
+                continue;
+            }
             _ = tokio::time::sleep_until(deadline) => {
                 let missing: Vec<usize> = (1..n).filter(|&r| slots[r].is_none()).collect();
                 let mut reason = format!("rendezvous timed out after {:?}: ranks {missing:?} did not join",
@@ -135,6 +140,60 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
     Ok(slots)
 }
 
+/// How long the rendezvous waits quietly before saying what it is waiting for, and then how often it looks
+/// again (it speaks again only when the answer changed).
+const PROGRESS_EVERY: Duration = Duration::from_secs(3);
+
+/// Rank 0's reports of a rendezvous that is taking long: who is missing, and which peers failed
+/// authentication meanwhile (the usual reason a rank "did not join"). Logged on rank 0 and sent to every
+/// rank that has joined, each time the answer changes.
+struct Progress {
+    next_report: Instant,
+    last_note: String,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            next_report: Instant::now() + PROGRESS_EVERY,
+            last_note: String::new(),
+        }
+    }
+
+    async fn report(&mut self, cfg: &QuicConfig, slots: &mut [Option<Joined>], refusals: &Refusals) {
+        self.next_report = Instant::now() + PROGRESS_EVERY;
+        let note = waiting_note(slots, &refusals.wrong_secret());
+        if note == self.last_note {
+            return;
+        }
+        tracing::warn!("rank 0: rendezvous: {note}");
+        let frame = control_frame(cfg.job_id, &Control::Waiting { note: note.clone() });
+        for j in slots.iter_mut().flatten() {
+            // A rank that cannot be told now hears the outcome with the welcome or the refusal.
+            let _ = tokio::time::timeout(Duration::from_secs(1), j.send.write_all(&frame)).await;
+        }
+        self.last_note = note;
+    }
+}
+
+/// What the rendezvous is waiting for: the missing ranks, and the peers refused for another secret.
+fn waiting_note(slots: &[Option<Joined>], wrong_secret: &[SocketAddr]) -> String {
+    let missing: Vec<usize> = (1..slots.len()).filter(|&r| slots[r].is_none()).collect();
+    let mut note = format!(
+        "still waiting for ranks {missing:?} ({} of {} have joined)",
+        slots.len() - missing.len(),
+        slots.len()
+    );
+    if !wrong_secret.is_empty() {
+        let list: Vec<String> = wrong_secret.iter().map(|a| a.to_string()).collect();
+        note.push_str(&format!(
+            "; a peer at {} failed authentication (started with another cluster secret?)",
+            list.join(", ")
+        ));
+    }
+    note
+}
+
 /// The connection to rank 0 that a joining rank keeps as its control plane.
 pub(super) struct HostLink {
     pub(super) conn: Connection,
@@ -154,10 +213,16 @@ pub(super) async fn join(
     send.write_all(&control_frame(cfg.job_id, &Control::Hello(hello(cfg))))
         .await
         .map_err(|e| local(format!("rendezvous: {e}")))?;
-    let reply = tokio::time::timeout_at(deadline, read_control(&mut recv, None))
-        .await
-        .map_err(|_| local("rendezvous timed out waiting for the other ranks"))?
-        .map_err(|e| local(format!("rendezvous with rank 0: {e}")))?;
+    let reply = loop {
+        let reply = tokio::time::timeout_at(deadline, read_control(&mut recv, None))
+            .await
+            .map_err(|_| local("rendezvous timed out waiting for the other ranks"))?
+            .map_err(|e| local(format!("rendezvous with rank 0: {e}")))?;
+        match reply {
+            Control::Waiting { note } => tracing::warn!("rank {}: rendezvous: {note}", cfg.rank),
+            other => break other,
+        }
+    };
     let ring = welcomed_ring(reply, cfg.world)?;
     // Rank 0's entry must be the certificate it presented to this connection, the control plane.
     check_pinned(&conn, 0, &ring.certs[0]).map_err(|e| local(format!("rendezvous: {e}")))?;
@@ -172,8 +237,30 @@ async fn dial_host(
     key: &[u8; 32],
     deadline: Instant,
 ) -> Result<(Connection, SendStream, RecvStream)> {
+    // Said once, after a few seconds without an answer: rank 0 may just be starting, but a wrong address or
+    // a rank 0 that refused to start would otherwise look like silence until the timeout. An attempt to an
+    // address where nothing listens only ends at the idle timeout, so the notice does not wait for it.
+    let quiet_until = Instant::now() + PROGRESS_EVERY;
+    let mut told = false;
+    let mut last_error = String::from("no answer yet");
     loop {
-        let attempt = tokio::time::timeout_at(deadline, dial(endpoint, cfg.master, key)).await;
+        let attempt = tokio::time::timeout_at(deadline, dial(endpoint, cfg.master, key));
+        tokio::pin!(attempt);
+        let attempt = loop {
+            tokio::select! {
+                a = &mut attempt => break a,
+                _ = tokio::time::sleep_until(quiet_until), if !told => {
+                    told = true;
+                    tracing::warn!(
+                        "rank {}: rendezvous: rank 0 at {} has not answered for {:?} ({last_error}); retrying \
+                         until the rendezvous times out",
+                        cfg.rank,
+                        cfg.master,
+                        PROGRESS_EVERY
+                    );
+                }
+            }
+        };
         match attempt {
             Err(_) => return Err(local(format!("rendezvous with rank 0 at {} timed out", cfg.master))),
             Ok(Ok(c)) => return Ok(c),
@@ -185,6 +272,7 @@ async fn dial_host(
                 if Instant::now() + Duration::from_millis(200) >= deadline {
                     return Err(local(format!("rendezvous with rank 0 at {} failed: {e}", cfg.master)));
                 }
+                last_error = e;
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
