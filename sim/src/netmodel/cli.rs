@@ -47,6 +47,12 @@ pub fn run(cli: &Cli, model: &ModelConfig, options: &TrainOptions, backends: &[B
     let p = predict_step(model, &options, cli.workers, &net, &profile, DEFAULT_SUB_CHUNK)?;
     println!("network {} | compute {}", net.name, profile.source);
     println!(
+        "compute profile | forward {:.1} ms | backward {:.1} ms | update {:.1} ms (all parameters) per micro-batch",
+        profile.forward_s() * 1e3,
+        profile.backward_s() * 1e3,
+        profile.update_s * 1e3
+    );
+    println!(
         "predicted step | workers {} | {} update | compute {:.1} ms | communication {:.1} ms | exposed communication {:.1} ms | step {:.1} ms | {:.0} tokens/s",
         cli.workers,
         options.update.as_str(),

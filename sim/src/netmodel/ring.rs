@@ -8,8 +8,9 @@
 //!
 //! Costs (see [`super::network::Link`]): a message occupies its sender for `size/β + size·γ` and arrives
 //! `α` later. A rank's sends leave one at a time, phase by phase and sub-chunk by sub-chunk, as the
-//! engine's `poll_transmit` hands them out; a rank is done when its own last send has left and its last
-//! receive has arrived.
+//! engine's `poll_transmit` hands them out and the QUIC transport carries them on its one data stream per
+//! link; a rank is done when its own last send has left and its last receive has arrived. No other flow
+//! shares the link: the ring sends one flow per hop and `CommThread` runs one collective at a time.
 //!
 //! With uniform links, equal chunks of `m` sub-chunks of `s` bytes, `t = s/β + s·γ` and equal start
 //! times, this gives `T = max(P·m·t + α, (m-1)·t + P·(α + t))`: bandwidth-bound when `α ≤ (m-1)·t`
