@@ -278,3 +278,72 @@ fn bad_inputs_are_errors() {
     assert!(predict_step(&model, &options, 100_000, &net, &profile, 1024).is_err());
     assert!(predict_step(&model, &options, 4, &net, &profile, 0).is_err());
 }
+
+/// The acceptance command, with given compute so that no model runs: it prints its prediction
+/// well within 5 minutes, and the flags' errors are named.
+#[test]
+fn timing_only_command_prints_a_prediction_for_1024_workers() {
+    let bin = env!("CARGO_BIN_EXE_ringtrain-sim");
+    let started = Instant::now();
+    let out = std::process::Command::new(bin)
+        .args([
+            "--timing-only",
+            "--workers",
+            "1024",
+            "--model",
+            "gpt2",
+            "--network",
+            "wan",
+        ])
+        .args(["--compute-ms", "forward=20,backward=40,update=3", "--bucket-mb", "50"])
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("predicted step"))
+        .expect("a prediction line");
+    for field in [
+        "workers 1024",
+        "compute",
+        "communication",
+        "exposed communication",
+        "step",
+        "tokens/s",
+    ] {
+        assert!(line.contains(field), "{field} missing: {line}");
+    }
+    assert!(took.as_secs() < 60, "took {took:?}");
+    for (args, says) in [
+        (vec!["--timing-only"], "needs --network"),
+        (vec!["--network", "wan"], "only apply with --timing-only"),
+        (
+            vec!["--timing-only", "--network", "token-ring"],
+            "unknown network preset",
+        ),
+        (
+            vec!["--timing-only", "--network", "wan", "--compute-ms", "forward=1"],
+            "both required",
+        ),
+        (
+            vec![
+                "--timing-only",
+                "--network",
+                "wan",
+                "--compute-ms",
+                "forward=1,backward=x",
+            ],
+            "not a number",
+        ),
+        (
+            vec!["--timing-only", "--network", "wan", "--bucket-mb", "0"],
+            "positive",
+        ),
+    ] {
+        let out = std::process::Command::new(bin).args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{args:?}: {stderr}");
+    }
+}

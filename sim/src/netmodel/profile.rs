@@ -122,13 +122,12 @@ impl ComputeProfile {
         for _ in 0..=steps {
             model.zero_grads(be);
             be.synchronize()?;
-            let mut forward = Vec::new();
+            let mut forward: Vec<Segment> = Vec::new();
             let mut mark = Instant::now();
             model.forward_train(be, inputs, targets, batch, seq, Some(dloss), &mut |be, upto| {
                 be.synchronize()?;
                 if let Some(last) = forward.last_mut() {
-                    let Segment { seconds, .. } = last;
-                    *seconds = mark.elapsed().as_secs_f64();
+                    last.seconds = mark.elapsed().as_secs_f64();
                 }
                 forward.push(Segment {
                     bound: upto,
