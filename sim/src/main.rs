@@ -57,7 +57,7 @@ struct Cli {
     /// Given compute per micro-batch instead of measuring it: forward=MS,backward=MS[,update=MS]
     #[arg(long)]
     compute_ms: Option<String>,
-    /// Gradient bucket size in MiB (the trainer's --bucket-mb)
+    /// Gradient bucket size in MiB for --timing-only (the trainer's --bucket-mb)
     #[arg(long)]
     bucket_mb: Option<f64>,
 }
@@ -137,7 +137,7 @@ fn real_main() -> Result<ExitCode> {
         verify_every: 1,
         ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
-    if cli.timing_only || cli.network.is_some() || cli.compute_ms.is_some() {
+    if cli.timing_only || cli.network.is_some() || cli.compute_ms.is_some() || cli.bucket_mb.is_some() {
         return timing::run(&cli, &model, &options, &backends);
     }
     let cfg = SimConfig {

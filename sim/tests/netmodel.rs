@@ -319,6 +319,7 @@ fn timing_only_command_prints_a_prediction_for_1024_workers() {
     for (args, says) in [
         (vec!["--timing-only"], "needs --network"),
         (vec!["--network", "wan"], "only apply with --timing-only"),
+        (vec!["--bucket-mb", "5"], "only apply with --timing-only"),
         (
             vec!["--timing-only", "--network", "token-ring"],
             "unknown network preset",

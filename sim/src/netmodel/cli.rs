@@ -15,11 +15,14 @@ const MEASURED_PASSES: usize = 2;
 
 pub fn run(cli: &Cli, model: &ModelConfig, options: &TrainOptions, backends: &[BackendChoice]) -> Result<ExitCode> {
     if !cli.timing_only {
-        bail!("--network and --compute-ms only apply with --timing-only");
+        bail!("--network, --compute-ms and --bucket-mb only apply with --timing-only");
     }
     let Some(spec) = &cli.network else {
         bail!("--timing-only needs --network (a preset or latency=..,bandwidth=..)")
     };
+    if !cli.fault.is_empty() || cli.transport != "mem" {
+        bail!("--timing-only models the fabric given by --network: --fault and --transport do not apply");
+    }
     let net = Network::parse(spec)?;
     let mut options = options.clone();
     if let Some(mb) = cli.bucket_mb {
