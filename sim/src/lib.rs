@@ -6,6 +6,8 @@
 //! sharded update the replicas stay bit-identical even then, because every parameter chunk is computed by
 //! one owner and copied byte for byte.
 
+pub mod netmodel;
+
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;

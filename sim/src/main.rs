@@ -10,6 +10,10 @@ use ringtrain_sim::{run, SimConfig, Transport};
 use std::process::ExitCode;
 use std::time::Duration;
 
+// The --timing-only branch: flags to the library's network model (binary-only, next to the model).
+#[path = "netmodel/cli.rs"]
+mod timing;
+
 #[derive(Parser)]
 #[command(
     name = "ringtrain-sim",
@@ -43,6 +47,19 @@ struct Cli {
     /// Per-collective deadline, seconds
     #[arg(long, default_value_t = 30.0)]
     timeout: f64,
+    /// Predict step times on a modelled fabric instead of training (needs --network)
+    #[arg(long)]
+    timing_only: bool,
+    /// Fabric for --timing-only: a preset (10gbe, 100gbe-quic, ib-hdr100, wan, dgx) or
+    /// latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..]
+    #[arg(long)]
+    network: Option<String>,
+    /// Given compute per micro-batch instead of measuring it: forward=MS,backward=MS[,update=MS]
+    #[arg(long)]
+    compute_ms: Option<String>,
+    /// Gradient bucket size in MiB for --timing-only (the trainer's --bucket-mb)
+    #[arg(long)]
+    bucket_mb: Option<f64>,
 }
 
 fn parse_pair(v: &str, what: &str) -> Result<(usize, u64)> {
@@ -120,6 +137,9 @@ fn real_main() -> Result<ExitCode> {
         verify_every: 1,
         ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
+    if cli.timing_only || cli.network.is_some() || cli.compute_ms.is_some() || cli.bucket_mb.is_some() {
+        return timing::run(&cli, &model, &options, &backends);
+    }
     let cfg = SimConfig {
         workers: cli.workers,
         backends,

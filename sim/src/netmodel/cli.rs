@@ -1,0 +1,93 @@
+//! `ringtrain-sim --timing-only --network NET [--compute-ms ...]`: translates the flags into the network
+//! model's inputs and prints the prediction. Part of the binary, not of the library.
+
+use super::Cli;
+use anyhow::{bail, Context, Result};
+use ringtrain::backend::factory::{self, BackendChoice};
+use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
+use ringtrain::model::ModelConfig;
+use ringtrain::trainer::{bucket_elems, TrainOptions};
+use ringtrain_sim::netmodel::{predict_step, ComputeProfile, Network};
+use std::process::ExitCode;
+
+/// Forward and backward passes timed per layer when no `--compute-ms` is given.
+const MEASURED_PASSES: usize = 2;
+
+pub fn run(cli: &Cli, model: &ModelConfig, options: &TrainOptions, backends: &[BackendChoice]) -> Result<ExitCode> {
+    if !cli.timing_only {
+        bail!("--network, --compute-ms and --bucket-mb only apply with --timing-only");
+    }
+    let Some(spec) = &cli.network else {
+        bail!("--timing-only needs --network (a preset or latency=..,bandwidth=..)")
+    };
+    if !cli.fault.is_empty() || cli.transport != "mem" {
+        bail!("--timing-only models the fabric given by --network: --fault and --transport do not apply");
+    }
+    let net = Network::parse(spec)?;
+    let mut options = options.clone();
+    if let Some(mb) = cli.bucket_mb {
+        if !(mb.is_finite() && mb > 0.0) {
+            bail!("--bucket-mb must be a positive number of MiB");
+        }
+        options.bucket_elems = bucket_elems(mb);
+    }
+    let profile = match &cli.compute_ms {
+        Some(given) => given_profile(model, given)?,
+        None => {
+            let choice = backends.first().copied().unwrap_or(BackendChoice::Cpu);
+            let (mut be, _) = factory::open(choice, 0).with_context(|| format!("{choice}"))?;
+            eprintln!("measuring per-layer compute on {choice} ({MEASURED_PASSES} passes after a warm-up)...");
+            ComputeProfile::measure(
+                &mut be,
+                &choice.to_string(),
+                model,
+                options.batch_size,
+                options.seq_len,
+                MEASURED_PASSES,
+            )?
+        }
+    };
+    let p = predict_step(model, &options, cli.workers, &net, &profile, DEFAULT_SUB_CHUNK)?;
+    println!("network {} | compute {}", net.name, profile.source);
+    println!(
+        "compute profile | forward {:.1} ms | backward {:.1} ms | update {:.1} ms (all parameters) per micro-batch",
+        profile.forward_s() * 1e3,
+        profile.backward_s() * 1e3,
+        profile.update_s * 1e3
+    );
+    println!(
+        "predicted step | workers {} | {} update | compute {:.1} ms | communication {:.1} ms | exposed communication {:.1} ms | step {:.1} ms | {:.0} tokens/s",
+        cli.workers,
+        options.update.as_str(),
+        p.compute_s * 1e3,
+        p.comm_s * 1e3,
+        p.exposed_s * 1e3,
+        p.step_s * 1e3,
+        p.tokens_per_s
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `forward=MS,backward=MS[,update=MS]`.
+fn given_profile(model: &ModelConfig, spec: &str) -> Result<ComputeProfile> {
+    let (mut forward, mut backward, mut update) = (None, None, 0.0);
+    for field in spec.split(',') {
+        let Some((key, value)) = field.split_once('=') else {
+            bail!("--compute-ms {spec:?}: field {field:?} is not KEY=MS")
+        };
+        let ms: f64 = value
+            .trim()
+            .parse()
+            .with_context(|| format!("--compute-ms {key}={value}: not a number of milliseconds"))?;
+        match key.trim() {
+            "forward" => forward = Some(ms / 1e3),
+            "backward" => backward = Some(ms / 1e3),
+            "update" => update = ms / 1e3,
+            other => bail!("--compute-ms: unknown field {other:?} (expected forward, backward, update)"),
+        }
+    }
+    let (Some(f), Some(b)) = (forward, backward) else {
+        bail!("--compute-ms {spec:?}: forward= and backward= are both required")
+    };
+    ComputeProfile::given(model, f, b, update)
+}

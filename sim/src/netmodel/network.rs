@@ -1,0 +1,261 @@
+//! Links and fabrics: what one ring hop costs in virtual time.
+//!
+//! A message of `s` bytes sent over a [`Link`] occupies its sender for `s / bandwidth + s · cpu_per_byte`
+//! (serialisation on the wire plus the sender's CPU work per byte: on the reference machine the QUIC ring is
+//! CPU-bound, see BENCHMARKS.md "All-reduce CPU cost") and arrives `latency` after it leaves. A [`Network`]
+//! is one link kind for every hop, or two tiers: `hosts_of` consecutive ranks share a host joined by the
+//! intra-host link, and hosts are joined by the inter-host link. The ring runs in rank order, so hop
+//! `r → r+1` is intra-host exactly when both ranks are on the same host.
+
+use anyhow::{bail, Context, Result};
+
+/// One kind of hop.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    /// Seconds from a message leaving its sender to its arrival (α).
+    pub latency_s: f64,
+    /// Bytes per second on the wire (β).
+    pub bandwidth_bytes_per_s: f64,
+    /// Seconds of sender CPU per byte sent (γ), serial with the wire time.
+    pub cpu_s_per_byte: f64,
+}
+
+impl Link {
+    /// How long a message of `bytes` occupies its sender.
+    pub fn occupancy_s(&self, bytes: f64) -> f64 {
+        bytes / self.bandwidth_bytes_per_s + bytes * self.cpu_s_per_byte
+    }
+}
+
+/// The fabric of a virtual cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Network {
+    /// What the description was (a preset name or the spec), for reports.
+    pub name: String,
+    /// Between hosts, or every hop when `intra` is `None`.
+    pub inter: Link,
+    /// `(ranks per host, link inside a host)`.
+    pub intra: Option<(usize, Link)>,
+}
+
+/// Gigabits per second in bytes per second.
+const fn gbit(g: f64) -> f64 {
+    g * 1e9 / 8.0
+}
+
+/// The named fabrics. Figures are nominal line rates and typical one-way latencies; the CPU term is the
+/// reference machine's measured QUIC ring cost where a preset models it, zero where the fabric's own
+/// transport (RDMA, NVLink) does not touch the CPU per byte.
+pub const PRESETS: &[(&str, &str)] = &[
+    ("10gbe", "10 Gb/s Ethernet, 50 µs, no CPU term"),
+    (
+        "100gbe-quic",
+        "100 Gb/s Ethernet, 20 µs, with the measured QUIC CPU cost per byte",
+    ),
+    ("ib-hdr100", "100 Gb/s InfiniBand HDR100, 2 µs, RDMA (no CPU term)"),
+    ("wan", "1 Gb/s WAN, 30 ms"),
+    (
+        "dgx",
+        "8 ranks per host on 300 GB/s NVLink (2 µs), hosts on 200 Gb/s InfiniBand (2 µs)",
+    ),
+];
+
+/// Seconds of CPU per byte sent by a rank of the QUIC ring on the reference 2-core machine: BENCHMARKS.md
+/// "All-reduce CPU cost" measures 145–154 ms of CPU over both ranks for one 64 MiB all-reduce at N=2, in
+/// which each rank sends (and receives) 64 MiB: about 75 ms / 67.1 MB ≈ 1.1 ns per byte, receive side and
+/// sum included.
+pub const QUIC_CPU_S_PER_BYTE: f64 = 1.1e-9;
+
+impl Network {
+    /// A uniform fabric.
+    pub fn uniform(name: &str, link: Link) -> Self {
+        Network {
+            name: name.to_string(),
+            inter: link,
+            intra: None,
+        }
+    }
+
+    /// A named fabric (see [`PRESETS`]).
+    ///
+    /// Sources: Ethernet and InfiniBand line rates are the IEEE 802.3ae (10GBASE) / 802.3ba (100GBASE) and
+    /// InfiniBand Trade Association HDR figures; the latencies are the order of magnitude vendors quote for
+    /// a switched hop (tens of µs for kernel TCP/UDP, ~1-2 µs for RDMA). NVLink 3 gives 300 GB/s per
+    /// direction per A100 (NVIDIA A100 datasheet). The WAN figure is the example link.
+    pub fn preset(name: &str) -> Result<Self> {
+        let link = |lat_us: f64, gbps: f64, cpu: f64| Link {
+            latency_s: lat_us * 1e-6,
+            bandwidth_bytes_per_s: gbit(gbps),
+            cpu_s_per_byte: cpu,
+        };
+        Ok(match name {
+            "10gbe" => Self::uniform(name, link(50.0, 10.0, 0.0)),
+            "100gbe-quic" => Self::uniform(name, link(20.0, 100.0, QUIC_CPU_S_PER_BYTE)),
+            "ib-hdr100" => Self::uniform(name, link(2.0, 100.0, 0.0)),
+            "wan" => Self::uniform(name, link(30_000.0, 1.0, 0.0)),
+            "dgx" => Network {
+                name: name.to_string(),
+                inter: link(2.0, 200.0, 0.0),
+                intra: Some((8, link(2.0, 300.0 * 8.0, 0.0))),
+            },
+            other => bail!(
+                "unknown network preset {other:?}: expected one of {}, or latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..]",
+                PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+            ),
+        })
+    }
+
+    /// A preset name, or `latency=30ms,bandwidth=1Gbit[,cpu-per-byte=0.9ns][,hosts-of=8,intra-latency=2us,
+    /// intra-bandwidth=100Gbit]`. Times take `s`, `ms`, `us` or `ns`; bandwidths `Gbit`, `Mbit`, `GB` or `MB`
+    /// (per second).
+    pub fn parse(spec: &str) -> Result<Self> {
+        if !spec.contains('=') {
+            return Self::preset(spec.trim());
+        }
+        let (mut latency, mut bandwidth, mut cpu) = (None, None, 0.0);
+        let (mut hosts_of, mut intra_latency, mut intra_bandwidth) = (None, None, None);
+        for field in spec.split(',') {
+            let Some((key, value)) = field.split_once('=') else {
+                bail!("--network {spec:?}: field {field:?} is not KEY=VALUE")
+            };
+            let (key, value) = (key.trim(), value.trim());
+            let what = || format!("--network {key}={value}");
+            match key {
+                "latency" => latency = Some(seconds(value).with_context(what)?),
+                "bandwidth" => bandwidth = Some(bytes_per_s(value).with_context(what)?),
+                "cpu-per-byte" => cpu = seconds(value).with_context(what)?,
+                "hosts-of" => {
+                    let n: usize = value.parse().with_context(what)?;
+                    if n == 0 {
+                        bail!("{}: a host holds at least one rank", what());
+                    }
+                    hosts_of = Some(n);
+                }
+                "intra-latency" => intra_latency = Some(seconds(value).with_context(what)?),
+                "intra-bandwidth" => intra_bandwidth = Some(bytes_per_s(value).with_context(what)?),
+                other => bail!(
+                    "--network: unknown field {other:?} (expected latency, bandwidth, cpu-per-byte, hosts-of, intra-latency, intra-bandwidth)"
+                ),
+            }
+        }
+        let (Some(latency_s), Some(bandwidth_bytes_per_s)) = (latency, bandwidth) else {
+            bail!("--network {spec:?}: latency= and bandwidth= are both required")
+        };
+        let inter = Link {
+            latency_s,
+            bandwidth_bytes_per_s,
+            cpu_s_per_byte: cpu,
+        };
+        let intra = match (hosts_of, intra_latency, intra_bandwidth) {
+            (None, None, None) => None,
+            (Some(n), Some(latency_s), Some(bandwidth_bytes_per_s)) => Some((
+                n,
+                Link {
+                    latency_s,
+                    bandwidth_bytes_per_s,
+                    cpu_s_per_byte: cpu,
+                },
+            )),
+            _ => bail!("--network {spec:?}: hosts-of, intra-latency and intra-bandwidth go together"),
+        };
+        Ok(Network {
+            name: spec.to_string(),
+            inter,
+            intra,
+        })
+    }
+
+    /// The link of hop `rank → rank+1 mod world`.
+    pub fn hop(&self, rank: usize, world: usize) -> Link {
+        match self.intra {
+            Some((per_host, intra)) if rank / per_host == ((rank + 1) % world) / per_host => intra,
+            _ => self.inter,
+        }
+    }
+}
+
+/// Splits `"30ms"` into `(30.0, "ms")`.
+fn number_and_unit(value: &str) -> Result<(f64, &str)> {
+    let split = value
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == '-' || c == '+'))
+        .unwrap_or(value.len());
+    let (num, unit) = value.split_at(split);
+    let x: f64 = num
+        .parse()
+        .with_context(|| format!("{value:?} does not start with a number"))?;
+    if !(x.is_finite() && x >= 0.0) {
+        bail!("{value:?} must be a finite, non-negative number");
+    }
+    Ok((x, unit.trim()))
+}
+
+fn seconds(value: &str) -> Result<f64> {
+    let (x, unit) = number_and_unit(value)?;
+    let scale = match unit {
+        "s" => 1.0,
+        "ms" => 1e-3,
+        "us" | "µs" => 1e-6,
+        "ns" => 1e-9,
+        _ => bail!("{value:?}: a time needs a unit: s, ms, us or ns"),
+    };
+    Ok(x * scale)
+}
+
+fn bytes_per_s(value: &str) -> Result<f64> {
+    let (x, unit) = number_and_unit(value)?;
+    let scale = match unit {
+        "Gbit" | "Gbps" => 1e9 / 8.0,
+        "Mbit" | "Mbps" => 1e6 / 8.0,
+        "GB" => 1e9,
+        "MB" => 1e6,
+        _ => bail!("{value:?}: a bandwidth needs a unit: Gbit, Mbit, GB or MB (per second)"),
+    };
+    if x == 0.0 {
+        bail!("{value:?}: bandwidth must be positive");
+    }
+    Ok(x * scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_parses_and_spec_units_convert() {
+        for (name, _) in PRESETS {
+            assert_eq!(&Network::parse(name).unwrap().name, name);
+        }
+        let n = Network::parse("latency=30ms,bandwidth=1Gbit,cpu-per-byte=0.5ns").unwrap();
+        assert!((n.inter.latency_s - 0.03).abs() < 1e-12);
+        assert!((n.inter.bandwidth_bytes_per_s - 1.25e8).abs() < 1e-3);
+        assert!((n.inter.cpu_s_per_byte - 0.5e-9).abs() < 1e-18);
+        assert_eq!(n.intra, None);
+    }
+
+    #[test]
+    fn tiers_put_consecutive_ranks_on_a_host() {
+        let n =
+            Network::parse("latency=1ms,bandwidth=1Gbit,hosts-of=4,intra-latency=1us,intra-bandwidth=10GB").unwrap();
+        let intra = n.intra.unwrap().1;
+        assert_eq!(n.hop(0, 8), intra);
+        assert_eq!(n.hop(3, 8), n.inter, "3 → 4 leaves host 0");
+        assert_eq!(n.hop(7, 8), n.inter, "7 → 0 wraps to host 0");
+        assert_eq!(n.hop(3, 4), intra, "one host: the wrap stays inside");
+    }
+
+    #[test]
+    fn bad_specs_are_named() {
+        for (spec, says) in [
+            ("infiniband", "unknown network preset"),
+            ("latency=1ms", "both required"),
+            ("latency=1,bandwidth=1Gbit", "needs a unit"),
+            ("latency=1ms,bandwidth=0Gbit", "positive"),
+            ("latency=1ms,bandwidth=1Gbit,hosts-of=8", "go together"),
+            ("latency=1ms,bandwidth=1Gbit,jitter=2ms", "unknown field"),
+            ("latency=-1ms,bandwidth=1Gbit", "non-negative"),
+        ] {
+            let err = format!("{:#}", Network::parse(spec).unwrap_err());
+            assert!(err.contains(says), "{spec}: {err}");
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! One ring collective in virtual time, every rank and every message.
+//!
+//! The model follows the engine of `ringtrain::collective::ring`: the buffer is cut into N chunks
+//! (`chunk_range`), each chunk into sub-chunks of at most `sub_chunk` elements, and a collective runs
+//! `P` phases (`N-1` for reduce-scatter and all-gather, `2(N-1)` for all-reduce). In phase `p` rank `r`
+//! sends one chunk to `r+1`; sub-chunk `j` of it may leave once sub-chunk `j` of the previous phase has
+//! arrived from `r-1` (it is the same chunk travelling on), so sub-chunks pipeline through the phases.
+//!
+//! Costs (see [`super::network::Link`]): a message occupies its sender for `size/β + size·γ` and arrives
+//! `α` later. A rank's sends leave one at a time, phase by phase and sub-chunk by sub-chunk, as the
+//! engine's `poll_transmit` hands them out and the QUIC transport carries them on its one data stream per
+//! link; a rank is done when its own last send has left and its last receive has arrived. No other flow
+//! shares the link: the ring sends one flow per hop and `CommThread` runs one collective at a time.
+//!
+//! With uniform links, equal chunks of `m` sub-chunks of `s` bytes, `t = s/β + s·γ` and equal start
+//! times, this gives `T = max(P·m·t + α, (m-1)·t + P·(α + t))`: bandwidth-bound when `α ≤ (m-1)·t`
+//! (the link never idles), latency-bound otherwise (each phase waits for the first sub-chunk to cross).
+//! With `m = 1` both are `P·(α + t)`, i.e. `2(N-1)·α + 2(N-1)/N·S·(1/β + γ)` for an all-reduce of `S`
+//! bytes. The tests check these forms; the simulation itself also covers uneven chunks, two-tier
+//! fabrics and ranks that start at different times.
+//!
+//! Cost: `P · N · m` steps per collective; `m ≤ S/(N·sub_chunk) + 1`, so it is at most about
+//! `2·N² + 2·S/sub_chunk`: 2 M steps for N = 1024.
+
+use super::network::{Link, Network};
+use ringtrain::collective::chunk_range;
+
+/// Which collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingKind {
+    ReduceScatter,
+    AllGather,
+    AllReduce,
+}
+
+/// One collective over a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingShape {
+    pub kind: RingKind,
+    /// Elements in the whole buffer.
+    pub elems: usize,
+    /// Bytes per element (4 for f32 gradients).
+    pub elem_bytes: usize,
+    /// Largest sub-chunk in elements (the transport's `sub_chunk`).
+    pub sub_chunk: usize,
+}
+
+impl RingShape {
+    fn phases(&self, world: usize) -> usize {
+        match self.kind {
+            RingKind::ReduceScatter | RingKind::AllGather => world - 1,
+            RingKind::AllReduce => 2 * (world - 1),
+        }
+    }
+
+    /// The chunk rank `rank` sends in phase `phase` (the engine's module doc): reduce-scatter phase `p`
+    /// sends `r-1-p`, all-gather phase `q` sends `r-q`.
+    fn chunk_sent(&self, world: usize, rank: usize, phase: usize) -> usize {
+        let reduce_phases = match self.kind {
+            RingKind::ReduceScatter | RingKind::AllReduce => world - 1,
+            RingKind::AllGather => 0,
+        };
+        let back = if phase < reduce_phases {
+            1 + phase
+        } else {
+            phase - reduce_phases
+        };
+        (rank + world * 2 - back % world) % world
+    }
+
+    /// Bytes of sub-chunk `sub` of chunk `chunk`.
+    fn sub_bytes(&self, world: usize, chunk: usize, sub: usize) -> f64 {
+        let len = chunk_range(self.elems, world, chunk).len();
+        let sub_len = (len - sub * self.sub_chunk).min(self.sub_chunk);
+        (sub_len * self.elem_bytes) as f64
+    }
+
+    fn subs(&self, world: usize, chunk: usize) -> usize {
+        chunk_range(self.elems, world, chunk)
+            .len()
+            .div_ceil(self.sub_chunk.max(1))
+    }
+}
+
+/// Runs `shape` over the ring of `start.len()` ranks, rank `r`'s communication thread beginning it at
+/// `start[r]` seconds; returns when each rank is done with it.
+pub fn simulate(net: &Network, shape: &RingShape, start: &[f64]) -> Vec<f64> {
+    let world = start.len();
+    if world <= 1 || shape.elems == 0 {
+        return start.to_vec();
+    }
+    let hops: Vec<Link> = (0..world).map(|r| net.hop(r, world)).collect();
+    let max_subs = chunk_range(shape.elems, world, 0)
+        .len()
+        .div_ceil(shape.sub_chunk.max(1));
+    // [world, max_subs]: when each rank's send of each sub-chunk in the previous / this phase left.
+    let mut sent_prev = vec![0.0f64; world * max_subs];
+    let mut sent_now = vec![0.0f64; world * max_subs];
+    let mut link_free = start.to_vec();
+    let phases = shape.phases(world);
+    for phase in 0..phases {
+        for rank in 0..world {
+            let left = (rank + world - 1) % world;
+            let chunk = shape.chunk_sent(world, rank, phase);
+            for sub in 0..shape.subs(world, chunk) {
+                let ready = if phase == 0 {
+                    start[rank]
+                } else {
+                    sent_prev[left * max_subs + sub] + hops[left].latency_s
+                };
+                let leaves = ready.max(link_free[rank]) + hops[rank].occupancy_s(shape.sub_bytes(world, chunk, sub));
+                link_free[rank] = leaves;
+                sent_now[rank * max_subs + sub] = leaves;
+            }
+        }
+        std::mem::swap(&mut sent_prev, &mut sent_now);
+    }
+    // The last phase's sends: rank r receives what r-1 sent.
+    (0..world)
+        .map(|rank| {
+            let left = (rank + world - 1) % world;
+            let chunk = shape.chunk_sent(world, left, phases - 1);
+            let last_arrival = (0..shape.subs(world, chunk))
+                .map(|sub| sent_prev[left * max_subs + sub] + hops[left].latency_s)
+                .fold(start[rank], f64::max);
+            last_arrival.max(link_free[rank])
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link(latency_s: f64, bandwidth: f64) -> Network {
+        Network::uniform(
+            "test",
+            Link {
+                latency_s,
+                bandwidth_bytes_per_s: bandwidth,
+                cpu_s_per_byte: 0.0,
+            },
+        )
+    }
+
+    #[test]
+    fn chunks_follow_the_engine_order() {
+        let shape = RingShape {
+            kind: RingKind::AllReduce,
+            elems: 12,
+            elem_bytes: 4,
+            sub_chunk: 1,
+        };
+        // Reduce-scatter ends with rank r holding chunk r: its last reduce phase received chunk r.
+        for r in 0..4 {
+            assert_eq!(shape.chunk_sent(4, (r + 3) % 4, 2), r);
+            // The first all-gather phase sends the own chunk.
+            assert_eq!(shape.chunk_sent(4, r, 3), r);
+        }
+    }
+
+    #[test]
+    fn a_late_rank_delays_everyone() {
+        let net = link(1e-3, 1e9);
+        let shape = RingShape {
+            kind: RingKind::AllReduce,
+            elems: 1 << 20,
+            elem_bytes: 4,
+            sub_chunk: 1 << 16,
+        };
+        let on_time = simulate(&net, &shape, &[0.0; 4]);
+        let late = simulate(&net, &shape, &[0.0, 0.0, 0.5, 0.0]);
+        for r in 0..4 {
+            assert!(late[r] > on_time[r] + 0.4, "rank {r}: {} vs {}", late[r], on_time[r]);
+        }
+    }
+}

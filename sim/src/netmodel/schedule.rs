@@ -1,0 +1,166 @@
+//! One training step of every rank in virtual time: compute from a [`ComputeProfile`], collectives from
+//! [`super::ring::simulate`], in the order and with the overlap of `ringtrain::trainer`:
+//!
+//! - forward, then backward, per micro-batch; only the last micro-batch's backward hands buckets over;
+//! - each bucket of the real `BucketPlan` goes to the rank's communication thread once backward has
+//!   finished it, and the thread runs one collective at a time, in plan order (`CommThread`): an
+//!   all-reduce (`replicated`) or a reduce-scatter (`sharded`);
+//! - after backward the rank waits for every bucket, then all-gathers the loss and the norm (16 bytes per
+//!   rank, as `all_reduce_scalars` does) and runs the update (a sharded rank updates its `1/N` share);
+//! - `sharded`: the update is followed by one parameter all-gather per bucket in forward order, not waited
+//!   for; the next step's forward waits at each layer for the buckets that layer reads.
+//!
+//! Every rank is simulated (vectors of N times), so two-tier fabrics and uneven chunks need no symmetry
+//! argument. The report is the last of a few steps, when the sharded gathers have reached their steady
+//! state of overlapping the next forward.
+
+use super::network::Network;
+use super::profile::ComputeProfile;
+use super::ring::{simulate, RingKind, RingShape};
+use ringtrain::trainer::UpdateMode;
+use std::ops::Range;
+
+/// What the step's shape is, from the trainer's options.
+#[derive(Clone, Debug)]
+pub struct StepPlan {
+    /// The trainer's `BucketPlan::buckets`: flat ranges in the order backward finishes them.
+    pub buckets: Vec<Range<usize>>,
+    pub update: UpdateMode,
+    pub world: usize,
+    pub grad_accum: usize,
+    /// The transport's sub-chunk in f32 elements.
+    pub sub_chunk: usize,
+    /// Tokens one rank processes per micro-batch (batch × sequence length).
+    pub tokens_per_micro_batch: usize,
+}
+
+/// One rank's step, in seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepPrediction {
+    /// Forward, backward and update.
+    pub compute_s: f64,
+    /// Time the communication thread spent in this step's collectives.
+    pub comm_s: f64,
+    /// Step time not spent computing: communication that overlap did not hide.
+    pub exposed_s: f64,
+    pub step_s: f64,
+    /// Tokens of the whole job per second.
+    pub tokens_per_s: f64,
+}
+
+/// Steps simulated before the reported one (the first sharded step has no gathers to wait for).
+const WARM_STEPS: usize = 2;
+
+/// Simulates a few steps and returns rank 0's last one.
+pub fn predict(net: &Network, plan: &StepPlan, profile: &ComputeProfile) -> StepPrediction {
+    let mut cluster = Cluster::new(plan.world);
+    let mut last = None;
+    for _ in 0..=WARM_STEPS {
+        last = Some(cluster.step(net, plan, profile));
+    }
+    last.expect("at least one step ran")
+}
+
+/// Per-rank clocks carried from one step to the next.
+struct Cluster {
+    /// When each rank's next step begins.
+    now: Vec<f64>,
+    /// When each rank's communication thread is free.
+    comm_free: Vec<f64>,
+    /// Sharded: parameter gathers in flight, in forward order: (bucket, when each rank has it).
+    gathers: Vec<(Range<usize>, Vec<f64>)>,
+}
+
+impl Cluster {
+    fn new(world: usize) -> Self {
+        Cluster {
+            now: vec![0.0; world],
+            comm_free: vec![0.0; world],
+            gathers: Vec::new(),
+        }
+    }
+
+    /// Runs `kind` over `elems` f32 on every rank once its thread is free and `ready`; returns rank 0's
+    /// busy time.
+    fn collective(
+        &mut self,
+        net: &Network,
+        plan: &StepPlan,
+        kind: RingKind,
+        elems: usize,
+        elem_bytes: usize,
+        ready: &[f64],
+    ) -> f64 {
+        let start: Vec<f64> = ready.iter().zip(&self.comm_free).map(|(r, f)| r.max(*f)).collect();
+        let shape = RingShape {
+            kind,
+            elems,
+            elem_bytes,
+            sub_chunk: plan.sub_chunk,
+        };
+        self.comm_free = simulate(net, &shape, &start);
+        self.comm_free[0] - start[0]
+    }
+
+    fn step(&mut self, net: &Network, plan: &StepPlan, profile: &ComputeProfile) -> StepPrediction {
+        let world = plan.world;
+        let started = self.now[0];
+        let mut comm_s = 0.0;
+        let mut t = self.now.clone();
+        let gathers = std::mem::take(&mut self.gathers);
+        for micro in 0..plan.grad_accum {
+            // Forward: the first micro-batch waits at each layer for the gathers of what it reads.
+            let mut waiting = gathers.iter().peekable();
+            for seg in &profile.forward {
+                while let Some((_, done)) = waiting.next_if(|(range, _)| micro == 0 && range.start < seg.bound) {
+                    t.iter_mut().zip(done).for_each(|(t, d)| *t = t.max(*d));
+                }
+                t.iter_mut().for_each(|t| *t += seg.seconds);
+            }
+            // Backward: the last micro-batch hands each bucket over as it is finished.
+            let mut next = 0;
+            for seg in &profile.backward {
+                t.iter_mut().for_each(|t| *t += seg.seconds);
+                if micro + 1 < plan.grad_accum || world == 1 {
+                    continue;
+                }
+                while plan.buckets.get(next).is_some_and(|b| b.start >= seg.bound) {
+                    let kind = match plan.update {
+                        UpdateMode::Replicated => RingKind::AllReduce,
+                        UpdateMode::Sharded => RingKind::ReduceScatter,
+                    };
+                    comm_s += self.collective(net, plan, kind, plan.buckets[next].len(), 4, &t);
+                    next += 1;
+                }
+            }
+        }
+        // Wait for every bucket, then the scalars (loss and norm: two f64 per rank, gathered).
+        if world > 1 {
+            t.iter_mut().zip(&self.comm_free).for_each(|(t, f)| *t = t.max(*f));
+            comm_s += self.collective(net, plan, RingKind::AllGather, 2 * world, 8, &t);
+            t.clone_from(&self.comm_free);
+        }
+        let share = match plan.update {
+            UpdateMode::Sharded => 1.0 / world as f64,
+            UpdateMode::Replicated => 1.0,
+        };
+        let update_s = profile.update_s * share;
+        t.iter_mut().for_each(|t| *t += update_s);
+        if plan.update == UpdateMode::Sharded && world > 1 {
+            for bucket in plan.buckets.iter().rev() {
+                comm_s += self.collective(net, plan, RingKind::AllGather, bucket.len(), 4, &t);
+                self.gathers.push((bucket.clone(), self.comm_free.clone()));
+            }
+        }
+        self.now = t;
+        let step_s = self.now[0] - started;
+        let compute_s = plan.grad_accum as f64 * (profile.forward_s() + profile.backward_s()) + update_s;
+        StepPrediction {
+            compute_s,
+            comm_s,
+            exposed_s: (step_s - compute_s).max(0.0),
+            step_s,
+            tokens_per_s: (world * plan.tokens_per_micro_batch * plan.grad_accum) as f64 / step_s,
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! The sim's network model: the ring's virtual time against the α-β(-γ) closed forms, with and without
+//! sub-chunk pipelining; bucket overlap against a hand-built schedule; a 1024-rank gpt2 prediction.
+
+use ringtrain::model::ModelConfig;
+use ringtrain::trainer::{TrainOptions, UpdateMode};
+use ringtrain_sim::netmodel::network::{Link, Network};
+use ringtrain_sim::netmodel::predict_step;
+use ringtrain_sim::netmodel::profile::{ComputeProfile, Segment};
+use ringtrain_sim::netmodel::ring::{simulate, RingKind, RingShape};
+use ringtrain_sim::netmodel::schedule::{predict, StepPlan};
+use std::time::Instant;
+
+fn uniform(alpha: f64, beta: f64, gamma: f64) -> Network {
+    Network::uniform(
+        "test",
+        Link {
+            latency_s: alpha,
+            bandwidth_bytes_per_s: beta,
+            cpu_s_per_byte: gamma,
+        },
+    )
+}
+
+fn close(got: f64, want: f64) -> bool {
+    (got - want).abs() <= 1e-9 * want.abs().max(1e-12)
+}
+
+/// Without sub-chunking (one message per chunk) an all-reduce of S bytes takes
+/// 2(N-1)·α + 2(N-1)/N·S·(1/β + γ) on every rank; reduce-scatter and all-gather take half.
+#[test]
+fn ring_time_matches_alpha_beta_gamma() {
+    for n in [2usize, 3, 8, 64] {
+        for (alpha, beta, gamma) in [
+            (1e-3, 1.25e9, 0.0),
+            (30e-3, 1.25e8, 0.0),
+            (2e-6, 1.25e10, 1.1e-9),
+            (0.0, 1e9, 0.0),
+        ] {
+            for elems in [n * 1000, n * 250_000] {
+                let net = uniform(alpha, beta, gamma);
+                let s = (elems * 4) as f64;
+                let shape = |kind| RingShape {
+                    kind,
+                    elems,
+                    elem_bytes: 4,
+                    sub_chunk: elems, // one sub-chunk per chunk
+                };
+                let per_hop = alpha + s / n as f64 * (1.0 / beta + gamma);
+                let all_reduce = 2.0 * (n - 1) as f64 * per_hop;
+                let expected = [
+                    (RingKind::AllReduce, all_reduce),
+                    (RingKind::ReduceScatter, all_reduce / 2.0),
+                    (RingKind::AllGather, all_reduce / 2.0),
+                ];
+                for (kind, want) in expected {
+                    let done = simulate(&net, &shape(kind), &vec![0.0; n]);
+                    for (rank, got) in done.iter().enumerate() {
+                        assert!(
+                            close(*got, want),
+                            "{kind:?} N={n} α={alpha} β={beta} γ={gamma} S={s}: rank {rank} {got} != {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// With m sub-chunks of s bytes per chunk (t = s/β + s·γ per message) and P phases:
+/// T = max(P·m·t + α, (m-1)·t + P·(α + t)). Pipelining hides all but one α when the link is the
+/// bottleneck, and all but one sub-chunk's transfer per phase when latency is.
+#[test]
+fn sub_chunk_pipelining_matches_the_pipelined_formula() {
+    for n in [2usize, 4, 16] {
+        for m in [1usize, 2, 8, 32] {
+            for (alpha, beta, gamma) in [(1e-3, 1.25e9, 0.0), (50e-6, 1.25e9, 1e-9), (30e-3, 1.25e8, 0.0)] {
+                let sub = 4096;
+                let elems = n * m * sub;
+                let net = uniform(alpha, beta, gamma);
+                let t = (sub * 4) as f64 * (1.0 / beta + gamma);
+                let shape = RingShape {
+                    kind: RingKind::AllReduce,
+                    elems,
+                    elem_bytes: 4,
+                    sub_chunk: sub,
+                };
+                let p = 2.0 * (n - 1) as f64;
+                let mf = m as f64;
+                let want = (p * mf * t + alpha).max((mf - 1.0) * t + p * (alpha + t));
+                let done = simulate(&net, &shape, &vec![0.0; n]);
+                assert!(close(done[0], want), "N={n} m={m} α={alpha}: {} != {want}", done[0]);
+                if m > 1 && alpha > (mf - 1.0) * t {
+                    let unpipelined = p * (alpha + mf * t);
+                    assert!(done[0] < unpipelined, "pipelining must beat whole-chunk messages");
+                }
+            }
+        }
+    }
+}
+
+/// Two-tier fabric (hosts of `g` ranks in ring order, no sub-chunking): each rank's last receive ends a
+/// chain through the N-1 hops before it, so the chain's sum is a lower bound (a rank whose slow send has
+/// not left yet delays the next phase, so it is not exact); the same ring with every hop inter-host is an
+/// upper bound, and the fast hops must make a real difference.
+#[test]
+fn two_tier_ring_lies_between_its_chain_and_the_all_slow_ring() {
+    let (n, g) = (8usize, 4usize);
+    let inter = Link {
+        latency_s: 1e-3,
+        bandwidth_bytes_per_s: 1.25e8,
+        cpu_s_per_byte: 0.0,
+    };
+    let intra = Link {
+        latency_s: 1e-6,
+        bandwidth_bytes_per_s: 1e10,
+        cpu_s_per_byte: 0.0,
+    };
+    let net = Network {
+        name: "two tiers".into(),
+        inter,
+        intra: Some((g, intra)),
+    };
+    let elems = n * 10_000;
+    let chunk = (elems / n * 4) as f64;
+    let shape = RingShape {
+        kind: RingKind::AllGather,
+        elems,
+        elem_bytes: 4,
+        sub_chunk: elems,
+    };
+    let done = simulate(&net, &shape, &vec![0.0; n]);
+    let all_slow = simulate(&Network::uniform("slow", inter), &shape, &vec![0.0; n]);
+    let hop = |l: &Link| l.latency_s + l.occupancy_s(chunk);
+    for (rank, got) in done.iter().enumerate() {
+        // The chain into `rank` uses every hop except the one leaving `rank`.
+        let chain = 2.0 * hop(&inter) + 6.0 * hop(&intra) - hop(&net.hop(rank, n));
+        assert!(*got >= chain * (1.0 - 1e-12), "rank {rank}: {got} < chain {chain}");
+        assert!(
+            *got < 0.7 * all_slow[rank],
+            "rank {rank}: {got} vs all slow {}",
+            all_slow[rank]
+        );
+    }
+}
+
+fn flat_profile(forward: f64, backward_segments: &[(usize, f64)], update: f64) -> ComputeProfile {
+    ComputeProfile {
+        forward: vec![Segment {
+            bound: usize::MAX,
+            seconds: forward,
+        }],
+        backward: backward_segments
+            .iter()
+            .map(|&(bound, seconds)| Segment { bound, seconds })
+            .collect(),
+        update_s: update,
+        source: "hand-built".into(),
+    }
+}
+
+/// Replicated, two buckets: the exposed time is what communication runs past the end of backward.
+#[test]
+fn exposed_time_is_the_communication_tail_after_backward() {
+    let n = 4;
+    let alpha = 1e-3;
+    let beta = 4e6; // 4 MB/s: a 1 MB bucket all-reduce takes 6·(α + 0.25 MB/β) = 6·63.5 ms = 381 ms
+    let net = uniform(alpha, beta, 0.0);
+    let ar = |elems: usize| 6.0 * (alpha + (elems * 4 / n) as f64 / beta);
+    let bucket = 250_000; // 1 MB
+    let plan = StepPlan {
+        buckets: vec![bucket..2 * bucket, 0..bucket],
+        update: UpdateMode::Replicated,
+        world: n,
+        grad_accum: 1,
+        sub_chunk: bucket, // one message per chunk, so the closed form holds
+        tokens_per_micro_batch: 100,
+    };
+    let scalars = 3.0 * (alpha + 16.0 / beta);
+    for (first_ready, tail) in [(0.1, 0.6), (0.1, 0.05), (0.9, 0.05)] {
+        // Backward: bucket 0 (the end of the layout) is final after `first_ready`, bucket 1 `tail` later.
+        let profile = flat_profile(0.2, &[(bucket, first_ready), (0, tail)], 0.0);
+        let p = predict(&net, &plan, &profile);
+        let backward_end = first_ready + tail;
+        let comm_end = (first_ready + ar(bucket)).max(backward_end) + ar(bucket);
+        let want_exposed = (comm_end - backward_end).max(0.0) + scalars;
+        assert!(
+            close(p.exposed_s, want_exposed),
+            "ready {first_ready}, tail {tail}: exposed {} != {want_exposed}",
+            p.exposed_s
+        );
+        assert!(close(p.step_s, 0.2 + backward_end + want_exposed));
+        assert!(close(p.comm_s, 2.0 * ar(bucket) + scalars));
+        assert!(close(p.tokens_per_s, 400.0 / p.step_s));
+    }
+}
+
+/// Sharded: the parameter gathers issued after the update overlap the next forward, which waits only for
+/// what it reads.
+#[test]
+fn sharded_gathers_overlap_the_next_forward() {
+    let n = 2;
+    let net = uniform(0.0, 1e6, 0.0);
+    let bucket = 250_000; // 1 MB: reduce-scatter or all-gather over 2 ranks = 0.5 s
+    let plan = StepPlan {
+        buckets: vec![bucket..2 * bucket, 0..bucket],
+        update: UpdateMode::Sharded,
+        world: n,
+        grad_accum: 1,
+        sub_chunk: bucket,
+        tokens_per_micro_batch: 1,
+    };
+    // Forward reads bucket 1 (0..bucket) first for 2 s, then bucket 0: gathers of 0.5 s each hide fully.
+    let mut profile = flat_profile(0.0, &[(bucket, 3.0), (0, 3.0)], 0.0);
+    profile.forward = vec![
+        Segment {
+            bound: bucket,
+            seconds: 2.0,
+        },
+        Segment {
+            bound: 2 * bucket,
+            seconds: 2.0,
+        },
+    ];
+    let p = predict(&net, &plan, &profile);
+    let scalars = 16.0 / 1e6;
+    // Exposed: the last bucket's reduce-scatter after backward, the scalars, and the first gather that
+    // forward waits for at its start.
+    let want = 0.5 + scalars + 0.5;
+    assert!(close(p.exposed_s, want), "exposed {} != {want}", p.exposed_s);
+}
+
+/// The scale: 1024 ranks of gpt2 in a few seconds (given compute, so no model runs here).
+#[test]
+fn gpt2_on_1024_workers_predicts_quickly() {
+    let model = ModelConfig::gpt2();
+    let options = TrainOptions {
+        batch_size: 4,
+        seq_len: 64,
+        update: UpdateMode::Sharded,
+        ..TrainOptions::for_model(&model)
+    };
+    let profile = ComputeProfile::given(&model, 1.0, 2.0, 0.3).unwrap();
+    let started = Instant::now();
+    let net = Network::parse("10gbe").unwrap();
+    let big = predict_step(
+        &model,
+        &options,
+        1024,
+        &net,
+        &profile,
+        ringtrain::collective::ring::DEFAULT_SUB_CHUNK,
+    )
+    .unwrap();
+    let took = started.elapsed();
+    assert!(took.as_secs() < 60, "took {took:?}");
+    let small = predict_step(
+        &model,
+        &options,
+        8,
+        &net,
+        &profile,
+        ringtrain::collective::ring::DEFAULT_SUB_CHUNK,
+    )
+    .unwrap();
+    // More ranks: the same compute, more tokens, at least as much latency.
+    assert!(big.step_s >= small.step_s);
+    assert!(big.tokens_per_s > 100.0 * small.tokens_per_s);
+    assert!(big.compute_s > 3.0 && big.exposed_s > 0.0);
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let model = ModelConfig::tiny();
+    let options = TrainOptions::for_model(&model);
+    let profile = ComputeProfile::given(&model, 0.01, 0.02, 0.0).unwrap();
+    let net = Network::parse("wan").unwrap();
+    assert!(predict_step(&model, &options, 0, &net, &profile, 1024).is_err());
+    assert!(predict_step(&model, &options, 100_000, &net, &profile, 1024).is_err());
+    assert!(predict_step(&model, &options, 4, &net, &profile, 0).is_err());
+}
+
+/// The acceptance command, with given compute so that no model runs: it prints its prediction
+/// well within 5 minutes, and the flags' errors are named.
+#[test]
+fn timing_only_command_prints_a_prediction_for_1024_workers() {
+    let bin = env!("CARGO_BIN_EXE_ringtrain-sim");
+    let started = Instant::now();
+    let out = std::process::Command::new(bin)
+        .args([
+            "--timing-only",
+            "--workers",
+            "1024",
+            "--model",
+            "gpt2",
+            "--network",
+            "wan",
+        ])
+        .args(["--compute-ms", "forward=20,backward=40,update=3", "--bucket-mb", "50"])
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("predicted step"))
+        .expect("a prediction line");
+    for field in [
+        "workers 1024",
+        "compute",
+        "communication",
+        "exposed communication",
+        "step",
+        "tokens/s",
+    ] {
+        assert!(line.contains(field), "{field} missing: {line}");
+    }
+    assert!(took.as_secs() < 60, "took {took:?}");
+    for (args, says) in [
+        (vec!["--timing-only"], "needs --network"),
+        (vec!["--network", "wan"], "only apply with --timing-only"),
+        (vec!["--bucket-mb", "5"], "only apply with --timing-only"),
+        (
+            vec!["--timing-only", "--network", "token-ring"],
+            "unknown network preset",
+        ),
+        (
+            vec!["--timing-only", "--network", "wan", "--compute-ms", "forward=1"],
+            "both required",
+        ),
+        (
+            vec![
+                "--timing-only",
+                "--network",
+                "wan",
+                "--compute-ms",
+                "forward=1,backward=x",
+            ],
+            "not a number",
+        ),
+        (
+            vec!["--timing-only", "--network", "wan", "--bucket-mb", "0"],
+            "positive",
+        ),
+    ] {
+        let out = std::process::Command::new(bin).args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
