@@ -29,7 +29,9 @@ Inject a fault (repeatable, each kind at most once). RANK counts from 0, STEP fr
                     of RANK's shard) of RANK's parameters or first AdamW moment flips. replicated: the
                     replica check names RANK at the next step. sharded: a parameter outside RANK's shard
                     is overwritten by the next all-gather (replicas identical again); one inside it, or
-                    a moment, fails RANK's shard checksum at the next step, naming RANK";
+                    a moment, fails RANK's shard checksum at the next step, naming RANK (the checksum is
+                    on with --verify-every, which the sim sets to 1)
+Under --transport quic the mem-only kinds are refused, never ignored.";
 
 /// The bit [`BitFlip`] flips: the top mantissa bit, so the value changes by up to half its magnitude and
 /// stays finite with its sign (a flip of the exponent would turn into the non-finite fault's path).

@@ -191,3 +191,15 @@ fn sharded_a_flip_inside_the_rank_s_shard_fails_its_checksum() {
         assert_all_name(&lines, took, 1);
     }
 }
+
+#[test]
+fn sharded_without_verify_every_a_flip_inside_the_shard_spreads_unseen() {
+    let clean = run_ok(&config(UpdateMode::Sharded, Transport::Mem, &[]));
+    let mut cfg = config(UpdateMode::Sharded, Transport::Mem, &["flip=1:2:param"]);
+    cfg.options.verify_every = 0;
+    // Every replica holds the same bits at every step (run_ok), yet not the clean run's: the gather copied
+    // the corrupted owner's update to everyone. This is what the shard checksum is for.
+    let report = run_ok(&cfg);
+    assert_eq!(report.ranks[0].hashes[..2], clean.ranks[0].hashes[..2]);
+    assert_ne!(report.ranks[0].hashes[2], clean.ranks[0].hashes[2]);
+}

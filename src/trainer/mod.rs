@@ -85,7 +85,8 @@ pub struct Trainer<B: Backend> {
     spikes: LossSpikeDetector,
     /// A test hook ([`fault_injection`]): the step at which one rank's gradient is made non-finite.
     fault: Option<NonFiniteFault>,
-    /// Sharded over several ranks: the checksum of this rank's shard between its updates ([`shard_guard`]).
+    /// Sharded over several ranks with `--verify-every`: the checksum of this rank's shard between its updates
+    /// ([`shard_guard`]).
     guard: ShardGuard,
 }
 
@@ -171,7 +172,8 @@ impl<B: Backend> Trainer<B> {
             };
         }
         let n = opts.batch_size * opts.seq_len;
-        let sharded_over_ranks = opts.update == UpdateMode::Sharded && world > 1;
+        // The shard checksum completes what --verify-every checks in sharded mode (see shard_guard).
+        let guard_shard = opts.update == UpdateMode::Sharded && world > 1 && opts.verify_every > 0;
         let sync = GradSync::new(plan, opts.update, world, rank);
         let spikes = LossSpikeDetector::new(opts.loss_spike);
         let mut trainer = Trainer {
@@ -192,7 +194,7 @@ impl<B: Backend> Trainer<B> {
             targets: vec![0; n],
             spikes,
             fault: None,
-            guard: ShardGuard::new(sharded_over_ranks),
+            guard: ShardGuard::new(guard_shard),
         };
         trainer.replicate()?;
         Ok(trainer)

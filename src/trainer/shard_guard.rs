@@ -9,6 +9,12 @@
 //! next update. Nothing legitimate writes them in between (the gather writes back the owner's own bytes), so
 //! a mismatch is corruption, reported naming the rank and both steps. No replica keeps a copy of a rank's
 //! moments, so there is nothing to restore from: the step fails.
+//!
+//! It is on with `--verify-every N` (any N), and then checks every step, since a flip between two
+//! verified steps would be spread by the next gather and never seen. Its cost is reading back and hashing
+//! 3/world of the model state twice a step: about 2 ms a step per rank for `small` at 4 ranks on the CPU
+//! backend (under 1% of the step), but on a GPU a read-back of 3/world of the model state per check (for
+//! GPT-2 124M at 4 ranks, about 370 MB), too much to impose on runs that did not ask for checks.
 
 use super::hash_into;
 use crate::backend::{Backend, View};
