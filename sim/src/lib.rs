@@ -4,7 +4,7 @@
 //! single worker (on the CPU backend) and reports how far the losses are apart (float rounding only: the
 //! sum over ranks reassociates the mean). Ranks may run different backends (`cpu`, `wgpu`): with the
 //! sharded update the replicas stay bit-identical even then, because every parameter chunk is computed by
-//! one owner and copied byte for byte.
+//! one owner and copied byte for byte. `--fault` injects faults inside the process ([`faults`]).
 
 pub mod netmodel;
 
@@ -13,12 +13,17 @@ use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
 use ringtrain::collective::mem::single_rank;
 use ringtrain::collective::mem::{mem_cluster, Faults, MemOptions};
+use ringtrain::collective::quic::{QuicCollective, QuicConfig};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
-use ringtrain::dist::{join, JoinOptions, LaunchEnv, LaunchSource};
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
+
+pub mod faults;
+
+use faults::{apply_flip, quic_crash, QuicCrash, TrainerFaults};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
@@ -36,7 +41,10 @@ pub struct SimConfig {
     /// reference runs them with `workers` times the batch.
     pub options: TrainOptions,
     pub transport: Transport,
+    /// Network faults (the in-memory transport; QUIC applies `drop` and `kill`, refuses the rest).
     pub faults: Faults,
+    /// Faults of one rank's gradient or state, under any transport.
+    pub trainer_faults: TrainerFaults,
     pub deadline: Duration,
 }
 
@@ -45,6 +53,10 @@ pub struct SimConfig {
 pub struct RankTrace {
     pub losses: Vec<f64>,
     pub hashes: Vec<String>,
+    /// Steps (counted from 1) skipped for a non-finite loss or gradient norm.
+    pub skipped: Vec<u64>,
+    /// With a `flip` on this rank: its parameter fingerprint right after the flip.
+    pub hash_after_flip: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -98,15 +110,28 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
         .unwrap_or(BackendChoice::Cpu);
     let (be, _) = factory::open(choice, 0).with_context(|| format!("rank {rank}: {choice}"))?;
     let mut trainer = build_trainer(be, cfg, &cfg.options, comm).with_context(|| format!("rank {rank}"))?;
+    if let Some(fault) = cfg.trainer_faults.nonfinite {
+        trainer.arm_fault(fault);
+    }
+    let flip = cfg.trainer_faults.flip.filter(|f| f.rank == rank);
     let mut trace = RankTrace {
         losses: Vec::new(),
         hashes: Vec::new(),
+        skipped: Vec::new(),
+        hash_after_flip: None,
     };
     while trainer.step < trainer.opts.steps {
         match trainer.train_step() {
             Ok(m) => {
                 trace.losses.push(m.loss);
                 trace.hashes.push(trainer.param_hash()?);
+                if m.skipped {
+                    trace.skipped.push(m.step);
+                }
+                if let Some(f) = flip.filter(|f| f.step == m.step) {
+                    apply_flip(&mut trainer, &f).with_context(|| format!("rank {rank}: --fault flip"))?;
+                    trace.hash_after_flip = Some(trainer.param_hash()?);
+                }
             }
             Err(e) => {
                 trainer.abort(&format!("{e:#}"));
@@ -117,23 +142,26 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
     Ok(trace)
 }
 
-/// Rank `rank` joining the QUIC ring on loopback, as a launched process would.
-fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collective>> {
-    let launch = LaunchEnv {
-        rank,
-        world_size: cfg.workers,
-        local_rank: rank,
-        local_world_size: cfg.workers,
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        source: LaunchSource::Flags,
-    };
-    let opts = JoinOptions {
-        config_hash: cfg.options.job_hash(&cfg.model, cfg.workers),
-        secret: Some(b"ringtrain-sim".to_vec()),
-        timeout: cfg.deadline,
-    };
-    join(&launch, &opts)
+/// Rank `rank` joining the QUIC ring on loopback, as a launched process would (with the job id its config
+/// hash), crashing where `crash` says.
+fn join_quic(cfg: &SimConfig, rank: usize, port: u16, crash: Option<QuicCrash>) -> Result<Box<dyn Collective>> {
+    if cfg.workers == 1 {
+        return Ok(single_rank());
+    }
+    let master = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let mut q = QuicConfig::new(rank, cfg.workers, master);
+    q.config_hash = cfg.options.job_hash(&cfg.model, cfg.workers);
+    q.job_id = q.config_hash;
+    q.secret = Some(b"ringtrain-sim".to_vec());
+    q.timeout = cfg.deadline;
+    q.rendezvous_timeout = cfg.deadline;
+    if let Some(c) = crash.filter(|c| c.rank == rank) {
+        q.crash_after_msgs = c.after_msgs;
+        q.crash_at_step = c.at_step;
+    }
+    let comm = QuicCollective::connect(q)
+        .with_context(|| format!("rank {rank} of {}: joining the ring at {master}", cfg.workers))?;
+    Ok(Box::new(comm))
 }
 
 /// Runs the virtual cluster and the single-worker reference.
@@ -141,6 +169,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     if cfg.workers == 0 || cfg.workers > 64 {
         bail!("--workers {} must be between 1 and 64", cfg.workers);
     }
+    faults::validate(&cfg.faults, &cfg.trainer_faults, cfg.workers, &cfg.model, &cfg.options)?;
     let results: Vec<Result<RankTrace>> = match cfg.transport {
         Transport::Mem => {
             let opts = MemOptions {
@@ -161,10 +190,11 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
             })
         }
         Transport::Quic => {
+            let crash = quic_crash(&cfg.faults)?;
             let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
             std::thread::scope(|s| {
                 let handles: Vec<_> = (0..cfg.workers)
-                    .map(|rank| s.spawn(move || run_rank(cfg, join_quic(cfg, rank, port)?)))
+                    .map(|rank| s.spawn(move || run_rank(cfg, join_quic(cfg, rank, port, crash)?)))
                     .collect();
                 handles
                     .into_iter()
@@ -173,9 +203,17 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
             })
         }
     };
+    // Every rank's failure, not only the first: a fault's outcome is what each rank did.
     let mut ranks = Vec::with_capacity(results.len());
+    let mut failures = Vec::new();
     for r in results {
-        ranks.push(r?);
+        match r {
+            Ok(trace) => ranks.push(trace),
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
     }
     // The reference: one worker, the same global batch.
     let single = TrainOptions {

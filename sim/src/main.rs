@@ -1,11 +1,12 @@
-//! `ringtrain-sim --workers N [--update sharded|replicated] [--steps S] [--transport mem|quic] [--fault ...]`
+//! `ringtrain-sim --workers N [--update sharded|replicated] [--steps S] [--transport mem|quic] [--fault ...]
+//! [--on-nonfinite skip|abort]`
 
 use anyhow::{bail, Result};
 use clap::Parser;
 use ringtrain::backend::factory::BackendChoice;
-use ringtrain::collective::mem::Faults;
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{TrainOptions, UpdateMode};
+use ringtrain::trainer::{OnNonFinite, TrainOptions, UpdateMode};
+use ringtrain_sim::faults::{parse_faults, FAULT_HELP};
 use ringtrain_sim::{run, SimConfig, Transport};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -31,9 +32,12 @@ struct Cli {
     steps: u64,
     #[arg(long, default_value = "mem")]
     transport: String,
-    /// delay=MS, reorder=SEED, slow=RANK:MS, drop=RANK:AFTER_MESSAGES (repeatable)
-    #[arg(long)]
+    /// delay, reorder, slow, drop, kill, nan, inf, flip (repeatable; --help lists their forms and outcomes)
+    #[arg(long, long_help = FAULT_HELP)]
     fault: Vec<String>,
+    /// What every rank does at a step whose loss or gradient norm is not finite: skip it, or abort
+    #[arg(long, default_value = "skip")]
+    on_nonfinite: String,
     #[arg(long, default_value = "tiny")]
     model: String,
     #[arg(long, default_value_t = 2)]
@@ -60,36 +64,6 @@ struct Cli {
     /// Gradient bucket size in MiB for --timing-only (the trainer's --bucket-mb)
     #[arg(long)]
     bucket_mb: Option<f64>,
-}
-
-fn parse_pair(v: &str, what: &str) -> Result<(usize, u64)> {
-    let Some((a, b)) = v.split_once(':') else {
-        bail!("--fault {what}={v}: expected RANK:N")
-    };
-    Ok((a.parse()?, b.parse()?))
-}
-
-fn faults(specs: &[String]) -> Result<Faults> {
-    let mut f = Faults::default();
-    for spec in specs {
-        let Some((kind, value)) = spec.split_once('=') else {
-            bail!("--fault {spec:?}: expected KIND=VALUE")
-        };
-        match kind {
-            "delay" => f.delay = Some(Duration::from_millis(value.parse()?)),
-            "reorder" => f.reorder_seed = Some(value.parse()?),
-            "slow" => {
-                let (rank, ms) = parse_pair(value, kind)?;
-                f.slow_rank = Some((rank, Duration::from_millis(ms)));
-            }
-            "drop" => {
-                let (rank, after) = parse_pair(value, kind)?;
-                f.die_after = Some((rank, after as usize));
-            }
-            other => bail!("unknown --fault kind {other:?}: expected delay, reorder, slow or drop"),
-        }
-    }
-    Ok(f)
 }
 
 fn main() -> ExitCode {
@@ -126,6 +100,11 @@ fn real_main() -> Result<ExitCode> {
     if !(cli.timeout.is_finite() && cli.timeout > 0.0) {
         bail!("--timeout must be a positive number of seconds");
     }
+    let on_nonfinite = match cli.on_nonfinite.as_str() {
+        "skip" => OnNonFinite::Skip,
+        "abort" => OnNonFinite::Abort,
+        other => bail!("--on-nonfinite {other:?}: expected skip or abort"),
+    };
     let model = ModelConfig::preset(&cli.model)?;
     let options = TrainOptions {
         batch_size: cli.batch_size,
@@ -135,18 +114,21 @@ fn real_main() -> Result<ExitCode> {
         seed: cli.seed,
         eval_every: 0,
         verify_every: 1,
+        on_nonfinite,
         ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
     if cli.timing_only || cli.network.is_some() || cli.compute_ms.is_some() || cli.bucket_mb.is_some() {
         return timing::run(&cli, &model, &options, &backends);
     }
+    let (faults, trainer_faults) = parse_faults(&cli.fault)?;
     let cfg = SimConfig {
         workers: cli.workers,
         backends,
         model,
         options,
         transport,
-        faults: faults(&cli.fault)?,
+        faults,
+        trainer_faults,
         deadline: Duration::from_secs_f64(cli.timeout),
     };
     let report = run(&cfg)?;
@@ -157,6 +139,23 @@ fn real_main() -> Result<ExitCode> {
             report.single_worker_losses[step],
             &report.ranks[0].hashes[step][..16]
         );
+    }
+    for (rank, trace) in report.ranks.iter().enumerate() {
+        if !trace.skipped.is_empty() {
+            println!(
+                "rank {rank} skipped step(s) {:?} (non-finite gradient norm or loss)",
+                trace.skipped
+            );
+        }
+        if let Some(hash) = &trace.hash_after_flip {
+            println!(
+                "rank {rank}: replica hash right after the injected flip {}",
+                &hash[..16]
+            );
+        }
+    }
+    if !cli.fault.is_empty() {
+        println!("(the single-worker reference runs without the injected faults)");
     }
     match report.first_divergence() {
         None => {

@@ -32,6 +32,7 @@ fn config(workers: usize, update: UpdateMode, grad_accum: usize, faults: Faults)
         options,
         transport: Transport::Mem,
         faults,
+        trainer_faults: Default::default(),
         deadline: Duration::from_secs(20),
     }
 }

@@ -10,6 +10,8 @@
 //! - `die_after`: that rank "dies" after sending the given number of messages (counted over its lifetime):
 //!   its call fails and every other rank fails with [`CollectiveError::PeerDead`] naming it, within the
 //!   deadline, never hanging;
+//! - `die_at_step`: that rank dies when its step (0-based, [`Collective::set_step`]) reaches the given one,
+//!   before sending anything of that step, with the same outcome for the others as `die_after`;
 //! - `split_seed`: every f32 payload is delivered as little-endian byte pieces cut at seeded offsets,
 //!   the form in which the QUIC transport hands received data to the engines (values split across pieces).
 //!
@@ -36,6 +38,8 @@ pub struct Faults {
     pub slow_rank: Option<(usize, Duration)>,
     /// `(rank, n)`: `rank` dies after sending `n` messages.
     pub die_after: Option<(usize, usize)>,
+    /// `(rank, step)`: `rank` dies at the start of 0-based step `step` (as a killed process would).
+    pub die_at_step: Option<(usize, u64)>,
     /// Seed of the cuts when f32 payloads are delivered as byte pieces (the QUIC reader's form).
     pub split_seed: Option<u64>,
 }
@@ -342,6 +346,17 @@ impl Collective for MemCollective {
             self.failed = Some(e.clone());
         }
         res
+    }
+
+    fn set_step(&mut self, step: u64) {
+        if self.opts.faults.die_at_step == Some((self.rank, step)) && self.failed.is_none() {
+            self.die();
+            self.failed = Some(CollectiveError::Local(format!(
+                "rank {}: injected removal at step {}",
+                self.rank,
+                step + 1
+            )));
+        }
     }
 
     fn abort(&mut self, reason: &str) {

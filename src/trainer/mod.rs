@@ -32,11 +32,13 @@ pub mod grad_sync;
 pub mod loss_spike;
 mod memory_plan;
 mod options;
+mod shard_guard;
 
 use buckets::BucketPlan;
 use fault_injection::{write_if_final, NonFiniteFault, PendingInjection};
 use grad_sync::{GradSync, SyncTrace};
 use loss_spike::LossSpikeDetector;
+use shard_guard::ShardGuard;
 
 pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
@@ -83,6 +85,9 @@ pub struct Trainer<B: Backend> {
     spikes: LossSpikeDetector,
     /// A test hook ([`fault_injection`]): the step at which one rank's gradient is made non-finite.
     fault: Option<NonFiniteFault>,
+    /// Sharded over several ranks with `--verify-every`: the checksum of this rank's shard between its updates
+    /// ([`shard_guard`]).
+    guard: ShardGuard,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -167,6 +172,8 @@ impl<B: Backend> Trainer<B> {
             };
         }
         let n = opts.batch_size * opts.seq_len;
+        // The shard checksum completes what --verify-every checks in sharded mode (see shard_guard).
+        let guard_shard = opts.update == UpdateMode::Sharded && world > 1 && opts.verify_every > 0;
         let sync = GradSync::new(plan, opts.update, world, rank);
         let spikes = LossSpikeDetector::new(opts.loss_spike);
         let mut trainer = Trainer {
@@ -187,6 +194,7 @@ impl<B: Backend> Trainer<B> {
             targets: vec![0; n],
             spikes,
             fault: None,
+            guard: ShardGuard::new(guard_shard),
         };
         trainer.replicate()?;
         Ok(trainer)
@@ -364,7 +372,10 @@ impl<B: Backend> Trainer<B> {
             let coef = clip_coefficient(grad_norm, self.opts.grad_clip);
             let layout = &self.model.layout;
             let (params, grads) = (self.model.params, self.model.grads);
+            self.guard
+                .check(&mut self.be, params, &self.opt, self.rank, self.step + 1)?;
             self.opt.update(&mut self.be, layout, params, grads, lr, coef);
+            self.guard.record(&mut self.be, params, &self.opt, self.step + 1)?;
             if !self.moments_are_replicated() {
                 // The gather needs every rank's update, which needs the global norm, so it cannot overlap
                 // this step's backward: it overlaps the next step's forward instead (as FSDP prefetches),
@@ -471,6 +482,9 @@ impl<B: Backend> Trainer<B> {
                         );
                         // Sharded moments belong to their rank; only what is replicated is copied.
                         self.broadcast_state()?;
+                        // The copy rewrote this rank's parameter chunks too.
+                        self.guard
+                            .record(&mut self.be, self.model.params, &self.opt, self.step + 1)?;
                         return Ok(blake3::Hash::from(self.state_hash(with_moments)?).to_hex().to_string());
                     }
                 }

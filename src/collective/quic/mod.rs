@@ -121,6 +121,9 @@ pub struct QuicConfig {
     /// Fault injection for tests: crash (close everything without goodbye) after sending this many data
     /// messages.
     pub crash_after_msgs: Option<usize>,
+    /// Fault injection for tests: crash when the step (0-based, [`Collective::set_step`]) reaches this one,
+    /// before sending anything of it.
+    pub crash_at_step: Option<u64>,
     /// Fault injection for tests: send data message number `k` (0-based, over this rank's lifetime) twice.
     pub duplicate_msg: Option<usize>,
 }
@@ -141,6 +144,7 @@ impl QuicConfig {
             idle_timeout: Duration::from_secs(10),
             sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
             crash_after_msgs: None,
+            crash_at_step: None,
             duplicate_msg: None,
         }
     }
@@ -400,6 +404,14 @@ impl Collective for QuicCollective {
 
     fn set_step(&mut self, step: u64) {
         self.step = step;
+        if self.cfg.crash_at_step == Some(step) && !self.crashed {
+            self.crash();
+            self.failed = Some(local(format!(
+                "rank {}: injected crash at step {}",
+                self.cfg.rank,
+                step + 1
+            )));
+        }
     }
 
     fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()> {
