@@ -66,14 +66,14 @@ fn small() -> Cluster {
 
 #[test]
 fn bad_faults_and_networks_are_errors() {
-    let err = |r: anyhow::Result<Cluster>| format!("{:#}", r.err().expect("should be refused"));
+    let err = |r: anyhow::Result<Cluster>| format!("{:#}", r.expect_err("should be refused"));
     assert!(err(small().fault("nan=one:2")).contains("not a number"));
     assert!(err(small().fault("nan=1:2").and_then(|c| c.fault("inf=0:1"))).contains("given twice"));
     assert!(err(small().fault("melt=1")).contains("melt"));
     assert!(err(small().network("token-ring")).contains("unknown network preset"));
     assert!(err(small().network("latency=1ms")).contains("bandwidth"));
     // Parsed, but does not fit this cluster: refused by run.
-    let run_err = |c: Cluster| format!("{:#}", c.run(2).err().expect("should be refused"));
+    let run_err = |c: Cluster| format!("{:#}", c.run(2).expect_err("should be refused"));
     assert!(run_err(small().fault("nan=5:1").unwrap()).contains("rank 5"));
     assert!(run_err(small().fault("nan=1:9").unwrap()).contains("step 9"));
     assert!(run_err(small().fault("delay=1").unwrap().transport(Transport::Quic)).contains("delay"));
@@ -129,6 +129,18 @@ fn prediction_follows_the_fabric_and_the_overlap() -> anyhow::Result<()> {
     );
     assert_eq!(alone.comm_s, 0.0, "one worker does not communicate: {alone:?}");
     assert!(alone.exposed_s < 1e-12, "{alone:?}");
+    Ok(())
+}
+
+#[test]
+fn without_given_compute_the_prediction_measures_rank_0s_backend() -> anyhow::Result<()> {
+    let run = small().network("10gbe")?.run(2)?;
+    let first = run.steps[0].predicted.expect("a network was given");
+    assert!(first.compute_s > 0.0 && first.step_s >= first.compute_s, "{first:?}");
+    assert!(
+        run.steps.iter().all(|s| s.predicted == Some(first)),
+        "one steady-state prediction per run"
+    );
     Ok(())
 }
 
