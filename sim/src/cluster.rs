@@ -211,8 +211,9 @@ impl Cluster {
             bail!("Cluster::run: at least one step");
         }
         let cfg = self.config(steps)?;
-        let predicted = self.predict(&cfg).context("the network prediction")?;
+        // The run first: it refuses a bad cluster with the clearer errors.
         let report = run(&cfg)?;
+        let predicted = self.predict(&cfg).context("the network prediction")?;
         Ok(ClusterRun::new(report, predicted, self.identity_guaranteed()))
     }
 
