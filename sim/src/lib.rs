@@ -6,7 +6,10 @@
 //! sharded update the replicas stay bit-identical even then, because every parameter chunk is computed by
 //! one owner and copied byte for byte. `--fault` injects faults inside the process ([`faults`]).
 
+pub mod cluster;
 pub mod netmodel;
+
+pub use cluster::{Cluster, ClusterRun, StepRecord};
 
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
