@@ -38,6 +38,28 @@ cargo clippy --workspace --all-targets --profile test --features ringtrain/cuda 
 
 # One build of the test profile serves the rest: the tests, then the `cuda` feature's library and binary,
 # which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
+# NVRTC for tests/nvrtc_kernels.rs, which compiles every kernels/*.cu without a GPU: the newest release and
+# the 13.0 series (what the driver of the NVIDIA machines this project borrows accepts), each from NVIDIA's
+# pip wheel into its own folder under target/ (delete target/nvrtc to fetch a newer release). Left alone
+# when RINGTRAIN_NVRTC_LIBS is set or pip is missing: the test then looks for libnvrtc.so.13 on the loader's
+# path, and skips without it (fails under CI=true).
+install_nvrtc() { # folder under target/nvrtc, pip requirement; prints the library's path
+  local dir="target/nvrtc/$1" lib
+  lib=$(find "$dir" -name libnvrtc.so.13 2>/dev/null | head -n 1)
+  if [ -z "$lib" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$dir" "$2" >&2 || return 1
+    lib=$(find "$dir" -name libnvrtc.so.13 | head -n 1)
+  fi
+  [ -n "$lib" ] && echo "$PWD/$lib"
+}
+if [ -z "${RINGTRAIN_NVRTC_LIBS:-}" ] && python3 -m pip --version >/dev/null 2>&1; then
+  if nvrtc_newest=$(install_nvrtc newest nvidia-cuda-nvrtc) && nvrtc_13_0=$(install_nvrtc 13.0 'nvidia-cuda-nvrtc==13.0.*'); then
+    export RINGTRAIN_NVRTC_LIBS="$nvrtc_newest:$nvrtc_13_0"
+  else
+    echo "run-tests: could not install NVRTC with pip; tests/nvrtc_kernels.rs looks for libnvrtc.so.13 itself" >&2
+  fi
+fi
+
 cargo test --workspace
 # The wgpu conformance and training tests again, with a software adapter (lavapipe) running only the kernels
 # a hardware GPU runs (tree reductions, plain and strided matmuls), so CI checks those kernels too.
