@@ -36,8 +36,6 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --profile test -- -D warnings
 cargo clippy --workspace --all-targets --profile test --features ringtrain/cuda -- -D warnings
 
-# One build of the test profile serves the rest: the tests, then the `cuda` feature's library and binary,
-# which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
 # NVRTC for tests/nvrtc_kernels.rs, which compiles every kernels/*.cu without a GPU: the newest release and
 # the 13.0 series (what the driver of the NVIDIA machines this project borrows accepts), each from NVIDIA's
 # pip wheel into its own folder under target/ (delete target/nvrtc to fetch a newer release). Left alone
@@ -60,6 +58,8 @@ if [ -z "${RINGTRAIN_NVRTC_LIBS:-}" ] && python3 -m pip --version >/dev/null 2>&
   fi
 fi
 
+# One build of the test profile serves the rest: the tests, then the `cuda` feature's library and binary,
+# which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
 cargo test --workspace
 # The wgpu conformance and training tests again, with a software adapter (lavapipe) running only the kernels
 # a hardware GPU runs (tree reductions, plain and strided matmuls), so CI checks those kernels too.
