@@ -45,7 +45,7 @@ import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare import HOSTS_SH, Bench, counter_deltas, loadavg, nstat_counters, ns, param_count, qdisc_counters, \
+from compare import HOSTS_SH, PRESETS, Bench, counter_deltas, loadavg, nstat_counters, ns, param_count, qdisc_counters, \
     wire_summary  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
@@ -90,12 +90,22 @@ def children_cpu_s():
     return r.ru_utime + r.ru_stime
 
 
-def hosts_up(hosts, rate):
-    subprocess.run([HOSTS_SH, "up", str(hosts), rate], check=True)
+class Hosts:
+    """The emulated hosts this script brought up: `down` removes them only when `up` succeeded here, so a
+    run refused because other hosts are up leaves those alone."""
 
+    owned = False
 
-def hosts_down():
-    subprocess.run([HOSTS_SH, "down"], check=False)
+    @classmethod
+    def up(cls, hosts, rate):
+        subprocess.run([HOSTS_SH, "up", str(hosts), rate], check=True)
+        cls.owned = True
+
+    @classmethod
+    def down(cls):
+        if cls.owned:
+            subprocess.run([HOSTS_SH, "down"], check=False)
+            cls.owned = False
 
 
 def udp_rtt_s():
@@ -155,7 +165,8 @@ class Runs:
         payload = hosts * 2 * (hosts - 1) * 4 * param_count(self.a.model) // hosts * (self.a.warmup + self.a.steps)
         self.record(rnd, "train", hosts, rate, step_ms=median(res["step_ms"]), comm_ms=median(res["comm_ms"]),
                     exposed_ms=median(res["exposed_ms"]), payload_bytes=payload,
-                    wire_bytes=wire["egress_sent_bytes"], cpu_s=cpu, dropped=wire["egress_dropped"] + wire["switch_dropped"],
+                    wire_bytes=wire["egress_sent_bytes"], cpu_s=cpu,
+                    dropped=wire["egress_dropped"] + wire["switch_dropped"],
                     step_ms_all=[round(x, 2) for x in res["step_ms"]], load_before=before[2], load_after=loadavg())
 
     def single(self, rnd, copies, rate):
@@ -175,7 +186,7 @@ class Runs:
 
     def round(self, rnd, configs):
         for hosts, rate in configs:
-            hosts_up(hosts, rate)
+            Hosts.up(hosts, rate)
             try:
                 if (hosts, rate) == CALIBRATION:
                     self.single(rnd, 1, rate)
@@ -184,7 +195,7 @@ class Runs:
                 if rate == "1gbit":
                     self.single(rnd, hosts, rate)
             finally:
-                hosts_down()
+                Hosts.down()
 
 
 # ---- the sim ----------------------------------------------------------------------------------------------
@@ -224,7 +235,8 @@ class Sim:
 
     @staticmethod
     def network(alpha_s, beta_bytes_s, gamma_s_per_byte):
-        return f"latency={alpha_s * 1e6:.3f}us,bandwidth={beta_bytes_s / 1e6:.4f}MB,cpu-per-byte={gamma_s_per_byte * 1e9:.4f}ns"
+        return (f"latency={alpha_s * 1e6:.3f}us,bandwidth={beta_bytes_s / 1e6:.4f}MB,"
+                f"cpu-per-byte={gamma_s_per_byte * 1e9:.4f}ns")
 
     @staticmethod
     def compute_flag(step_ms, shares):
@@ -268,7 +280,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15, help="timed steps per run (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default: %(default)s)")
-    ap.add_argument("--model", default="small")
+    ap.add_argument("--model", choices=sorted(PRESETS), default="small")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
@@ -296,7 +308,7 @@ def main():
             for rnd in range(1, a.rounds + 1):
                 runs.round(rnd, configs if rnd % 2 else configs[::-1])
     finally:
-        hosts_down()
+        Hosts.down()
     results = runs.results
 
     def med(kind, hosts, key, rate=None):
@@ -368,4 +380,9 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"validate: {' '.join(map(str, e.cmd))} exited with status {e.returncode} (its message is above)")
+    except RuntimeError as e:
+        sys.exit(f"validate: {e}")
