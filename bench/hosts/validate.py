@@ -45,8 +45,8 @@ import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare import HOSTS_SH, PRESETS, Bench, counter_deltas, loadavg, nstat_counters, ns, param_count, qdisc_counters, \
-    wire_summary  # noqa: E402
+from compare import (HOSTS_SH, PRESETS, Bench, counter_deltas, loadavg, nstat_counters, ns,  # noqa: E402
+                     param_count, qdisc_counters, wire_summary)
 
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 CALIBRATION = (2, "1gbit")
