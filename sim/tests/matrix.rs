@@ -34,7 +34,7 @@
 //! `SKIP: no wgpu adapter` and pass.
 
 use ringtrain::backend::factory::BackendChoice::{self, Cpu, Wgpu};
-use ringtrain::backend::testing::{open_or_skip, Device};
+use ringtrain::backend::testing::wgpu_available;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::UpdateMode::{self, Replicated, Sharded};
 use ringtrain_sim::Cluster;
@@ -46,16 +46,6 @@ const CPU_TOLERANCE: f64 = 1e-5;
 const WGPU_TOLERANCE: f64 = 1e-4;
 
 const MIXED: &[BackendChoice] = &[Cpu, Wgpu];
-
-/// Whether a wgpu adapter exists (the shared rule decides between skipping and failing when none does).
-fn wgpu_available() -> bool {
-    let found = if ringtrain::backend::wgpu::list_adapters().is_empty() {
-        Err(anyhow::anyhow!("list_adapters() found none"))
-    } else {
-        Ok(())
-    };
-    open_or_skip(Device::Wgpu, found).is_some()
-}
 
 fn cell(workers: usize, backends: &[BackendChoice], update: UpdateMode, overlap: bool) {
     if backends.contains(&Wgpu) && !wgpu_available() {

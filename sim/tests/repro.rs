@@ -4,7 +4,7 @@
 //! modes.
 
 use ringtrain::backend::factory::BackendChoice;
-use ringtrain::backend::testing::{open_or_skip, Device};
+use ringtrain::backend::testing::wgpu_available;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::UpdateMode;
 use ringtrain_sim::{Cluster, ClusterRun, Transport};
@@ -59,16 +59,6 @@ fn mem_and_quic_give_bit_identical_parameters() -> anyhow::Result<()> {
         assert_eq!(mem.steps, quic.steps, "{update:?}: losses differ");
     }
     Ok(())
-}
-
-/// Whether a wgpu adapter exists (the shared rule decides between skipping and failing when none does).
-fn wgpu_available() -> bool {
-    let found = if ringtrain::backend::wgpu::list_adapters().is_empty() {
-        Err(anyhow::anyhow!("list_adapters() found none"))
-    } else {
-        Ok(())
-    };
-    open_or_skip(Device::Wgpu, found).is_some()
 }
 
 #[test]

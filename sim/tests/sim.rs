@@ -4,7 +4,7 @@
 //! other rank fail with an error naming it instead of hanging.
 
 use ringtrain::backend::factory::BackendChoice;
-use ringtrain::backend::testing::{open_or_skip, Device};
+use ringtrain::backend::testing::wgpu_available;
 use ringtrain::collective::mem::Faults;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
@@ -92,16 +92,6 @@ fn quic_transport_keeps_replicas_identical() {
     let report = run(&cfg).unwrap();
     assert_eq!(report.first_divergence(), None);
     assert!(report.max_loss_gap() < 1e-5);
-}
-
-/// Whether a wgpu adapter exists (the shared rule decides between skipping and failing when none does).
-fn wgpu_available() -> bool {
-    let found = if ringtrain::backend::wgpu::list_adapters().is_empty() {
-        Err(anyhow::anyhow!("list_adapters() found none"))
-    } else {
-        Ok(())
-    };
-    open_or_skip(Device::Wgpu, found).is_some()
 }
 
 #[test]

@@ -43,3 +43,14 @@ pub fn open_or_skip<T>(device: Device, opened: anyhow::Result<T>) -> Option<T> {
         }
     }
 }
+
+/// Whether a wgpu adapter exists, by the rule above: `false` after printing `SKIP: ...` where none does,
+/// and a panic under `CI=true`. For tests that open their adapters elsewhere (the sim's ranks).
+pub fn wgpu_available() -> bool {
+    let found = if super::wgpu::list_adapters().is_empty() {
+        Err(anyhow::anyhow!("list_adapters() found none"))
+    } else {
+        Ok(())
+    };
+    open_or_skip(Device::Wgpu, found).is_some()
+}
