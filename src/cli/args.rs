@@ -157,6 +157,10 @@ pub struct TrainArgs {
     pub threads: Option<usize>,
 }
 
+/// Most tokens in one micro-batch of one rank (`--batch-size` x `--seq-len`): 2^31, the 32-bit index range
+/// of the GPU kernels.
+const MAX_MICRO_BATCH_TOKENS: usize = 1 << 31;
+
 /// Largest `--config` file read: a run's settings fill a few hundred bytes, and the TOML parser allocates
 /// many times the text it is given, so a huge or wrong file is refused before it is read.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
@@ -244,6 +248,14 @@ impl TrainArgs {
         let seq_len = positive("--seq-len", self.seq_len.unwrap_or(d.seq_len))?;
         let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(d.grad_accum))?;
         let overflow = || format!("--batch-size {batch_size} x --grad-accum {grad_accum} x {world} ranks is too large");
+        // Token positions are indexed with 32 bits by the GPU kernels, and the activations scale with them.
+        let micro_tokens = batch_size.checked_mul(seq_len).filter(|&n| n <= MAX_MICRO_BATCH_TOKENS);
+        if micro_tokens.is_none() {
+            bail!(
+                "--batch-size {batch_size} x --seq-len {seq_len} is over {MAX_MICRO_BATCH_TOKENS} tokens per \
+                 micro-batch, more than any backend can index; use --grad-accum for larger batches"
+            );
+        }
         let per_rank = batch_size.checked_mul(grad_accum).with_context(overflow)?;
         let global = per_rank.checked_mul(world).with_context(overflow)?;
         let base_batch = positive("--base-batch", self.base_batch.unwrap_or(per_rank))?;
@@ -369,6 +381,21 @@ fn unit_interval(name: &str, v: f64) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_micro_batch_too_large_to_index_is_refused() {
+        let args = TrainArgs {
+            batch_size: Some(1 << 55),
+            ..TrainArgs::default()
+        };
+        let err = format!("{:#}", args.resolve(&ModelConfig::tiny(), 1).unwrap_err());
+        assert!(err.contains("--batch-size") && err.contains("--seq-len"), "{err}");
+        let fits = TrainArgs {
+            batch_size: Some(1 << 25),
+            ..TrainArgs::default()
+        };
+        assert_eq!(fits.resolve(&ModelConfig::tiny(), 1).unwrap().batch_size, 1 << 25);
+    }
 
     #[test]
     fn a_config_file_over_the_limit_is_refused_before_parsing() {

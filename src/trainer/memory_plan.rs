@@ -151,9 +151,8 @@ impl MemoryPlan {
             gib(room.bytes),
             gib(largest_bytes)
         );
-        let smaller = (1..self.batch_size)
-            .rev()
-            .filter(|b| self.batch_size % b == 0)
+        let smaller = smaller_divisors(self.batch_size)
+            .into_iter()
             .map(|b| Self::for_shape(self.shape.clone(), b, self.grad_accum * (self.batch_size / b)))
             .find(|plan| fits(plan));
         let sharded = || {
@@ -265,9 +264,37 @@ pub fn measured_peak() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// The divisors of `n` below `n`, largest first: the micro-batch sizes that split a batch of `n` evenly.
+/// Found in O(sqrt n), since `n` comes from a flag.
+fn smaller_divisors(n: usize) -> Vec<usize> {
+    let mut divisors = Vec::new();
+    let mut d = 1;
+    while d <= n / d {
+        if n % d == 0 {
+            divisors.push(d);
+            divisors.push(n / d);
+        }
+        d += 1;
+    }
+    divisors.sort_unstable_by(|a, b| b.cmp(a));
+    divisors.dedup();
+    divisors.retain(|&d| d < n);
+    divisors
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn smaller_divisors_are_listed_largest_first() {
+        assert_eq!(smaller_divisors(12), vec![6, 4, 3, 2, 1]);
+        assert_eq!(smaller_divisors(16), vec![8, 4, 2, 1]);
+        assert_eq!(smaller_divisors(7), vec![1]);
+        assert_eq!(smaller_divisors(1), Vec::<usize>::new());
+        // A batch from a flag can be huge; this must not take a step per candidate.
+        assert_eq!(smaller_divisors(1 << 40)[0], 1 << 39);
+    }
 
     const GIB: u64 = 1 << 30;
 

@@ -52,20 +52,23 @@ pub(super) enum Cause {
 #[derive(Clone, Default)]
 pub(super) struct Refusals(Arc<Mutex<Vec<(SocketAddr, Cause)>>>);
 
-/// Most (address, cause) pairs remembered (and logged).
+/// Most addresses remembered (and logged) per cause.
 const MAX_REFUSALS: usize = 16;
 
 impl Refusals {
     /// Records a refused peer; logs it the first time its address is refused for this cause.
     pub(super) fn record(&self, addr: SocketAddr, cause: Cause, reason: &str) {
         let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.len() > MAX_REFUSALS || seen.contains(&(addr, cause)) {
+        // Bounded per cause, so that failed handshakes from many source ports (anyone can send those) cannot
+        // crowd out the wrong-secret peers, which the rendezvous names as the likely missing ranks.
+        let of_cause = seen.iter().filter(|(_, c)| *c == cause).count();
+        if of_cause > MAX_REFUSALS || seen.contains(&(addr, cause)) {
             return;
         }
-        if seen.len() == MAX_REFUSALS {
+        if of_cause == MAX_REFUSALS {
             // One entry past the bound stands for "the rest", so this is said once too.
             seen.push((addr, cause));
-            tracing::warn!("refused a connection from {addr}; further refusals are not logged");
+            tracing::warn!("refused a connection from {addr}; further refusals of this kind are not logged");
             return;
         }
         seen.push((addr, cause));
@@ -207,7 +210,17 @@ mod tests {
         for port in 2000..2100 {
             r.record(SocketAddr::new(a.ip(), port), Cause::Handshake, "x");
         }
-        // The bound, plus the one entry that says the rest are not logged.
-        assert_eq!(remembered(&r).len(), MAX_REFUSALS + 1);
+        // Per cause: the bound, plus the one entry that says the rest are not logged.
+        let handshakes = |r: &Refusals| remembered(r).iter().filter(|(_, c)| *c == Cause::Handshake).count();
+        assert_eq!(handshakes(&r), MAX_REFUSALS + 1);
+        // A flood of failed handshakes does not hide a later peer with the wrong secret.
+        let late: SocketAddr = "127.0.0.1:3000".parse().unwrap();
+        r.record(late, Cause::Secret, "x");
+        assert_eq!(r.wrong_secret(), vec![a, late]);
+        for port in 4000..4100 {
+            r.record(SocketAddr::new(a.ip(), port), Cause::Secret, "x");
+        }
+        assert_eq!(r.wrong_secret().len(), MAX_REFUSALS + 1);
+        assert_eq!(handshakes(&r), MAX_REFUSALS + 1);
     }
 }

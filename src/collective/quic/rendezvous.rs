@@ -73,7 +73,12 @@ pub(super) async fn host(
 fn listen_addr(j: &Joined) -> SocketAddr {
     match &j.msg {
         Control::Hello(Hello { advertise: Some(a), .. }) => *a,
-        _ => j.conn.remote_address(),
+        // A dual-stack rank 0 (bound to `::`) sees IPv4 peers as `::ffff:a.b.c.d`, which their IPv4
+        // neighbours could not dial.
+        _ => {
+            let seen = j.conn.remote_address();
+            SocketAddr::new(seen.ip().to_canonical(), seen.port())
+        }
     }
 }
 
@@ -96,14 +101,7 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
                 let missing: Vec<usize> = (1..n).filter(|&r| slots[r].is_none()).collect();
                 let mut reason = format!("rendezvous timed out after {:?}: ranks {missing:?} did not join",
                     cfg.rendezvous_timeout);
-                let refused = listener.refusals.wrong_secret();
-                if !refused.is_empty() {
-                    let list: Vec<String> = refused.iter().map(|a| a.to_string()).collect();
-                    reason.push_str(&format!(
-                        "; meanwhile a peer at {} failed authentication (started with another cluster secret?)",
-                        list.join(", ")
-                    ));
-                }
+                reason.push_str(&auth_failures(&listener.refusals.wrong_secret(), "meanwhile "));
                 // The ranks that did join hear why from rank 0, instead of only that they waited too long.
                 for j in slots.into_iter().flatten() {
                     j.refuse(cfg.job_id, &listener.refusals, Cause::Refused, reason.clone());
@@ -169,8 +167,11 @@ impl Progress {
         tracing::warn!("rank 0: rendezvous: {note}");
         let frame = control_frame(cfg.job_id, &Control::Waiting { note: note.clone() });
         for j in slots.iter_mut().flatten() {
-            // A rank that cannot be told now hears the outcome with the welcome or the refusal.
-            let _ = tokio::time::timeout(Duration::from_secs(1), j.send.write_all(&frame)).await;
+            // No timeout: cancelling a write midway would leave half a frame on the stream. A note goes out
+            // only when it changed, so all of them together stay far below the stream's flow-control
+            // credit, and the write returns at once even if the rank reads nothing. A rank that cannot be
+            // told hears the outcome with the welcome or the refusal.
+            let _ = j.send.write_all(&frame).await;
         }
         self.last_note = note;
     }
@@ -184,14 +185,20 @@ fn waiting_note(slots: &[Option<Joined>], wrong_secret: &[SocketAddr]) -> String
         slots.len() - missing.len(),
         slots.len()
     );
-    if !wrong_secret.is_empty() {
-        let list: Vec<String> = wrong_secret.iter().map(|a| a.to_string()).collect();
-        note.push_str(&format!(
-            "; a peer at {} failed authentication (started with another cluster secret?)",
-            list.join(", ")
-        ));
-    }
+    note.push_str(&auth_failures(wrong_secret, ""));
     note
+}
+
+/// `; <lead>a peer at ADDR, ... failed authentication (...)`, or nothing when no peer did.
+fn auth_failures(wrong_secret: &[SocketAddr], lead: &str) -> String {
+    if wrong_secret.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = wrong_secret.iter().map(|a| a.to_string()).collect();
+    format!(
+        "; {lead}a peer at {} failed authentication (started with another cluster secret?)",
+        list.join(", ")
+    )
 }
 
 /// The connection to rank 0 that a joining rank keeps as its control plane.
