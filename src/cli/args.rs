@@ -509,18 +509,22 @@ mod tests {
     /// overflowed, a panic in debug builds and a wrapped, wrong batch in release ones.
     #[test]
     fn a_global_batch_too_large_for_usize_is_an_error() {
+        // A micro-batch small enough to index, so that the accumulation is what overflows.
         let args = TrainArgs {
-            batch_size: Some(usize::MAX / 2),
-            grad_accum: Some(4),
+            batch_size: Some(1 << 20),
+            grad_accum: Some(usize::MAX / 4),
             ..TrainArgs::default()
         };
         let err = args.resolve(&ModelConfig::tiny(), 1).unwrap_err().to_string();
-        assert!(err.contains("--batch-size") && err.contains("too large"), "{err}");
+        assert!(err.contains("--grad-accum") && err.contains("too large"), "{err}");
+        // Per rank it fits; over the ranks it does not.
         let args = TrainArgs {
-            batch_size: Some(usize::MAX / 2),
+            batch_size: Some(1 << 20),
+            grad_accum: Some(1 << 40),
             ..TrainArgs::default()
         };
-        assert!(args.resolve(&ModelConfig::tiny(), 3).is_err());
+        let err = args.resolve(&ModelConfig::tiny(), 32).unwrap_err().to_string();
+        assert!(err.contains("32 ranks") && err.contains("too large"), "{err}");
     }
 
     /// The sim and the integration tests build their options in code; these are the same values the flags
