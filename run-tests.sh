@@ -65,6 +65,12 @@ cargo test --workspace
 # a hardware GPU runs (tree reductions, plain and strided matmuls), so CI checks those kernels too.
 RINGTRAIN_WGPU_HARDWARE_KERNELS=1 cargo test -p ringtrain --test conformance --test wgpu_training
 cargo build --profile test -p ringtrain --features cuda --lib --bins
+# The CUDA backend's own tests: its NVRTC path compiles every kernel to CUBIN and caches it (NVRTC found on the
+# loader's path, here the first library named above), and without a driver `--backend cuda` says what is
+# missing while `auto` opens another backend.
+nvrtc_dir=$(dirname "${RINGTRAIN_NVRTC_LIBS%%:*}" 2>/dev/null || true)
+LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" \
+  cargo test --profile test -p ringtrain --features cuda --lib -- backend::cuda backend::factory
 
 # The benchmark harness that lives outside the workspace (its own lock file) must keep building too.
 (cd bench/allreduce/nexar && CARGO_TARGET_DIR=../../../target/bench-nexar cargo check --locked --quiet)

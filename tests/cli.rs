@@ -475,7 +475,12 @@ fn bench_allreduce_prints_an_nccl_tests_table() {
 /// --batch-size (the library's wording names only the quantities), and CUDA names what is missing.
 #[test]
 fn backend_errors_name_the_flags_that_avoid_them() {
-    fails_with(&with(&SMALL, &["--backend", "cuda"]), "cuda");
+    if !cfg!(feature = "cuda") {
+        common::fails_with_all(
+            &with(&SMALL, &["--backend", "cuda"]),
+            &["--backend cuda", "cuda backend", "`cuda` cargo feature"],
+        );
+    }
     let adapters = ringtrain::backend::wgpu::list_adapters();
     let software = adapters.iter().any(|a| a.is_software && a.unsupported.is_none());
     let found = if software {

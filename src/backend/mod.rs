@@ -27,6 +27,7 @@ mod error;
 pub mod factory;
 pub mod matmul_bench;
 pub mod testing;
+mod token_index;
 mod view;
 pub mod wgpu;
 

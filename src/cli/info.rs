@@ -1,7 +1,7 @@
 //! `ringtrain info`: the backends and adapters found, and what `--backend auto` would pick and why.
 
 use anyhow::Result;
-use ringtrain::backend::factory::{cuda_status, select, BackendChoice};
+use ringtrain::backend::factory::{cuda_report, select, BackendChoice};
 use ringtrain::backend::wgpu::list_adapters;
 
 pub fn run_info() -> Result<()> {
@@ -19,7 +19,10 @@ pub fn run_info() -> Result<()> {
             println!("  {a}");
         }
     }
-    println!("cuda: {}", cuda_status());
+    println!("cuda:");
+    for line in cuda_report() {
+        println!("  {line}");
+    }
     let local_rank = std::env::var("LOCAL_RANK")
         .ok()
         .and_then(|v| v.parse().ok())

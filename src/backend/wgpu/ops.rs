@@ -89,34 +89,6 @@ fn gelu_params(n: u32, [out_off, inp_off, dout_off]: [u32; 3]) -> GeluParams {
     }
 }
 
-/// The embedding backward's token index of `toks` (ids below `v`): the positions grouped by token, in
-/// `(b, t)` order within a token, as `[rows | starts | positions]` (u32): the `u` distinct tokens in
-/// increasing order, where each one's positions start (plus the end), then the positions. Returns `u` too.
-fn token_index(toks: &[u32], v: usize) -> (usize, Vec<u32>) {
-    assert!(
-        toks.iter().all(|&x| (x as usize) < v),
-        "token id out of the vocabulary of {v}"
-    );
-    let n = toks.len();
-    let mut order: Vec<u32> = (0..n as u32).collect();
-    order.sort_by_key(|&i| (toks[i as usize], i));
-    let mut rows = Vec::new();
-    let mut starts = Vec::new();
-    for (j, &i) in order.iter().enumerate() {
-        let tok = toks[i as usize];
-        if rows.last() != Some(&tok) {
-            rows.push(tok);
-            starts.push(j as u32);
-        }
-    }
-    starts.push(n as u32);
-    let u = rows.len();
-    let mut index = rows;
-    index.extend_from_slice(&starts);
-    index.extend_from_slice(&order);
-    (u, index)
-}
-
 impl Backend for WgpuBackend {
     fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
         let tokens = b * t;
@@ -252,7 +224,10 @@ impl Backend for WgpuBackend {
         // dwte: one invocation per (distinct token, channel), summing the token's positions in (b, t) order,
         // grouped on the host.
         let v = dwte.len / c;
-        let (u, index) = token_index(&self.token_buffer(tokens.buf).host[tokens.offset..tokens.offset + n], v);
+        let (u, index) = crate::backend::token_index::token_index(
+            &self.token_buffer(tokens.buf).host[tokens.offset..tokens.offset + n],
+            v,
+        );
         let waux = self.write_embed_index(&index);
         for (v0, v1) in self.row_windows(v, c) {
             let wdwte = self.win(dwte.sub(v0 * c, (v1 - v0) * c));

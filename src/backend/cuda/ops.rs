@@ -1,0 +1,622 @@
+//! The ops of [`Backend`] on CUDA: each a launch of a `kernels/*.cu` kernel or a cuBLAS call, in the order
+//! of kernels/README.md's table.
+
+use super::super::error::ensure_view;
+use super::super::{
+    AdamWStep, AttentionShape, Backend, BackendError, BackendMemory, Download, MatmulShape, TokenView, View,
+};
+use super::api::check;
+use super::device::{CudaBackend, DeviceBuffer, Scratch, TokenBuffer, WG};
+use crate::backend::token_index::token_index;
+use anyhow::Result;
+use cudarc::driver::sys as cu;
+
+/// `sum_squares`' block: the CPU specification's `SUM_BLOCK` (kernels/reduce.cu).
+const SUM_BLOCK: usize = 4096;
+
+/// Columns per block of the column-tree kernels (`column_lanes_sum`).
+const COLUMNS_PER_BLOCK: usize = 16;
+
+/// One kernel argument.
+enum Arg {
+    /// A view's device address; its length must fit the kernels' 32-bit indices.
+    F(View),
+    /// A token view's device address.
+    Tok(TokenView),
+    /// A raw device address of scratch memory (already bounded by the caller).
+    Ptr(cu::CUdeviceptr),
+    /// A size, passed as the kernels' `u32`.
+    U(usize),
+    /// A float scalar.
+    S(f32),
+}
+
+/// A kernel argument's bits, as `cuLaunchKernel` reads them through a pointer.
+enum Raw {
+    Ptr(u64),
+    U32(u32),
+    F32(f32),
+}
+
+impl CudaBackend {
+    /// Launches `kernel` on `blocks` blocks of [`WG`] threads with `args` in its parameter order. A size or
+    /// view past 32-bit indexing is recorded as [`BackendError::ShapeUnsupported`] and nothing runs.
+    fn launch(&mut self, kernel: &'static str, blocks: usize, args: &[Arg]) {
+        if blocks == 0 {
+            return;
+        }
+        let too_big = |n: usize| n > u32::MAX as usize;
+        let mut raw = Vec::with_capacity(args.len());
+        for arg in args {
+            let (value, extent) = match *arg {
+                Arg::F(v) => (Raw::Ptr(self.ptr(v)), v.len),
+                Arg::Tok(t) => (Raw::Ptr(self.token_ptr(t)), t.len),
+                Arg::Ptr(p) => (Raw::Ptr(p), 0),
+                Arg::U(n) => (Raw::U32(n as u32), n),
+                Arg::S(s) => (Raw::F32(s), 0),
+            };
+            if too_big(extent) || too_big(blocks) {
+                self.record(Err(BackendError::ShapeUnsupported {
+                    op: kernel.into(),
+                    detail: format!(
+                        "needs sizes below 2^32 elements for its 32-bit indices, got {extent} ({blocks} blocks)"
+                    ),
+                }));
+                return;
+            }
+            raw.push(value);
+        }
+        let mut params: Vec<*mut std::ffi::c_void> = raw
+            .iter_mut()
+            .map(|r| match r {
+                Raw::Ptr(p) => p as *mut u64 as *mut _,
+                Raw::U32(u) => u as *mut u32 as *mut _,
+                Raw::F32(f) => f as *mut f32 as *mut _,
+            })
+            .collect();
+        let function = *self
+            .kernels
+            .get(kernel)
+            .unwrap_or_else(|| panic!("no CUDA kernel named {kernel}"));
+        let result = self.bind().and_then(|()| {
+            // SAFETY: `function` belongs to the current context; `params` holds one pointer per kernel
+            // parameter, in order and of the parameter's size (device pointers as u64, sizes as u32, scalars
+            // as f32), each valid for the call (the driver copies them at launch); every device pointer
+            // addresses a live buffer whose extent the kernel's sizes describe.
+            check(
+                unsafe {
+                    cu::cuLaunchKernel(
+                        function,
+                        blocks as u32,
+                        1,
+                        1,
+                        WG as u32,
+                        1,
+                        1,
+                        0,
+                        self.compute,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                },
+                kernel,
+            )
+        });
+        self.record(result);
+    }
+
+    /// Blocks for one thread per element.
+    fn per_element(n: usize) -> usize {
+        n.div_ceil(WG)
+    }
+
+    fn alloc_buffer(&mut self, len: usize) -> Result<View> {
+        let ptr = self.alloc_words(len, &format!("a tensor of {len} floats"))?;
+        self.bufs.push(Some(DeviceBuffer { ptr, len }));
+        Ok(View {
+            buf: self.bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    fn blas_call(&mut self, call: impl FnOnce(&super::blas::Blas) -> Result<(), BackendError>) {
+        let blas = self.blas.as_ref().expect("cuBLAS is set up by `new`");
+        let result = call(blas);
+        self.record(result);
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        self.describe()
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<View> {
+        self.alloc_buffer(len)
+    }
+
+    fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
+        let ptr = self.alloc_words(len, &format!("a token buffer of {len}"))?;
+        self.tok_bufs.push(Some(TokenBuffer {
+            ptr,
+            host: vec![0; len],
+        }));
+        Ok(TokenView {
+            buf: self.tok_bufs.len() - 1,
+            offset: 0,
+            len,
+        })
+    }
+
+    fn free(&mut self, view: View) {
+        let buffer = self
+            .bufs
+            .get_mut(view.buf)
+            .and_then(Option::take)
+            .unwrap_or_else(|| panic!("freeing freed or unknown CUDA buffer {}", view.buf));
+        self.free_words(buffer.ptr);
+    }
+
+    fn free_tokens(&mut self, view: TokenView) {
+        let buffer = self
+            .tok_bufs
+            .get_mut(view.buf)
+            .and_then(Option::take)
+            .unwrap_or_else(|| panic!("freeing freed or unknown CUDA token buffer {}", view.buf));
+        self.free_words(buffer.ptr);
+    }
+
+    fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
+        ensure_view!(
+            src.len() == dst.len,
+            "upload of {} floats into a view of {}",
+            src.len(),
+            dst.len
+        );
+        let ptr = self.ptr(dst);
+        self.copy_in(ptr, src)?;
+        Ok(())
+    }
+
+    fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()> {
+        ensure_view!(
+            src.len() == dst.len,
+            "upload of {} tokens into a view of {}",
+            src.len(),
+            dst.len
+        );
+        let ptr = self.token_ptr(dst);
+        self.copy_in(ptr, src)?;
+        let host = &mut self.tok_bufs[dst.buf].as_mut().expect("checked by token_ptr").host;
+        host[dst.offset..dst.offset + dst.len].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()> {
+        ensure_view!(
+            dst.len() == src.len,
+            "download of a view of {} into {} floats",
+            src.len,
+            dst.len()
+        );
+        let ptr = self.ptr(src);
+        self.copy_out(ptr, dst)
+    }
+
+    fn fill(&mut self, dst: View, value: f32) {
+        if dst.len == 0 {
+            return;
+        }
+        let ptr = self.ptr(dst);
+        let result = self.bind().and_then(|()| {
+            // SAFETY: `ptr` addresses the view's `len` floats; the f32's bits are written as they are.
+            check(
+                unsafe { cu::cuMemsetD32Async(ptr, value.to_bits(), dst.len, self.compute) },
+                "fill",
+            )
+        });
+        self.record(result);
+    }
+
+    fn copy(&mut self, dst: View, src: View) {
+        assert_eq!(dst.len, src.len, "copy between views of different lengths");
+        assert!(!dst.overlaps(&src), "copy between overlapping views");
+        if dst.len == 0 {
+            return;
+        }
+        let (d, s) = (self.ptr(dst), self.ptr(src));
+        let result = self.bind().and_then(|()| {
+            // SAFETY: both address `len` floats of live buffers, without overlap (asserted).
+            check(
+                unsafe { cu::cuMemcpyDtoDAsync_v2(d, s, dst.len * 4, self.compute) },
+                "copy",
+            )
+        });
+        self.record(result);
+    }
+
+    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
+        let n = b * t;
+        assert!(out.len == n * c && tokens.len == n && wpe.len >= t * c && c > 0 && wte.len % c == 0);
+        let v = wte.len / c;
+        let args = [
+            Arg::F(out),
+            Arg::Tok(tokens),
+            Arg::F(wte),
+            Arg::F(wpe),
+            Arg::U(n),
+            Arg::U(t),
+            Arg::U(c),
+            Arg::U(v),
+        ];
+        self.launch("encoder_forward", Self::per_element(n * c), &args);
+    }
+
+    fn encoder_backward(
+        &mut self,
+        dwte: View,
+        dwpe: View,
+        dout: View,
+        tokens: TokenView,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let n = b * t;
+        assert!(dout.len == n * c && tokens.len == n && dwpe.len >= t * c && c > 0 && dwte.len % c == 0);
+        if n == 0 {
+            return;
+        }
+        let wpe_args = [
+            Arg::F(dwpe.sub(0, t * c)),
+            Arg::F(dout),
+            Arg::U(b),
+            Arg::U(t),
+            Arg::U(c),
+        ];
+        self.launch("encoder_backward_wpe", Self::per_element(t * c), &wpe_args);
+        let v = dwte.len / c;
+        let host = &self.token_buffer(tokens.buf).host[tokens.offset..tokens.offset + n];
+        let (u, index) = token_index(host, v);
+        // index [u rows | u + 1 starts | n positions], rewritten in stream order after earlier readers.
+        let base = match self.scratch(Scratch::EmbedIndex, index.len()) {
+            Ok(base) => base,
+            Err(e) => {
+                self.error.get_or_insert(
+                    e.downcast::<BackendError>()
+                        .unwrap_or_else(|e| BackendError::Driver(e.to_string())),
+                );
+                return;
+            }
+        };
+        let copied = self.copy_in(base, &index);
+        self.record(copied);
+        let (rows, starts, positions) = (base, base + 4 * u as u64, base + 4 * (2 * u + 1) as u64);
+        let args = [
+            Arg::F(dwte),
+            Arg::F(dout),
+            Arg::Ptr(rows),
+            Arg::Ptr(starts),
+            Arg::Ptr(positions),
+            Arg::U(u),
+            Arg::U(c),
+            Arg::U(v),
+        ];
+        self.launch("encoder_backward_wte", Self::per_element(u * c), &args);
+    }
+
+    fn layernorm_forward(
+        &mut self,
+        out: View,
+        mean: View,
+        rstd: View,
+        inp: View,
+        weight: View,
+        bias: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(
+            out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n && weight.len == c && bias.len == c
+        );
+        let args = [
+            Arg::F(out),
+            Arg::F(mean),
+            Arg::F(rstd),
+            Arg::F(inp),
+            Arg::F(weight),
+            Arg::F(bias),
+            Arg::U(n),
+            Arg::U(c),
+        ];
+        self.launch("layernorm_forward", n, &args);
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: View,
+        dout: View,
+        inp: View,
+        weight: View,
+        mean: View,
+        rstd: View,
+        n: usize,
+        c: usize,
+    ) {
+        assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
+        assert!(dweight.len == c && dbias.len == c && weight.len == c);
+        let args = [
+            Arg::F(dinp),
+            Arg::F(mean),
+            Arg::F(rstd),
+            Arg::F(inp),
+            Arg::F(weight),
+            Arg::F(dout),
+            Arg::U(n),
+            Arg::U(c),
+        ];
+        self.launch("layernorm_backward", n, &args);
+        let args = [
+            Arg::F(dweight),
+            Arg::F(dbias),
+            Arg::F(mean),
+            Arg::F(rstd),
+            Arg::F(inp),
+            Arg::F(dout),
+            Arg::U(n),
+            Arg::U(c),
+        ];
+        self.launch("layernorm_backward_params", c.div_ceil(COLUMNS_PER_BLOCK), &args);
+    }
+
+    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
+        assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
+        let (o, i, w) = (self.ptr(out), self.ptr(inp), self.ptr(weight));
+        self.blas_call(|blas| blas.forward(o, i, w, s));
+        if let Some(bias) = bias {
+            assert_eq!(bias.len, s.oc);
+            let args = [Arg::F(out), Arg::F(bias), Arg::U(s.n), Arg::U(s.oc)];
+            self.launch("matmul_forward_bias", Self::per_element(s.n * s.oc), &args);
+        }
+    }
+
+    fn matmul_backward(
+        &mut self,
+        dinp: View,
+        dweight: View,
+        dbias: Option<View>,
+        dout: View,
+        inp: View,
+        weight: View,
+        s: MatmulShape,
+    ) {
+        assert!(dinp.len == s.n * s.c && inp.len == s.n * s.c && dout.len == s.n * s.oc);
+        assert!(dweight.len == s.c * s.oc && weight.len == s.c * s.oc);
+        let (di, dw, d, i, w) = (
+            self.ptr(dinp),
+            self.ptr(dweight),
+            self.ptr(dout),
+            self.ptr(inp),
+            self.ptr(weight),
+        );
+        self.blas_call(|blas| blas.backward_input(di, d, w, s));
+        self.blas_call(|blas| blas.backward_weight(dw, i, d, s));
+        if let Some(dbias) = dbias {
+            assert_eq!(dbias.len, s.oc);
+            let args = [Arg::F(dbias), Arg::F(dout), Arg::U(s.n), Arg::U(s.oc)];
+            self.launch("matmul_backward_bias", s.oc.div_ceil(COLUMNS_PER_BLOCK), &args);
+        }
+    }
+
+    fn attention_forward(&mut self, out: View, att: View, qkv: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(out.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
+        assert!(nh > 0 && c % nh == 0);
+        let shape = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
+        let [sb, st, sc, snh] = shape;
+        self.launch(
+            "attention_forward",
+            Self::per_element(b * nh * t),
+            &[Arg::F(att), Arg::F(qkv), sb, st, sc, snh],
+        );
+        let args = [
+            Arg::F(out),
+            Arg::F(att),
+            Arg::F(qkv),
+            Arg::U(b),
+            Arg::U(t),
+            Arg::U(c),
+            Arg::U(nh),
+        ];
+        self.launch("attention_forward_out", Self::per_element(b * t * c), &args);
+    }
+
+    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, s: AttentionShape) {
+        let AttentionShape { b, t, c, nh } = s;
+        assert!(dqkv.len == b * t * 3 * c && qkv.len == b * t * 3 * c && dout.len == b * t * c);
+        assert!(datt.len == b * nh * t * t && att.len == b * nh * t * t && nh > 0 && c % nh == 0);
+        let shape = || [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
+        let rows = Self::per_element(b * nh * t);
+        let elements = Self::per_element(b * t * c);
+        let [sb, st, sc, snh] = shape();
+        self.launch(
+            "attention_backward",
+            rows,
+            &[Arg::F(datt), Arg::F(att), Arg::F(qkv), Arg::F(dout), sb, st, sc, snh],
+        );
+        let [sb, st, sc, snh] = shape();
+        self.launch(
+            "attention_backward_dq",
+            elements,
+            &[Arg::F(dqkv), Arg::F(datt), Arg::F(qkv), sb, st, sc, snh],
+        );
+        let [sb, st, sc, snh] = shape();
+        let args = [
+            Arg::F(dqkv),
+            Arg::F(datt),
+            Arg::F(att),
+            Arg::F(qkv),
+            Arg::F(dout),
+            sb,
+            st,
+            sc,
+            snh,
+        ];
+        self.launch("attention_backward_dkv", elements, &args);
+    }
+
+    fn gelu_forward(&mut self, out: View, inp: View) {
+        assert_eq!(out.len, inp.len);
+        self.launch(
+            "gelu_forward",
+            Self::per_element(out.len),
+            &[Arg::F(out), Arg::F(inp), Arg::U(out.len)],
+        );
+    }
+
+    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
+        assert!(dinp.len == inp.len && dout.len == inp.len);
+        let args = [Arg::F(dinp), Arg::F(inp), Arg::F(dout), Arg::U(dinp.len)];
+        self.launch("gelu_backward", Self::per_element(dinp.len), &args);
+    }
+
+    fn residual_forward(&mut self, out: View, a: View, b: View) {
+        assert!(out.len == a.len && out.len == b.len);
+        let args = [Arg::F(out), Arg::F(a), Arg::F(b), Arg::U(out.len)];
+        self.launch("residual_forward", Self::per_element(out.len), &args);
+    }
+
+    fn add_inplace(&mut self, dst: View, src: View) {
+        assert_eq!(dst.len, src.len);
+        self.launch(
+            "add_inplace",
+            Self::per_element(dst.len),
+            &[Arg::F(dst), Arg::F(src), Arg::U(dst.len)],
+        );
+    }
+
+    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
+        assert!(losses.len == n && logits.len == n * v && targets.len == n && v > 0);
+        let args = [Arg::F(losses), Arg::F(logits), Arg::Tok(targets), Arg::U(n), Arg::U(v)];
+        self.launch("crossentropy_forward", n, &args);
+    }
+
+    fn crossentropy_backward(
+        &mut self,
+        dlogits: View,
+        logits: View,
+        targets: TokenView,
+        n: usize,
+        v: usize,
+        dloss: f32,
+    ) {
+        assert!(dlogits.len == n * v && logits.len == n * v && targets.len == n && v > 0);
+        if dlogits != logits {
+            self.copy(dlogits, logits);
+        }
+        let args = [Arg::F(dlogits), Arg::Tok(targets), Arg::U(n), Arg::U(v), Arg::S(dloss)];
+        self.launch("crossentropy_backward", n, &args);
+    }
+
+    fn sum_squares(&mut self, x: View) -> Result<f64> {
+        if x.len == 0 {
+            return self.take_error().map(|()| 0.0);
+        }
+        let blocks = x.len.div_ceil(SUM_BLOCK);
+        let partial = self.scratch(Scratch::Partials, blocks)?;
+        self.launch("sum_squares", blocks, &[Arg::Ptr(partial), Arg::F(x), Arg::U(x.len)]);
+        let mut sums = vec![0f32; blocks];
+        self.copy_out(partial, &mut sums)?;
+        Ok(sums.iter().map(|&s| s as f64).sum())
+    }
+
+    fn scale(&mut self, x: View, s: f32) {
+        self.launch(
+            "scale",
+            Self::per_element(x.len),
+            &[Arg::F(x), Arg::S(s), Arg::U(x.len)],
+        );
+    }
+
+    fn adamw(&mut self, params: View, grads: View, m: View, v: View, h: &AdamWStep) {
+        let n = params.len;
+        assert!(grads.len == n && m.len == n && v.len == n);
+        let args = [
+            Arg::F(params),
+            Arg::F(grads),
+            Arg::F(m),
+            Arg::F(v),
+            Arg::U(n),
+            Arg::S(h.lr),
+            Arg::S(h.beta1),
+            Arg::S(h.beta2),
+            Arg::S(h.eps),
+            Arg::S(h.weight_decay),
+            Arg::S(h.step_size),
+            Arg::S(h.bias_correction2_sqrt),
+            Arg::S(h.grad_scale),
+        ];
+        self.launch("adamw", Self::per_element(n), &args);
+    }
+
+    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
+        let limit = u32::MAX as usize;
+        let checks = [("attention", b * nh * t * t), ("the qkv projection", b * t * 3 * c)];
+        for (op, elements) in checks {
+            if elements > limit {
+                let detail = format!(
+                    "needs {elements} elements in one tensor at batch size {b} and sequence length {t}, past the 2^32 that the CUDA kernels' 32-bit indices reach"
+                );
+                return Err(BackendError::ShapeUnsupported { op: op.into(), detail }.into());
+            }
+        }
+        Ok(())
+    }
+
+    fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {
+        let ptr = self.ptr(src);
+        self.bind()?;
+        let ticket = self.readbacks.begin(self.compute, self.copy, ptr, src.len)?;
+        Ok(Download::InFlight { ticket, host })
+    }
+
+    fn download_ready(&mut self, download: &Download) -> Result<bool> {
+        match download {
+            Download::Ready(_) => Ok(true),
+            Download::InFlight { ticket, .. } => {
+                self.bind()?;
+                Ok(self.readbacks.ready(*ticket)?)
+            }
+        }
+    }
+
+    fn finish_download(&mut self, download: Download) -> Result<Vec<f32>> {
+        match download {
+            Download::Ready(host) => Ok(host),
+            Download::InFlight { ticket, mut host } => {
+                self.bind()?;
+                self.readbacks.finish(ticket, &mut host)?;
+                self.take_error()?;
+                Ok(host)
+            }
+        }
+    }
+
+    fn memory(&self) -> BackendMemory {
+        BackendMemory::Device {
+            available: self.free_memory(),
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        let copy = self.bind().and_then(|()| {
+            // SAFETY: the copy stream lives as long as the backend.
+            check(unsafe { cu::cuStreamSynchronize(self.copy) }, "waiting for read-backs")
+        });
+        self.record(copy);
+        self.wait_compute()
+    }
+}
