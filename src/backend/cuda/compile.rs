@@ -1,5 +1,5 @@
-//! `kernels/*.cu` compiled by NVRTC to CUBIN for one device architecture, and the on-disk cache of the
-//! results.
+//! `kernels/*.cu` compiled by NVRTC to CUBIN for one device architecture, once per process, and the on-disk
+//! cache of the results.
 //!
 //! CUBIN, not PTX: an NVRTC newer than the driver emits PTX the driver refuses to JIT, while native code for
 //! the device's own architecture loads on any driver that supports the device.
@@ -13,8 +13,10 @@
 use super::super::BackendError;
 use super::api::{self, Library};
 use cudarc::nvrtc::sys as nvrtc;
+use std::collections::HashMap;
 use std::ffi::{c_char, CStr, CString};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// The helpers every family starts with.
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
@@ -63,8 +65,26 @@ fn options(capability: (i32, i32)) -> Vec<String> {
 }
 
 /// The CUBIN of family `stem` for a device of `capability`, from the cache or compiled now.
+/// Compiled once per process: a second backend in the same process (the sim's workers) reuses the first one's.
 pub(super) fn cubin(stem: &str, source: &str, capability: (i32, i32)) -> Result<Vec<u8>, BackendError> {
-    cubin_cached_in(cache_dir().as_deref(), stem, source, capability)
+    type Compiled = HashMap<(String, (i32, i32)), Vec<u8>>;
+    static COMPILED: Mutex<Option<Compiled>> = Mutex::new(None);
+    let key = (stem.to_string(), capability);
+    if let Some(cubin) = COMPILED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_default()
+        .get(&key)
+    {
+        return Ok(cubin.clone());
+    }
+    let cubin = cubin_cached_in(cache_dir().as_deref(), stem, source, capability)?;
+    COMPILED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_default()
+        .insert(key, cubin.clone());
+    Ok(cubin)
 }
 
 /// [`cubin`] with the cache in `cache` (none: always compile).

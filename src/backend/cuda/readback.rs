@@ -7,8 +7,9 @@ use super::api::check;
 use cudarc::driver::sys as cu;
 use std::collections::HashMap;
 
-/// Pinned buffers kept for reuse beyond the ones in flight.
-const POOLED: usize = 8;
+/// Pinned buffers kept for reuse beyond the ones in flight: enough for every bucket of a step (GPT-2's
+/// 124M parameters are 20 buckets of the default 25 MiB), so a steady run pins nothing after its first step.
+const POOLED: usize = 64;
 
 /// Page-locked host memory the GPU copies into directly.
 pub(super) struct Pinned {
