@@ -1,4 +1,5 @@
-//! cuBLAS for the matmuls, set up so that fp32 results are fp32 and repeat bit for bit:
+//! The matmuls as column-major GEMMs, and cuBLAS to run them, set up so that fp32 results are fp32 and
+//! repeat bit for bit:
 //! - `CUBLAS_DEFAULT_MATH`, which for fp32 computes in fp32 and never turns on TF32 (TF32 needs
 //!   `CUBLAS_TF32_TENSOR_OP_MATH`), what PyTorch uses with `allow_tf32 = False`;
 //! - a fixed workspace of its own, set once, so cuBLAS never picks algorithms by what memory it can get;
@@ -11,34 +12,102 @@
 
 use super::super::{BackendError, MatmulShape, WeightLayout};
 use super::api::check_blas;
+use super::gpu::{Addr, Gemm, Op};
 use cudarc::cublas::sys as cublas;
 use cudarc::driver::sys as cu;
 
 /// Workspace bytes: what NVIDIA recommends for Hopper, enough for every fp32 GEMM algorithm.
 const WORKSPACE_BYTES: usize = 32 << 20;
 
+/// `out [n, oc] = inp [n, c] @ W`, W per `s.layout` (row-major), as a column-major GEMM.
+pub(super) fn forward(out: Addr, inp: Addr, weight: Addr, s: MatmulShape) -> Gemm {
+    // out^T [oc, n] = W^T [oc, c] @ inp^T [c, n]. InOut W [c, oc] is column-major [oc, c] already; OutIn
+    // W [oc, c] is column-major [c, oc], transposed.
+    let (op_a, lda) = match s.layout {
+        WeightLayout::InOut => (Op::N, s.oc),
+        WeightLayout::OutIn => (Op::T, s.c),
+    };
+    Gemm {
+        op_a,
+        op_b: Op::N,
+        m: s.oc,
+        n: s.n,
+        k: s.c,
+        a: weight,
+        lda,
+        b: inp,
+        ldb: s.c,
+        beta: 0.0,
+        c: out,
+        ldc: s.oc,
+    }
+}
+
+/// `dinp [n, c] = dout [n, oc] @ W^T` (overwritten).
+pub(super) fn backward_input(dinp: Addr, dout: Addr, weight: Addr, s: MatmulShape) -> Gemm {
+    // dinp^T [c, n] = W [c, oc] @ dout^T [oc, n]. InOut W is column-major [oc, c]: transposed; OutIn W is
+    // column-major [c, oc]: as is.
+    let (op_a, lda) = match s.layout {
+        WeightLayout::InOut => (Op::T, s.oc),
+        WeightLayout::OutIn => (Op::N, s.c),
+    };
+    Gemm {
+        op_a,
+        op_b: Op::N,
+        m: s.c,
+        n: s.n,
+        k: s.oc,
+        a: weight,
+        lda,
+        b: dout,
+        ldb: s.oc,
+        beta: 0.0,
+        c: dinp,
+        ldc: s.c,
+    }
+}
+
+/// `dweight += inp^T @ dout` in the weight's layout.
+pub(super) fn backward_weight(dweight: Addr, inp: Addr, dout: Addr, s: MatmulShape) -> Gemm {
+    match s.layout {
+        // dW [c, oc] row-major is column-major [oc, c] = dout^T [oc, n] @ inp [n, c]: dout column-major is
+        // [oc, n] as is, inp column-major is [c, n], transposed.
+        WeightLayout::InOut => Gemm {
+            op_a: Op::N,
+            op_b: Op::T,
+            m: s.oc,
+            n: s.c,
+            k: s.n,
+            a: dout,
+            lda: s.oc,
+            b: inp,
+            ldb: s.c,
+            beta: 1.0,
+            c: dweight,
+            ldc: s.oc,
+        },
+        // dW [oc, c] row-major is column-major [c, oc] = inp^T [c, n] @ dout [n, oc].
+        WeightLayout::OutIn => Gemm {
+            op_a: Op::N,
+            op_b: Op::T,
+            m: s.c,
+            n: s.oc,
+            k: s.n,
+            a: inp,
+            lda: s.c,
+            b: dout,
+            ldb: s.oc,
+            beta: 1.0,
+            c: dweight,
+            ldc: s.c,
+        },
+    }
+}
+
 /// A cuBLAS handle on the compute stream, with its workspace.
 pub(super) struct Blas {
     handle: cublas::cublasHandle_t,
     workspace: cu::CUdeviceptr,
-}
-
-use cublas::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
-
-/// One column-major GEMM: `C [m, n] = alpha * op(A) [m, k] @ op(B) [k, n] + beta * C`.
-struct Gemm {
-    trans_a: cublas::cublasOperation_t,
-    trans_b: cublas::cublasOperation_t,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: cu::CUdeviceptr,
-    lda: usize,
-    b: cu::CUdeviceptr,
-    ldb: usize,
-    beta: f32,
-    c: cu::CUdeviceptr,
-    ldc: usize,
 }
 
 impl Blas {
@@ -75,111 +144,8 @@ impl Blas {
         Ok(blas)
     }
 
-    /// `out [n, oc] = inp [n, c] @ W`, W per `shape.layout` (row-major).
-    pub(super) fn forward(
-        &self,
-        out: cu::CUdeviceptr,
-        inp: cu::CUdeviceptr,
-        weight: cu::CUdeviceptr,
-        s: MatmulShape,
-    ) -> Result<(), BackendError> {
-        // out^T [oc, n] = W^T [oc, c] @ inp^T [c, n]. InOut W [c, oc] is column-major [oc, c] already;
-        // OutIn W [oc, c] is column-major [c, oc], transposed.
-        let (trans_a, lda) = match s.layout {
-            WeightLayout::InOut => (N, s.oc),
-            WeightLayout::OutIn => (T, s.c),
-        };
-        self.gemm(Gemm {
-            trans_a,
-            trans_b: N,
-            m: s.oc,
-            n: s.n,
-            k: s.c,
-            a: weight,
-            lda,
-            b: inp,
-            ldb: s.c,
-            beta: 0.0,
-            c: out,
-            ldc: s.oc,
-        })
-    }
-
-    /// `dinp [n, c] = dout [n, oc] @ W^T` (overwritten).
-    pub(super) fn backward_input(
-        &self,
-        dinp: cu::CUdeviceptr,
-        dout: cu::CUdeviceptr,
-        weight: cu::CUdeviceptr,
-        s: MatmulShape,
-    ) -> Result<(), BackendError> {
-        // dinp^T [c, n] = W [c, oc] @ dout^T [oc, n]. InOut W is column-major [oc, c]: transposed; OutIn W is
-        // column-major [c, oc]: as is.
-        let (trans_a, lda) = match s.layout {
-            WeightLayout::InOut => (T, s.oc),
-            WeightLayout::OutIn => (N, s.c),
-        };
-        self.gemm(Gemm {
-            trans_a,
-            trans_b: N,
-            m: s.c,
-            n: s.n,
-            k: s.oc,
-            a: weight,
-            lda,
-            b: dout,
-            ldb: s.oc,
-            beta: 0.0,
-            c: dinp,
-            ldc: s.c,
-        })
-    }
-
-    /// `dweight += inp^T @ dout` in the weight's layout.
-    pub(super) fn backward_weight(
-        &self,
-        dweight: cu::CUdeviceptr,
-        inp: cu::CUdeviceptr,
-        dout: cu::CUdeviceptr,
-        s: MatmulShape,
-    ) -> Result<(), BackendError> {
-        let gemm = match s.layout {
-            // dW [c, oc] row-major is column-major [oc, c] = dout^T [oc, n] @ inp [n, c]: dout column-major is
-            // [oc, n] as is, inp column-major is [c, n], transposed.
-            WeightLayout::InOut => Gemm {
-                trans_a: N,
-                trans_b: T,
-                m: s.oc,
-                n: s.c,
-                k: s.n,
-                a: dout,
-                lda: s.oc,
-                b: inp,
-                ldb: s.c,
-                beta: 1.0,
-                c: dweight,
-                ldc: s.oc,
-            },
-            // dW [oc, c] row-major is column-major [c, oc] = inp^T [c, n] @ dout [n, oc].
-            WeightLayout::OutIn => Gemm {
-                trans_a: N,
-                trans_b: T,
-                m: s.c,
-                n: s.oc,
-                k: s.n,
-                a: inp,
-                lda: s.c,
-                b: dout,
-                ldb: s.oc,
-                beta: 1.0,
-                c: dweight,
-                ldc: s.c,
-            },
-        };
-        self.gemm(gemm)
-    }
-
-    fn gemm(&self, g: Gemm) -> Result<(), BackendError> {
+    /// Queues `g` on the handle's stream.
+    pub(super) fn run(&self, g: &Gemm) -> Result<(), BackendError> {
         let dims = [g.m, g.n, g.k, g.lda, g.ldb, g.ldc];
         if dims.iter().any(|&d| d > i32::MAX as usize) {
             return Err(BackendError::ShapeUnsupported {
@@ -190,15 +156,19 @@ impl Blas {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
+        let op = |o| match o {
+            Op::N => cublas::cublasOperation_t::CUBLAS_OP_N,
+            Op::T => cublas::cublasOperation_t::CUBLAS_OP_T,
+        };
         let alpha = 1.0f32;
-        // SAFETY: the handle is live and on the compute stream; the pointers address buffers holding the
-        // column-major operands described by `g` (the callers checked the views' lengths against the shape);
-        // alpha and beta are host scalars (the default pointer mode) valid for the call.
+        // SAFETY: the handle is live and on the compute stream; the addresses hold the column-major
+        // operands `g` describes (the ops checked the views' lengths against the shape); alpha and beta are
+        // host scalars (the default pointer mode) valid for the call.
         let status = unsafe {
             cublas::cublasSgemm_v2(
                 self.handle,
-                g.trans_a,
-                g.trans_b,
+                op(g.op_a),
+                op(g.op_b),
                 g.m as i32,
                 g.n as i32,
                 g.k as i32,
@@ -218,7 +188,7 @@ impl Blas {
 
 impl Drop for Blas {
     fn drop(&mut self) {
-        // SAFETY: the handle and workspace were made by `new` and are released once; the backend waited for
+        // SAFETY: the handle and workspace were made by `new` and are released once; the driver waited for
         // its streams before dropping this.
         unsafe {
             cublas::cublasDestroy_v2(self.handle);

@@ -6,11 +6,14 @@
 //! - `report.rs`: what `ringtrain info` says about CUDA (driver, devices, NVRTC).
 //! - `compile.rs`: `kernels/*.cu` compiled by NVRTC to CUBIN for the device's architecture, and the on-disk
 //!   cache of the results.
-//! - `device.rs`: the context, the two streams (compute, and copies out), allocations and transfers.
-//! - `blas.rs`: cuBLAS, set up for repeatable fp32 results, and the four matmul layouts.
+//! - `gpu.rs`: the [`gpu::Gpu`] trait, everything the ops ask of a device, so that the same op logic runs
+//!   on the driver and, in tests, on an emulator that executes the kernels on the CPU (`emulator.rs`).
+//! - `driver.rs`: the real device: the context, the two streams (compute, and copies out), the loaded
+//!   kernels, cuBLAS.
+//! - `device.rs`: the backend's state over a `Gpu`: allocations behind views, token host copies, scratch.
+//! - `blas.rs`: the four matmul layouts as column-major GEMMs, and cuBLAS set up for repeatable fp32.
 //! - `readback.rs`: read-backs that run on the copy stream while the compute stream goes on.
-//! - `ops.rs`: the ops of [`Backend`], each a kernel launch or a cuBLAS call in the order of
-//!   `kernels/README.md`.
+//! - `ops.rs`: the ops of [`Backend`], each a kernel launch or a GEMM in the order of `kernels/README.md`.
 //!
 //! Design points:
 //! - **One compute stream.** Every op, copy and cuBLAS call goes on it in program order, so the ops need no
@@ -32,6 +35,10 @@ mod compile;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod driver;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(feature = "cuda")]
 mod ops;
 #[cfg(feature = "cuda")]
 mod readback;
@@ -44,7 +51,7 @@ use anyhow::bail;
 use anyhow::Result;
 
 #[cfg(feature = "cuda")]
-pub use device::CudaBackend;
+use device::CudaBackend;
 
 /// Lines on CUDA for `ringtrain info`: what this build has, and, with the `cuda` feature, which pieces this
 /// machine has (driver version, devices with memory and compute capability, NVRTC and cuBLAS).

@@ -5,11 +5,14 @@ use super::super::error::ensure_view;
 use super::super::{
     AdamWStep, AttentionShape, Backend, BackendError, BackendMemory, Download, MatmulShape, TokenView, View,
 };
-use super::api::check;
-use super::device::{CudaBackend, DeviceBuffer, Scratch, TokenBuffer, WG};
+use super::blas;
+use super::device::{CudaBackend, DeviceBuffer, Scratch, TokenBuffer};
+use super::gpu::{Addr, Gemm, Gpu, Param};
 use crate::backend::token_index::token_index;
 use anyhow::Result;
-use cudarc::driver::sys as cu;
+
+/// Threads per block of every kernel (`WG` in kernels/common.cuh).
+const WG: usize = 256;
 
 /// `sum_squares`' block: the CPU specification's `SUM_BLOCK` (kernels/reduce.cu).
 const SUM_BLOCK: usize = 4096;
@@ -17,28 +20,21 @@ const SUM_BLOCK: usize = 4096;
 /// Columns per block of the column-tree kernels (`column_lanes_sum`).
 const COLUMNS_PER_BLOCK: usize = 16;
 
-/// One kernel argument.
+/// One kernel argument, before it is checked and lowered to a [`Param`].
 enum Arg {
     /// A view's device address; its length must fit the kernels' 32-bit indices.
     F(View),
     /// A token view's device address.
     Tok(TokenView),
-    /// A raw device address of scratch memory (already bounded by the caller).
-    Ptr(cu::CUdeviceptr),
+    /// A device address of scratch memory (already bounded by the caller).
+    Ptr(Addr),
     /// A size, passed as the kernels' `u32`.
     U(usize),
     /// A float scalar.
     S(f32),
 }
 
-/// A kernel argument's bits, as `cuLaunchKernel` reads them through a pointer.
-enum Raw {
-    Ptr(u64),
-    U32(u32),
-    F32(f32),
-}
-
-impl CudaBackend {
+impl<G: Gpu> CudaBackend<G> {
     /// Launches `kernel` on `blocks` blocks of [`WG`] threads with `args` in its parameter order. A size or
     /// view past 32-bit indexing is recorded as [`BackendError::ShapeUnsupported`] and nothing runs.
     fn launch(&mut self, kernel: &'static str, blocks: usize, args: &[Arg]) {
@@ -46,16 +42,16 @@ impl CudaBackend {
             return;
         }
         let too_big = |n: usize| n > u32::MAX as usize;
-        let mut raw = Vec::with_capacity(args.len());
+        let mut params = Vec::with_capacity(args.len());
         for arg in args {
-            let (value, extent) = match *arg {
-                Arg::F(v) => (Raw::Ptr(self.ptr(v)), v.len),
-                Arg::Tok(t) => (Raw::Ptr(self.token_ptr(t)), t.len),
-                Arg::Ptr(p) => (Raw::Ptr(p), 0),
-                Arg::U(n) => (Raw::U32(n as u32), n),
-                Arg::S(s) => (Raw::F32(s), 0),
+            let (param, extent) = match *arg {
+                Arg::F(v) => (Param::Ptr(self.addr(v)), v.len),
+                Arg::Tok(t) => (Param::Ptr(self.token_addr(t)), t.len),
+                Arg::Ptr(p) => (Param::Ptr(p), 0),
+                Arg::U(n) => (Param::U32(n as u32), n),
+                Arg::S(s) => (Param::F32(s), 0),
             };
-            if too_big(extent) || too_big(blocks) {
+            if too_big(extent) || too_big(blocks * WG) {
                 self.record(Err(BackendError::ShapeUnsupported {
                     op: kernel.into(),
                     detail: format!(
@@ -64,45 +60,10 @@ impl CudaBackend {
                 }));
                 return;
             }
-            raw.push(value);
+            params.push(param);
         }
-        let mut params: Vec<*mut std::ffi::c_void> = raw
-            .iter_mut()
-            .map(|r| match r {
-                Raw::Ptr(p) => p as *mut u64 as *mut _,
-                Raw::U32(u) => u as *mut u32 as *mut _,
-                Raw::F32(f) => f as *mut f32 as *mut _,
-            })
-            .collect();
-        let function = *self
-            .kernels
-            .get(kernel)
-            .unwrap_or_else(|| panic!("no CUDA kernel named {kernel}"));
-        let result = self.bind().and_then(|()| {
-            // SAFETY: `function` belongs to the current context; `params` holds one pointer per kernel
-            // parameter, in order and of the parameter's size (device pointers as u64, sizes as u32, scalars
-            // as f32), each valid for the call (the driver copies them at launch); every device pointer
-            // addresses a live buffer whose extent the kernel's sizes describe.
-            check(
-                unsafe {
-                    cu::cuLaunchKernel(
-                        function,
-                        blocks as u32,
-                        1,
-                        1,
-                        WG as u32,
-                        1,
-                        1,
-                        0,
-                        self.compute,
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    )
-                },
-                kernel,
-            )
-        });
-        self.record(result);
+        let launched = self.gpu.launch(kernel, blocks as u32, &params);
+        self.record(launched);
     }
 
     /// Blocks for one thread per element.
@@ -110,9 +71,38 @@ impl CudaBackend {
         n.div_ceil(WG)
     }
 
-    fn alloc_buffer(&mut self, len: usize) -> Result<View> {
-        let ptr = self.alloc_words(len, &format!("a tensor of {len} floats"))?;
-        self.bufs.push(Some(DeviceBuffer { ptr, len }));
+    fn gemm(&mut self, gemm: Gemm) {
+        let result = self.gpu.gemm(&gemm);
+        self.record(result);
+    }
+
+    /// Copies `src` into device words at `dst`, in queue order.
+    fn copy_in<T: bytemuck::Pod>(&mut self, dst: Addr, src: &[T]) -> Result<(), BackendError> {
+        self.gpu.write(dst, bytemuck::cast_slice(src))
+    }
+
+    /// Reads floats at `src` into `dst` after all queued work, then returns the first failure.
+    fn copy_out(&mut self, src: Addr, dst: &mut [f32]) -> Result<()> {
+        let read = self.gpu.read(src, bytemuck::cast_slice_mut(dst));
+        self.record(read);
+        self.take_error()
+    }
+
+    /// Frees an allocation in queue order.
+    fn release(&mut self, addr: Addr) {
+        let freed = self.gpu.free(addr);
+        self.record(freed);
+    }
+}
+
+impl<G: Gpu> Backend for CudaBackend<G> {
+    fn name(&self) -> String {
+        format!("cuda ({})", self.gpu.describe())
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<View> {
+        let addr = self.gpu.alloc(len, &format!("a tensor of {len} floats"))?;
+        self.bufs.push(Some(DeviceBuffer { addr, len }));
         Ok(View {
             buf: self.bufs.len() - 1,
             offset: 0,
@@ -120,26 +110,10 @@ impl CudaBackend {
         })
     }
 
-    fn blas_call(&mut self, call: impl FnOnce(&super::blas::Blas) -> Result<(), BackendError>) {
-        let blas = self.blas.as_ref().expect("cuBLAS is set up by `new`");
-        let result = call(blas);
-        self.record(result);
-    }
-}
-
-impl Backend for CudaBackend {
-    fn name(&self) -> String {
-        self.describe()
-    }
-
-    fn alloc(&mut self, len: usize) -> Result<View> {
-        self.alloc_buffer(len)
-    }
-
     fn alloc_tokens(&mut self, len: usize) -> Result<TokenView> {
-        let ptr = self.alloc_words(len, &format!("a token buffer of {len}"))?;
+        let addr = self.gpu.alloc(len, &format!("a token buffer of {len}"))?;
         self.tok_bufs.push(Some(TokenBuffer {
-            ptr,
+            addr,
             host: vec![0; len],
         }));
         Ok(TokenView {
@@ -155,7 +129,7 @@ impl Backend for CudaBackend {
             .get_mut(view.buf)
             .and_then(Option::take)
             .unwrap_or_else(|| panic!("freeing freed or unknown CUDA buffer {}", view.buf));
-        self.free_words(buffer.ptr);
+        self.release(buffer.addr);
     }
 
     fn free_tokens(&mut self, view: TokenView) {
@@ -164,7 +138,7 @@ impl Backend for CudaBackend {
             .get_mut(view.buf)
             .and_then(Option::take)
             .unwrap_or_else(|| panic!("freeing freed or unknown CUDA token buffer {}", view.buf));
-        self.free_words(buffer.ptr);
+        self.release(buffer.addr);
     }
 
     fn upload(&mut self, dst: View, src: &[f32]) -> Result<()> {
@@ -174,8 +148,8 @@ impl Backend for CudaBackend {
             src.len(),
             dst.len
         );
-        let ptr = self.ptr(dst);
-        self.copy_in(ptr, src)?;
+        let addr = self.addr(dst);
+        self.copy_in(addr, src)?;
         Ok(())
     }
 
@@ -186,8 +160,8 @@ impl Backend for CudaBackend {
             src.len(),
             dst.len
         );
-        let ptr = self.token_ptr(dst);
-        self.copy_in(ptr, src)?;
+        let addr = self.token_addr(dst);
+        self.copy_in(addr, src)?;
         let host = &mut self.tok_bufs[dst.buf].as_mut().expect("checked by token_ptr").host;
         host[dst.offset..dst.offset + dst.len].copy_from_slice(src);
         Ok(())
@@ -200,23 +174,17 @@ impl Backend for CudaBackend {
             src.len,
             dst.len()
         );
-        let ptr = self.ptr(src);
-        self.copy_out(ptr, dst)
+        let addr = self.addr(src);
+        self.copy_out(addr, dst)
     }
 
     fn fill(&mut self, dst: View, value: f32) {
         if dst.len == 0 {
             return;
         }
-        let ptr = self.ptr(dst);
-        let result = self.bind().and_then(|()| {
-            // SAFETY: `ptr` addresses the view's `len` floats; the f32's bits are written as they are.
-            check(
-                unsafe { cu::cuMemsetD32Async(ptr, value.to_bits(), dst.len, self.compute) },
-                "fill",
-            )
-        });
-        self.record(result);
+        let addr = self.addr(dst);
+        let filled = self.gpu.fill(addr, value.to_bits(), dst.len);
+        self.record(filled);
     }
 
     fn copy(&mut self, dst: View, src: View) {
@@ -225,15 +193,9 @@ impl Backend for CudaBackend {
         if dst.len == 0 {
             return;
         }
-        let (d, s) = (self.ptr(dst), self.ptr(src));
-        let result = self.bind().and_then(|()| {
-            // SAFETY: both address `len` floats of live buffers, without overlap (asserted).
-            check(
-                unsafe { cu::cuMemcpyDtoDAsync_v2(d, s, dst.len * 4, self.compute) },
-                "copy",
-            )
-        });
-        self.record(result);
+        let (d, s) = (self.addr(dst), self.addr(src));
+        let copied = self.gpu.copy(d, s, dst.len * 4);
+        self.record(copied);
     }
 
     fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
@@ -282,13 +244,7 @@ impl Backend for CudaBackend {
         // index [u rows | u + 1 starts | n positions], rewritten in stream order after earlier readers.
         let base = match self.scratch(Scratch::EmbedIndex, index.len()) {
             Ok(base) => base,
-            Err(e) => {
-                self.error.get_or_insert(
-                    e.downcast::<BackendError>()
-                        .unwrap_or_else(|e| BackendError::Driver(e.to_string())),
-                );
-                return;
-            }
+            Err(e) => return self.record(Err(e)),
         };
         let copied = self.copy_in(base, &index);
         self.record(copied);
@@ -374,8 +330,8 @@ impl Backend for CudaBackend {
 
     fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
         assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
-        let (o, i, w) = (self.ptr(out), self.ptr(inp), self.ptr(weight));
-        self.blas_call(|blas| blas.forward(o, i, w, s));
+        let (o, i, w) = (self.addr(out), self.addr(inp), self.addr(weight));
+        self.gemm(blas::forward(o, i, w, s));
         if let Some(bias) = bias {
             assert_eq!(bias.len, s.oc);
             let args = [Arg::F(out), Arg::F(bias), Arg::U(s.n), Arg::U(s.oc)];
@@ -395,15 +351,10 @@ impl Backend for CudaBackend {
     ) {
         assert!(dinp.len == s.n * s.c && inp.len == s.n * s.c && dout.len == s.n * s.oc);
         assert!(dweight.len == s.c * s.oc && weight.len == s.c * s.oc);
-        let (di, dw, d, i, w) = (
-            self.ptr(dinp),
-            self.ptr(dweight),
-            self.ptr(dout),
-            self.ptr(inp),
-            self.ptr(weight),
-        );
-        self.blas_call(|blas| blas.backward_input(di, d, w, s));
-        self.blas_call(|blas| blas.backward_weight(dw, i, d, s));
+        let (di, dw) = (self.addr(dinp), self.addr(dweight));
+        let (d, i, w) = (self.addr(dout), self.addr(inp), self.addr(weight));
+        self.gemm(blas::backward_input(di, d, w, s));
+        self.gemm(blas::backward_weight(dw, i, d, s));
         if let Some(dbias) = dbias {
             assert_eq!(dbias.len, s.oc);
             let args = [Arg::F(dbias), Arg::F(dout), Arg::U(s.n), Arg::U(s.oc)];
@@ -577,19 +528,15 @@ impl Backend for CudaBackend {
     }
 
     fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {
-        let ptr = self.ptr(src);
-        self.bind()?;
-        let ticket = self.readbacks.begin(self.compute, self.copy, ptr, src.len)?;
+        let addr = self.addr(src);
+        let ticket = self.gpu.begin_read(addr, src.len)?;
         Ok(Download::InFlight { ticket, host })
     }
 
     fn download_ready(&mut self, download: &Download) -> Result<bool> {
         match download {
             Download::Ready(_) => Ok(true),
-            Download::InFlight { ticket, .. } => {
-                self.bind()?;
-                Ok(self.readbacks.ready(*ticket)?)
-            }
+            Download::InFlight { ticket, .. } => Ok(self.gpu.read_ready(*ticket)?),
         }
     }
 
@@ -597,8 +544,7 @@ impl Backend for CudaBackend {
         match download {
             Download::Ready(host) => Ok(host),
             Download::InFlight { ticket, mut host } => {
-                self.bind()?;
-                self.readbacks.finish(ticket, &mut host)?;
+                self.gpu.finish_read(ticket, &mut host)?;
                 self.take_error()?;
                 Ok(host)
             }
@@ -607,16 +553,13 @@ impl Backend for CudaBackend {
 
     fn memory(&self) -> BackendMemory {
         BackendMemory::Device {
-            available: self.free_memory(),
+            available: self.gpu.free_memory(),
         }
     }
 
     fn synchronize(&mut self) -> Result<()> {
-        let copy = self.bind().and_then(|()| {
-            // SAFETY: the copy stream lives as long as the backend.
-            check(unsafe { cu::cuStreamSynchronize(self.copy) }, "waiting for read-backs")
-        });
-        self.record(copy);
-        self.wait_compute()
+        let waited = self.gpu.synchronize();
+        self.record(waited);
+        self.take_error()
     }
 }
