@@ -227,7 +227,7 @@ fn compare(got: &[f32], want: &[f32], tol: Tolerance) -> Finding {
         let both_nan = g.is_nan() && w.is_nan();
         let err = if both_nan { 0.0 } else { (g - w).abs() };
         let bound = tol.bound(w);
-        let within = err <= bound;
+        let within = both_nan || err <= bound;
         mismatches += usize::from(!within);
         // How far along its bound this element is; NaN (a NaN against a number) is the worst possible.
         let ratio = match err / bound {
@@ -253,5 +253,72 @@ fn compare(got: &[f32], want: &[f32], tol: Tolerance) -> Finding {
             holds: false,
             what: "empty buffer, nothing compared".into(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::conformance::tolerance::EXACTISH;
+
+    fn mismatches(finding: &Finding) -> (usize, usize) {
+        match finding {
+            Finding::Elements { worst, mismatches } => (*mismatches, worst.index),
+            other => panic!("elements were compared: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn compare_finds_the_element_furthest_past_its_bound() {
+        let want = [0.0, 1.0, -2.0, 3.0, f32::NAN];
+        let mut got = want;
+        assert_eq!(
+            mismatches(&compare(&got, &want, EXACTISH)),
+            (0, 0),
+            "NaN against NaN is equal"
+        );
+        got[1] += 1e-3;
+        got[3] -= 1e-2;
+        assert_eq!(mismatches(&compare(&got, &want, EXACTISH)), (2, 3));
+        got = want;
+        got[0] = f32::NAN;
+        assert_eq!(
+            mismatches(&compare(&got, &want, EXACTISH)),
+            (1, 0),
+            "NaN against a number"
+        );
+        got = want;
+        got[4] = 0.0;
+        assert_eq!(
+            mismatches(&compare(&got, &want, EXACTISH)),
+            (1, 4),
+            "a number against NaN"
+        );
+    }
+
+    #[test]
+    fn compare_passes_elements_within_their_bound_and_reports_the_nearest() {
+        let want = [100.0, 1.0];
+        // Bounds: 1e-6 + 1e-6 * 100 ~ 1.01e-4, and 2e-6.
+        let got = [100.0 + 6e-5, 1.0 + 1.5e-6];
+        match compare(&got, &want, EXACTISH) {
+            Finding::Elements { worst, mismatches: 0 } => assert_eq!(worst.index, 1),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn placement_leaves_gaps_or_straddles_segments() {
+        let (starts, total) = placement(&[10, 20], None);
+        assert_eq!(starts, [GAP, 2 * GAP + 10]);
+        assert_eq!(total, 3 * GAP + 30);
+        let (starts, _) = placement(&[10, 100, 100], Some(64));
+        for (&start, len) in starts.iter().zip([10, 100, 100]) {
+            let boundary = (start / 64 + 1) * 64;
+            assert!(
+                start < boundary && start + len > boundary,
+                "{start}+{len} does not straddle"
+            );
+        }
     }
 }
