@@ -66,8 +66,9 @@ cargo test --workspace
 RINGTRAIN_WGPU_HARDWARE_KERNELS=1 cargo test -p ringtrain --test conformance --test wgpu_training
 cargo build --profile test -p ringtrain --features cuda --lib --bins
 # The CUDA backend's own tests: its NVRTC path compiles every kernel to CUBIN and caches it (NVRTC found on the
-# loader's path, here the first library named above), and without a driver `--backend cuda` says what is
-# missing while `auto` opens another backend.
+# loader's path, here the first library named above); its op logic, kernels (built by g++ against a fiber
+# shim) and GEMM layouts pass the conformance suite and train `tiny` like the CPU on an emulator; and
+# without a driver `--backend cuda` says what is missing while `auto` opens another backend.
 nvrtc_dir=$(dirname "${RINGTRAIN_NVRTC_LIBS%%:*}" 2>/dev/null || true)
 LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" \
   cargo test --profile test -p ringtrain --features cuda --lib -- backend::cuda backend::factory

@@ -36,6 +36,8 @@ mod compile;
 mod device;
 #[cfg(feature = "cuda")]
 mod driver;
+#[cfg(all(feature = "cuda", test))]
+mod emulator;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
