@@ -3,7 +3,9 @@
 mod cli;
 
 use clap::{Parser, Subcommand};
-use cli::{args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, tokenize, train};
+use cli::{
+    args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, selftest, tokenize, train,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -78,6 +80,15 @@ enum Command {
     },
     /// Backends and adapters found, and why others are missing
     Info,
+    /// Check every op of one backend against the CPU reference (one row per case; exit status 1 if any fails)
+    Selftest {
+        /// auto, cpu, wgpu or cuda
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Also write the results to this JSON file
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Tokenize text or JSONL files into llm.c shards (first shard validation, the rest training)
     Tokenize {
         /// Text files (each file one document) or `.jsonl` files (one document per line)
@@ -196,6 +207,7 @@ fn main() -> ExitCode {
         }
         Command::Plot { metrics, output } => plot::plot_file(&metrics, &output),
         Command::Info => info::run_info(),
+        Command::Selftest { backend, json } => selftest::run_selftest(&backend, json.as_deref()),
         Command::Tokenize {
             inputs,
             output,

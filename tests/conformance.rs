@@ -1,435 +1,45 @@
-//! Every op of every backend against the CPU reference (`CpuBackend<f32>`), and the CPU reference itself
-//! against its f64 instance.
+//! Every op of every backend against the CPU reference, and the CPU reference itself against its f64
+//! instance: the cases of [`ringtrain::backend::conformance`] (whose module doc gives the placement and the
+//! tolerances), each asserted to pass, plus the wgpu paths that need a specially configured backend.
 //!
-//! `backend_tests!` expands each test body once per backend (`cpu::*`, `wgpu::*`). The `cpu` arm checks
-//! `CpuBackend<f32>` against `CpuBackend<f64>`: the same readable ops, but with f64 arithmetic and the f64
-//! GEMM, so an f32-only path (the single-precision GEMM, a rounding or an overflow in f32) that goes wrong
-//! turns it red. A case places all of its
-//! f32 operands in ONE buffer, each after a gap of [`GAP`] elements (odd offsets, so views never start on
-//! a binding alignment, and several operands share a buffer as the model's activations do), runs the op on
-//! the backend under test and on the reference, then compares the WHOLE buffer: outputs, inputs that must
-//! stay untouched, and the gaps. Shapes are odd (not multiples of any tile or workgroup size), include
-//! T = 1 and vocabularies of 256 and 50257.
-//!
-//! Tolerances, per element, `|got - want| <= abs + rel * |want|` (inputs are uniform in [-1, 1]):
-//! - copies, fill, residual/add, scale, encoder forward/backward, AdamW: 1e-6 abs, 1e-6 rel (one or a few
-//!   roundings; sqrt and division are not exactly rounded in WGSL);
-//! - matmul: 1e-5 * sqrt(K) abs, 1e-5 rel (K-term dot products, summed in a different order than the CPU
-//!   GEMM, possibly with fused multiply-adds);
-//! - layer norm, attention, GELU: 2e-5 abs, 1e-4 rel (reductions in another order; exp and tanh are not
-//!   exactly rounded on GPUs);
-//! - cross-entropy: 2e-5 abs, 1e-5 rel for losses; 1e-7 abs, 1e-4 rel for the gradient (probabilities ~1/V);
-//! - sum_squares: 1e-6 relative (f32 block sums, added in f64).
-//!
-//! When no wgpu adapter exists the wgpu tests print "SKIP: no wgpu adapter" and pass, except under `CI=true`,
-//! where they fail.
+//! `backend_tests!` expands one test per case group and backend (`cpu::*`, `wgpu::*`, `wgpu_segmented::*`,
+//! `cuda::*`). When no wgpu adapter exists the wgpu tests print "SKIP: no wgpu adapter" and pass, except
+//! under `CI=true`, where they fail. When no CUDA device can be opened the cuda tests print a SKIP notice
+//! and pass, under `CI=true` too (CI has no NVIDIA GPU).
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use ringtrain::backend::cpu::CpuBackend;
+use ringtrain::backend::conformance::tolerance::{
+    self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL,
+};
+use ringtrain::backend::conformance::{CaseResult, Group, Operands, Runner, Settings};
+use ringtrain::backend::factory::{open_kind, BackendKind};
 use ringtrain::backend::matmul_bench::MatmulBench;
 use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::wgpu::{list_adapters, AdapterSelection, WgpuBackend};
-use ringtrain::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
+use ringtrain::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, WeightLayout};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-const GAP: usize = 37;
-
-#[derive(Clone, Copy, Debug)]
-struct Tol {
-    abs: f32,
-    rel: f32,
-}
-
-const EXACTISH: Tol = Tol { abs: 1e-6, rel: 1e-6 };
-const TRANSCENDENTAL: Tol = Tol { abs: 2e-5, rel: 1e-4 };
-
-fn matmul_tol(k: usize) -> Tol {
-    Tol {
-        abs: 1e-5 * (k as f32).sqrt(),
-        rel: 1e-5,
+/// Prints every result, then fails listing the cases that did not pass.
+fn assert_all_pass(backend: &str, results: &[CaseResult]) {
+    assert!(!results.is_empty(), "no case ran on {backend}");
+    for r in results {
+        eprintln!("{r}");
     }
-}
-
-/// The operands of one op invocation.
-#[derive(Clone, Default)]
-struct Case {
-    f: Vec<Vec<f32>>,
-    t: Vec<Vec<u32>>,
-}
-
-impl Case {
-    fn rand(mut self, rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Self {
-        self.f
-            .push((0..n).map(|_| rng.random_range(-1.0..1.0f32) * scale).collect());
-        self
-    }
-    fn zeros(mut self, n: usize) -> Self {
-        self.f.push(vec![0.0; n]);
-        self
-    }
-    fn positive(mut self, rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Self {
-        self.f.push((0..n).map(|_| rng.random_range(lo..hi)).collect());
-        self
-    }
-    fn tokens(mut self, rng: &mut ChaCha8Rng, n: usize, v: usize) -> Self {
-        // Few distinct ids, so that the embedding backward accumulates repeated tokens.
-        let pool: Vec<u32> = (0..(n / 2).max(1)).map(|_| rng.random_range(0..v as u32)).collect();
-        self.t
-            .push((0..n).map(|_| pool[rng.random_range(0..pool.len())]).collect());
-        self
-    }
-}
-
-type Op<'a> = &'a dyn Fn(&mut dyn Backend, &[View], &[TokenView]);
-
-thread_local! {
-    /// When set, `check` compares against `CpuBackend<f64>` instead of the f32 reference (the `cpu` arm,
-    /// whose backend under test is the f32 reference itself).
-    static F64_REFERENCE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// When non-zero, `run` places every operand across a multiple of this many elements (the segment size
-    /// of the `wgpu_segmented` backend), so that each view straddles two wgpu buffers.
-    static STRADDLE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Where each operand starts: after a gap of `GAP`, or straddling the next multiple of `STRADDLE`.
-fn placement(lens: &[usize]) -> (Vec<usize>, usize) {
-    let seg = STRADDLE.with(|s| s.get());
-    let mut starts = Vec::new();
-    let mut at = 0;
-    for &len in lens {
-        let mut start = at + GAP;
-        if let Some(k) = start.checked_div(seg) {
-            let boundary = (k + 1) * seg;
-            start = start.max(boundary.saturating_sub(len / 2));
-        }
-        starts.push(start);
-        at = start + len;
-    }
-    (starts, at + GAP)
-}
-
-/// Lays the case out in one buffer (and one token buffer), runs `op`, returns the whole f32 buffer.
-fn run(be: &mut dyn Backend, case: &Case, op: Op) -> Vec<f32> {
-    let lens: Vec<usize> = case.f.iter().map(|x| x.len()).collect();
-    let (starts, total) = placement(&lens);
-    let whole = be.alloc(total).unwrap();
-    let mut views = Vec::new();
-    for (x, &at) in case.f.iter().zip(&starts) {
-        let v = whole.sub(at, x.len());
-        be.upload(v, x).unwrap();
-        views.push(v);
-    }
-    let ttotal: usize = case.t.iter().map(|x| x.len() + 3).sum::<usize>() + 3;
-    let twhole = be.alloc_tokens(ttotal).unwrap();
-    let mut tviews = Vec::new();
-    let mut at = 3;
-    for x in &case.t {
-        let v = twhole.sub(at, x.len());
-        be.upload_tokens(v, x).unwrap();
-        tviews.push(v);
-        at += x.len() + 3;
-    }
-    op(be, &views, &tviews);
-    let mut out = vec![0f32; total];
-    be.download(whole, &mut out).unwrap();
-    out
-}
-
-/// Runs `op` on `be` and on the reference and compares the whole buffers.
-fn check(be: &mut dyn Backend, name: &str, case: &Case, tol: Tol, op: Op) {
-    let want = if F64_REFERENCE.with(|f| f.get()) {
-        run(&mut CpuBackend::<f64>::new(), case, op)
-    } else {
-        run(&mut CpuBackend::<f32>::new(), case, op)
-    };
-    let got = run(be, case, op);
-    let mut worst = 0f32;
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        let err = (g - w).abs();
-        let bound = tol.abs + tol.rel * w.abs();
-        assert!(
-            err <= bound || (g.is_nan() && w.is_nan()),
-            "{name} on {}: element {i}: got {g}, want {w} (err {err:e} > {bound:e})",
-            be.name()
-        );
-        worst = worst.max(err);
-    }
-    eprintln!("{name}: max abs err {worst:e}");
-}
-
-// ---------------------------------------------------------------- test bodies
-
-fn encoder(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    for (b, t, c, v) in [(3, 5, 37, 256), (1, 1, 8, 256), (2, 3, 8, 50257)] {
-        let case = Case::default()
-            .zeros(b * t * c)
-            .rand(&mut rng, v * c, 1.0)
-            .rand(&mut rng, (t + 2) * c, 1.0)
-            .tokens(&mut rng, b * t, v);
-        check(
-            be,
-            &format!("encoder_forward b{b} t{t} c{c} v{v}"),
-            &case,
-            EXACTISH,
-            &|be, f, tk| be.encoder_forward(f[0], tk[0], f[1], f[2], b, t, c),
-        );
-        let case = Case::default()
-            .rand(&mut rng, v * c, 1.0)
-            .rand(&mut rng, (t + 2) * c, 1.0)
-            .rand(&mut rng, b * t * c, 1.0)
-            .tokens(&mut rng, b * t, v);
-        check(
-            be,
-            &format!("encoder_backward b{b} t{t} c{c} v{v}"),
-            &case,
-            EXACTISH,
-            &|be, f, tk| be.encoder_backward(f[0], f[1], f[2], tk[0], b, t, c),
-        );
-    }
-}
-
-fn layernorm(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for (n, c) in [(7, 37), (1, 300), (5, 1)] {
-        let case = Case::default()
-            .zeros(n * c)
-            .zeros(n)
-            .zeros(n)
-            .rand(&mut rng, n * c, 2.0)
-            .rand(&mut rng, c, 1.0)
-            .rand(&mut rng, c, 1.0);
-        check(
-            be,
-            &format!("layernorm_forward n{n} c{c}"),
-            &case,
-            TRANSCENDENTAL,
-            &|be, f, _| be.layernorm_forward(f[0], f[1], f[2], f[3], f[4], f[5], n, c),
-        );
-        // Backward needs a consistent mean/rstd: compute them with the reference first.
-        let inp: Vec<f32> = (0..n * c).map(|_| rng.random_range(-2.0..2.0f32)).collect();
-        let (mut mean, mut rstd) = (vec![0f32; n], vec![0f32; n]);
-        for r in 0..n {
-            let x = &inp[r * c..][..c];
-            let mu = x.iter().sum::<f32>() / c as f32;
-            let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
-            mean[r] = mu;
-            rstd[r] = 1.0 / (var + 1e-5).sqrt();
-        }
-        let mut case = Case::default()
-            .rand(&mut rng, n * c, 1.0)
-            .rand(&mut rng, c, 1.0)
-            .rand(&mut rng, c, 1.0)
-            .rand(&mut rng, n * c, 1.0);
-        case.f.push(inp);
-        case = case.rand(&mut rng, c, 1.0);
-        case.f.push(mean);
-        case.f.push(rstd);
-        check(
-            be,
-            &format!("layernorm_backward n{n} c{c}"),
-            &case,
-            TRANSCENDENTAL,
-            &|be, f, _| be.layernorm_backward(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], n, c),
-        );
-    }
-}
-
-fn matmul(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let shapes = [(7, 37, 53), (1, 70, 130), (65, 67, 129), (130, 17, 3), (2, 1, 5)];
-    for (n, c, oc) in shapes {
-        for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
-            for bias in [true, false] {
-                let s = MatmulShape { n, c, oc, layout };
-                let case = Case::default()
-                    .rand(&mut rng, n * oc, 1.0)
-                    .rand(&mut rng, n * c, 1.0)
-                    .rand(&mut rng, c * oc, 1.0)
-                    .rand(&mut rng, oc, 1.0);
-                let name = format!("matmul_forward {n}x{c}x{oc} {layout:?} bias={bias}");
-                check(be, &name, &case, matmul_tol(c), &|be, f, _| {
-                    be.matmul_forward(f[0], f[1], f[2], bias.then_some(f[3]), s)
-                });
-                let case = Case::default()
-                    .rand(&mut rng, n * c, 1.0)
-                    .rand(&mut rng, c * oc, 1.0)
-                    .rand(&mut rng, oc, 1.0)
-                    .rand(&mut rng, n * oc, 1.0)
-                    .rand(&mut rng, n * c, 1.0)
-                    .rand(&mut rng, c * oc, 1.0);
-                let name = format!("matmul_backward {n}x{c}x{oc} {layout:?} bias={bias}");
-                check(be, &name, &case, matmul_tol(n.max(oc)), &|be, f, _| {
-                    be.matmul_backward(f[0], f[1], bias.then_some(f[2]), f[3], f[4], f[5], s)
-                });
-            }
-        }
-    }
-}
-
-fn attention(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
-    for (b, t, c, nh) in [(2, 5, 12, 3), (1, 1, 8, 2), (2, 17, 20, 4)] {
-        let s = AttentionShape { b, t, c, nh };
-        let case = Case::default()
-            .zeros(b * t * c)
-            .zeros(b * nh * t * t)
-            .rand(&mut rng, b * t * 3 * c, 2.0);
-        check(
-            be,
-            &format!("attention_forward {s:?}"),
-            &case,
-            TRANSCENDENTAL,
-            &|be, f, _| be.attention_forward(f[0], f[1], f[2], s),
-        );
-        // Backward reads the forward's probabilities: build them with the reference.
-        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|_| rng.random_range(-2.0..2.0f32)).collect();
-        let mut cpu = CpuBackend::<f32>::new();
-        let (o, a, q) = (
-            cpu.alloc(b * t * c).unwrap(),
-            cpu.alloc(b * nh * t * t).unwrap(),
-            cpu.alloc(qkv.len()).unwrap(),
-        );
-        cpu.upload(q, &qkv).unwrap();
-        cpu.attention_forward(o, a, q, s);
-        let att = cpu.slice(a).to_vec();
-        let mut case = Case::default()
-            .rand(&mut rng, b * t * 3 * c, 1.0)
-            .rand(&mut rng, b * nh * t * t, 1.0)
-            .rand(&mut rng, b * t * c, 1.0);
-        case.f.push(qkv);
-        case.f.push(att);
-        check(
-            be,
-            &format!("attention_backward {s:?}"),
-            &case,
-            TRANSCENDENTAL,
-            &|be, f, _| be.attention_backward(f[0], f[1], f[2], f[3], f[4], s),
-        );
-    }
-}
-
-fn gelu(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
-    for n in [1, 1000, 4099] {
-        let case = Case::default().zeros(n).rand(&mut rng, n, 6.0);
-        check(be, &format!("gelu_forward n{n}"), &case, TRANSCENDENTAL, &|be, f, _| {
-            be.gelu_forward(f[0], f[1])
-        });
-        let case = Case::default()
-            .rand(&mut rng, n, 1.0)
-            .rand(&mut rng, n, 6.0)
-            .rand(&mut rng, n, 1.0);
-        check(
-            be,
-            &format!("gelu_backward n{n}"),
-            &case,
-            TRANSCENDENTAL,
-            &|be, f, _| be.gelu_backward(f[0], f[1], f[2]),
-        );
-    }
-}
-
-fn elementwise(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(6);
-    for n in [1, 333, 70001] {
-        let case = Case::default()
-            .rand(&mut rng, n, 1.0)
-            .rand(&mut rng, n, 1.0)
-            .rand(&mut rng, n, 1.0);
-        check(be, &format!("residual_forward n{n}"), &case, EXACTISH, &|be, f, _| {
-            be.residual_forward(f[0], f[1], f[2])
-        });
-        check(be, &format!("add_inplace n{n}"), &case, EXACTISH, &|be, f, _| {
-            be.add_inplace(f[0], f[1])
-        });
-        check(be, &format!("scale n{n}"), &case, EXACTISH, &|be, f, _| {
-            be.scale(f[1], -0.37)
-        });
-        check(be, &format!("fill n{n}"), &case, EXACTISH, &|be, f, _| {
-            be.fill(f[2], 1.25)
-        });
-        check(be, &format!("copy n{n}"), &case, EXACTISH, &|be, f, _| {
-            be.copy(f[0], f[2])
-        });
-    }
-}
-
-fn crossentropy(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
-    for (n, v) in [(7, 256), (1, 256), (3, 50257)] {
-        let case = Case::default()
-            .zeros(n)
-            .rand(&mut rng, n * v, 4.0)
-            .tokens(&mut rng, n, v);
-        let tol = Tol { abs: 2e-5, rel: 1e-5 };
-        check(
-            be,
-            &format!("crossentropy_forward n{n} v{v}"),
-            &case,
-            tol,
-            &|be, f, tk| be.crossentropy_forward(f[0], f[1], tk[0], n, v),
-        );
-        let tol = Tol { abs: 1e-7, rel: 1e-4 };
-        check(
-            be,
-            &format!("crossentropy_backward in place n{n} v{v}"),
-            &case,
-            tol,
-            &|be, f, tk| be.crossentropy_backward(f[1], f[1], tk[0], n, v, 0.3),
-        );
-        let case = case.zeros(n * v);
-        check(
-            be,
-            &format!("crossentropy_backward n{n} v{v}"),
-            &case,
-            tol,
-            &|be, f, tk| be.crossentropy_backward(f[2], f[1], tk[0], n, v, 1.0 / 7.0),
-        );
-    }
-}
-
-fn sum_squares_and_adamw(be: &mut dyn Backend) {
-    let mut rng = ChaCha8Rng::seed_from_u64(8);
-    for n in [1, 4095, 4097, 30011, 150001] {
-        let x: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0f32)).collect();
-        let mut cpu = CpuBackend::<f32>::new();
-        let want = {
-            let v = cpu.alloc(n).unwrap();
-            cpu.upload(v, &x).unwrap();
-            cpu.sum_squares(v).unwrap()
-        };
-        let (starts, total) = placement(&[n]);
-        let v = be.alloc(total).unwrap().sub(starts[0], n);
-        be.upload(v, &x).unwrap();
-        let got = be.sum_squares(v).unwrap();
-        assert!((got - want).abs() <= 1e-6 * want, "sum_squares n{n}: {got} vs {want}");
-        let case = Case::default()
-            .rand(&mut rng, n, 1.0)
-            .rand(&mut rng, n, 1.0)
-            .rand(&mut rng, n, 0.1)
-            .positive(&mut rng, n, 0.0, 0.01);
-        let step = AdamWStep {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            step_size: 1e-3 / (1.0 - 0.9f32.powi(3)),
-            bias_correction2_sqrt: (1.0 - 0.95f32.powi(3)).sqrt(),
-            grad_scale: 0.5,
-        };
-        check(be, &format!("adamw n{n}"), &case, EXACTISH, &|be, f, _| {
-            be.adamw(f[0], f[1], f[2], f[3], &step)
-        });
-    }
-    let nan = be.alloc(5).unwrap();
-    be.upload(nan, &[1.0, f32::NAN, 0.0, 2.0, 3.0]).unwrap();
+    let failed: Vec<String> = results.iter().filter(|r| !r.passed()).map(|r| r.to_string()).collect();
     assert!(
-        !be.sum_squares(nan).unwrap().is_finite(),
-        "sum_squares must propagate NaN"
+        failed.is_empty(),
+        "{} of {} cases failed on {backend}:\n{}",
+        failed.len(),
+        results.len(),
+        failed.join("\n")
     );
+}
+
+/// Runs the cases of `group` on `be` and asserts that they all pass.
+fn check_group(group: Group, be: &mut dyn Backend, settings: Settings) {
+    let name = be.name();
+    assert_all_pass(&name, &group.results(be, settings));
 }
 
 // ---------------------------------------------------------------- backends
@@ -471,35 +81,56 @@ fn open_wgpu(
     be.as_ref().map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
+/// CUDA device 0, or `None` after a SKIP notice where it cannot be opened (always a skip: CI has no NVIDIA
+/// GPU, and a build without the `cuda` feature has no CUDA backend).
+fn cuda() -> Option<Box<dyn Backend>> {
+    let be = open_or_skip(Device::Cuda, open_kind(BackendKind::Cuda { device: 0 }))?;
+    eprintln!("cuda backend: {}", be.name());
+    Some(be)
+}
+
 macro_rules! backend_tests {
-    ($($name:ident),* $(,)?) => {
+    ($($name:ident => $group:ident),* $(,)?) => {
         mod cpu {
+            use ringtrain::backend::conformance::{Group, Reference, Settings};
             $(
                 #[test]
                 fn $name() {
                     let mut be = ringtrain::backend::cpu::CpuBackend::<f32>::new();
-                    super::F64_REFERENCE.with(|f| f.set(true));
-                    super::$name(&mut be);
+                    let settings = Settings { reference: Reference::F64, straddle: None };
+                    super::check_group(Group::$group, &mut be, settings);
                 }
             )*
         }
         mod wgpu {
+            use ringtrain::backend::conformance::{Group, Settings};
             $(
                 #[test]
                 fn $name() {
                     let Some(mut be) = super::shared_wgpu() else { return };
-                    super::$name(&mut *be);
+                    super::check_group(Group::$group, &mut *be, Settings::default());
                 }
             )*
         }
         /// Every view straddles two 256 KiB segments of its allocation.
         mod wgpu_segmented {
+            use ringtrain::backend::conformance::{Group, Settings};
             $(
                 #[test]
                 fn $name() {
                     let Some(mut be) = super::segmented_wgpu() else { return };
-                    super::STRADDLE.with(|s| s.set(super::SEGMENT));
-                    super::$name(&mut *be);
+                    let settings = Settings { straddle: Some(super::SEGMENT), ..Settings::default() };
+                    super::check_group(Group::$group, &mut *be, settings);
+                }
+            )*
+        }
+        mod cuda {
+            use ringtrain::backend::conformance::{Group, Settings};
+            $(
+                #[test]
+                fn $name() {
+                    let Some(mut be) = super::cuda() else { return };
+                    super::check_group(Group::$group, &mut *be, Settings::default());
                 }
             )*
         }
@@ -508,12 +139,14 @@ macro_rules! backend_tests {
 
 /// The per-row reductions again, with the kernels this adapter does not use by default.
 mod wgpu_other_reductions {
+    use ringtrain::backend::conformance::{Group, Settings};
+
     #[test]
     fn layernorm() {
         let Some(mut be) = super::other_reductions_wgpu() else {
             return;
         };
-        super::layernorm(&mut *be);
+        super::check_group(Group::Layernorm, &mut *be, Settings::default());
     }
 
     #[test]
@@ -521,19 +154,19 @@ mod wgpu_other_reductions {
         let Some(mut be) = super::other_reductions_wgpu() else {
             return;
         };
-        super::crossentropy(&mut *be);
+        super::check_group(Group::Crossentropy, &mut *be, Settings::default());
     }
 }
 
 backend_tests!(
-    encoder,
-    layernorm,
-    matmul,
-    attention,
-    gelu,
-    elementwise,
-    crossentropy,
-    sum_squares_and_adamw
+    encoder => Encoder,
+    layernorm => Layernorm,
+    matmul => Matmul,
+    attention => Attention,
+    gelu => Gelu,
+    elementwise => Elementwise,
+    crossentropy => Crossentropy,
+    sum_squares_and_adamw => SumSquaresAndAdamw,
 );
 
 /// The splitting paths for tensors larger than a storage binding, exercised by capping the binding size
@@ -545,37 +178,39 @@ fn wgpu_windows_split_large_tensors() {
         return;
     };
     be.set_max_binding_bytes(256 * 1024);
-    let be = &mut be;
+    let name = be.name();
+    let mut results = Vec::new();
+    split_cases(&mut Runner::new(&mut be, Settings::default(), &mut |r| results.push(r)));
+    assert_all_pass(&name, &results);
+}
+
+/// The cases of [`wgpu_windows_split_large_tensors`].
+fn split_cases(r: &mut Runner) {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let (n, c, v) = (5, 24, 7001);
     for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
         let s = MatmulShape { n, c, oc: v, layout };
-        let case = Case::default()
+        let shape = format!("split {n}x{c}x{v} {layout:?}");
+        // out [n, v], inp [n, c], weight [c*v], bias [v]
+        let case = Operands::default()
             .rand(&mut rng, n * v, 1.0)
             .rand(&mut rng, n * c, 1.0)
             .rand(&mut rng, c * v, 1.0)
             .rand(&mut rng, v, 1.0);
-        check(
-            be,
-            &format!("split matmul_forward {layout:?}"),
-            &case,
-            matmul_tol(c),
-            &|be, f, _| be.matmul_forward(f[0], f[1], f[2], Some(f[3]), s),
-        );
-        let case = Case::default()
+        r.check("matmul_forward", &shape, &case, tolerance::matmul(c), &|be, f, _| {
+            be.matmul_forward(f[0], f[1], f[2], Some(f[3]), s)
+        });
+        // dinp [n, c], dweight [c*v], dbias [v], dout [n, v], inp [n, c], weight [c*v]
+        let case = Operands::default()
             .rand(&mut rng, n * c, 1.0)
             .rand(&mut rng, c * v, 1.0)
             .rand(&mut rng, v, 1.0)
             .rand(&mut rng, n * v, 1.0)
             .rand(&mut rng, n * c, 1.0)
             .rand(&mut rng, c * v, 1.0);
-        check(
-            be,
-            &format!("split matmul_backward {layout:?}"),
-            &case,
-            matmul_tol(v),
-            &|be, f, _| be.matmul_backward(f[0], f[1], Some(f[2]), f[3], f[4], f[5], s),
-        );
+        r.check("matmul_backward", &shape, &case, tolerance::matmul(v), &|be, f, _| {
+            be.matmul_backward(f[0], f[1], Some(f[2]), f[3], f[4], f[5], s)
+        });
     }
     let s = MatmulShape {
         n: 20000,
@@ -583,54 +218,58 @@ fn wgpu_windows_split_large_tensors() {
         oc: 11,
         layout: WeightLayout::InOut,
     };
-    let case = Case::default()
+    // dinp [20000, 9], dweight [9*11], dbias [11], dout [20000, 11], inp [20000, 9], weight [9*11]
+    let case = Operands::default()
         .rand(&mut rng, 20000 * 9, 1.0)
         .rand(&mut rng, 99, 1.0)
         .rand(&mut rng, 11, 1.0)
         .rand(&mut rng, 20000 * 11, 1.0)
         .rand(&mut rng, 20000 * 9, 1.0)
         .rand(&mut rng, 99, 1.0);
-    check(
-        be,
-        "split matmul_backward long k",
-        &case,
-        matmul_tol(20000),
-        &|be, f, _| be.matmul_backward(f[0], f[1], Some(f[2]), f[3], f[4], f[5], s),
-    );
+    let tol = tolerance::matmul(20000);
+    r.check("matmul_backward", "split long k 20000x9x11", &case, tol, &|be, f, _| {
+        be.matmul_backward(f[0], f[1], Some(f[2]), f[3], f[4], f[5], s)
+    });
     let (b, t) = (2, 3);
-    let case = Case::default()
+    let shape = format!("split b{b} t{t} c{c} v{v}");
+    // out [b*t, c], wte [v, c], wpe [t, c]; tokens [b*t]
+    let case = Operands::default()
         .zeros(b * t * c)
         .rand(&mut rng, v * c, 1.0)
         .rand(&mut rng, t * c, 1.0)
         .tokens(&mut rng, b * t, v);
-    check(be, "split encoder_forward", &case, EXACTISH, &|be, f, tk| {
+    r.check("encoder_forward", &shape, &case, EXACTISH, &|be, f, tk| {
         be.encoder_forward(f[0], tk[0], f[1], f[2], b, t, c)
     });
-    let case = Case::default()
+    // dwte [v, c], dwpe [t, c], dout [b*t, c]; tokens [b*t]
+    let case = Operands::default()
         .rand(&mut rng, v * c, 1.0)
         .rand(&mut rng, t * c, 1.0)
         .rand(&mut rng, b * t * c, 1.0)
         .tokens(&mut rng, b * t, v);
-    check(be, "split encoder_backward", &case, EXACTISH, &|be, f, tk| {
+    r.check("encoder_backward", &shape, &case, EXACTISH, &|be, f, tk| {
         be.encoder_backward(f[0], f[1], f[2], tk[0], b, t, c)
     });
     let (rows, vocab) = (4, 50257);
-    let case = Case::default()
+    let shape = format!("split n{rows} v{vocab}");
+    // losses [rows], logits [rows, vocab]; targets [rows]
+    let case = Operands::default()
         .zeros(rows)
         .rand(&mut rng, rows * vocab, 4.0)
         .tokens(&mut rng, rows, vocab);
-    check(
-        be,
-        "split crossentropy_forward",
+    r.check(
+        "crossentropy_forward",
+        &shape,
         &case,
-        Tol { abs: 2e-5, rel: 1e-5 },
+        CROSSENTROPY_LOSS,
         &|be, f, tk| be.crossentropy_forward(f[0], f[1], tk[0], rows, vocab),
     );
-    check(
-        be,
-        "split crossentropy_backward",
+    let in_place = format!("{shape} in place");
+    r.check(
+        "crossentropy_backward",
+        &in_place,
         &case,
-        Tol { abs: 1e-7, rel: 1e-4 },
+        CROSSENTROPY_GRAD,
         &|be, f, tk| be.crossentropy_backward(f[1], f[1], tk[0], rows, vocab, 0.25),
     );
     let s = AttentionShape {
@@ -639,15 +278,22 @@ fn wgpu_windows_split_large_tensors() {
         c: 8,
         nh: 2,
     };
-    let case = Case::default()
+    // out [3, 150, 8], att [3, 2, 150, 150], qkv [3, 150, 24]
+    let case = Operands::default()
         .zeros(3 * 150 * 8)
         .zeros(3 * 2 * 150 * 150)
         .rand(&mut rng, 3 * 150 * 24, 2.0);
-    check(be, "split attention_forward", &case, TRANSCENDENTAL, &|be, f, _| {
-        be.attention_forward(f[0], f[1], f[2], s)
-    });
+    r.check(
+        "attention_forward",
+        "split b3 t150 c8 nh2",
+        &case,
+        TRANSCENDENTAL,
+        &|be, f, _| be.attention_forward(f[0], f[1], f[2], s),
+    );
     let len = 100_003;
-    let case = Case::default()
+    let shape = format!("split n{len}");
+    // params [len], grads [len], m [len], v [len]
+    let case = Operands::default()
         .rand(&mut rng, len, 1.0)
         .rand(&mut rng, len, 1.0)
         .rand(&mut rng, len, 0.1)
@@ -662,19 +308,12 @@ fn wgpu_windows_split_large_tensors() {
         bias_correction2_sqrt: 0.3,
         grad_scale: 1.0,
     };
-    check(be, "split adamw", &case, EXACTISH, &|be, f, _| {
+    r.check("adamw", &shape, &case, EXACTISH, &|be, f, _| {
         be.adamw(f[0], f[1], f[2], f[3], &step)
     });
-    check(be, "split scale", &case, EXACTISH, &|be, f, _| be.scale(f[0], 3.0));
-    let x: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0f32)).collect();
-    let mut cpu = CpuBackend::<f32>::new();
-    let cv = cpu.alloc(len).unwrap();
-    cpu.upload(cv, &x).unwrap();
-    let want = cpu.sum_squares(cv).unwrap();
-    let wv = be.alloc(len + 5).unwrap().sub(5, len);
-    be.upload(wv, &x).unwrap();
-    let got = be.sum_squares(wv).unwrap();
-    assert!((got - want).abs() <= 1e-6 * want, "split sum_squares: {got} vs {want}");
+    r.check("scale", &shape, &case, EXACTISH, &|be, f, _| be.scale(f[0], 3.0));
+    let x: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0f32)).collect(); // [len]
+    r.check_sum_squares(&shape, &x);
 }
 
 /// Adapter discovery and selection: every adapter is listed with its limits; an index past the end wraps

@@ -21,6 +21,7 @@
 //! returned by the next synchronisation point (`synchronize`, `download`, `sum_squares`).
 
 mod boxed;
+pub mod conformance;
 pub mod cpu;
 pub mod cuda;
 mod error;

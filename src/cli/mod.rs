@@ -11,5 +11,6 @@ pub mod launch;
 pub mod plot;
 pub mod progress;
 pub mod sample;
+pub mod selftest;
 pub mod tokenize;
 pub mod train;

@@ -1,0 +1,261 @@
+//! The cases of each [`Group`](super::Group): shapes, seeds and tolerances. Every group seeds its own
+//! generator, and draws in a fixed order, so its inputs are the same on every backend and every run.
+
+use super::harness::{Operands, Runner};
+use super::tolerance::{self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, WeightLayout};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub(super) fn encoder(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for (b, t, c, v) in [(3, 5, 37, 256), (1, 1, 8, 256), (2, 3, 8, 50257)] {
+        let shape = format!("b{b} t{t} c{c} v{v}");
+        // out [b*t, c], wte [v, c], wpe [t+2, c]; tokens [b*t]
+        let case = Operands::default()
+            .zeros(b * t * c)
+            .rand(&mut rng, v * c, 1.0)
+            .rand(&mut rng, (t + 2) * c, 1.0)
+            .tokens(&mut rng, b * t, v);
+        r.check("encoder_forward", &shape, &case, EXACTISH, &|be, f, tk| {
+            be.encoder_forward(f[0], tk[0], f[1], f[2], b, t, c)
+        });
+        // dwte [v, c], dwpe [t+2, c], dout [b*t, c]; tokens [b*t]
+        let case = Operands::default()
+            .rand(&mut rng, v * c, 1.0)
+            .rand(&mut rng, (t + 2) * c, 1.0)
+            .rand(&mut rng, b * t * c, 1.0)
+            .tokens(&mut rng, b * t, v);
+        r.check("encoder_backward", &shape, &case, EXACTISH, &|be, f, tk| {
+            be.encoder_backward(f[0], f[1], f[2], tk[0], b, t, c)
+        });
+    }
+}
+
+pub(super) fn layernorm(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for (n, c) in [(7, 37), (1, 300), (5, 1)] {
+        let shape = format!("n{n} c{c}");
+        // out [n, c], mean [n], rstd [n], inp [n, c], weight [c], bias [c]
+        let case = Operands::default()
+            .zeros(n * c)
+            .zeros(n)
+            .zeros(n)
+            .rand(&mut rng, n * c, 2.0)
+            .rand(&mut rng, c, 1.0)
+            .rand(&mut rng, c, 1.0);
+        r.check("layernorm_forward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            be.layernorm_forward(f[0], f[1], f[2], f[3], f[4], f[5], n, c)
+        });
+        // Backward needs a consistent mean/rstd: compute them on the host first.
+        let inp: Vec<f32> = (0..n * c).map(|_| rng.random_range(-2.0..2.0f32)).collect(); // [n, c]
+        let (mut mean, mut rstd) = (vec![0f32; n], vec![0f32; n]); // [n] each
+        for row in 0..n {
+            let x = &inp[row * c..][..c];
+            let mu = x.iter().sum::<f32>() / c as f32;
+            let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
+            mean[row] = mu;
+            rstd[row] = 1.0 / (var + 1e-5).sqrt();
+        }
+        // dinp [n, c], dweight [c], dbias [c], dout [n, c], inp [n, c], weight [c], mean [n], rstd [n]
+        let case = Operands::default()
+            .rand(&mut rng, n * c, 1.0)
+            .rand(&mut rng, c, 1.0)
+            .rand(&mut rng, c, 1.0)
+            .rand(&mut rng, n * c, 1.0)
+            .values(inp)
+            .rand(&mut rng, c, 1.0)
+            .values(mean)
+            .values(rstd);
+        r.check("layernorm_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            be.layernorm_backward(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], n, c)
+        });
+    }
+}
+
+pub(super) fn matmul(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let shapes = [(7, 37, 53), (1, 70, 130), (65, 67, 129), (130, 17, 3), (2, 1, 5)];
+    for (n, c, oc) in shapes {
+        for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+            for bias in [true, false] {
+                let s = MatmulShape { n, c, oc, layout };
+                let shape = format!("{n}x{c}x{oc} {layout:?} bias={bias}");
+                // out [n, oc], inp [n, c], weight [c*oc], bias [oc]
+                let case = Operands::default()
+                    .rand(&mut rng, n * oc, 1.0)
+                    .rand(&mut rng, n * c, 1.0)
+                    .rand(&mut rng, c * oc, 1.0)
+                    .rand(&mut rng, oc, 1.0);
+                r.check("matmul_forward", &shape, &case, tolerance::matmul(c), &|be, f, _| {
+                    be.matmul_forward(f[0], f[1], f[2], bias.then_some(f[3]), s)
+                });
+                // dinp [n, c], dweight [c*oc], dbias [oc], dout [n, oc], inp [n, c], weight [c*oc]
+                let case = Operands::default()
+                    .rand(&mut rng, n * c, 1.0)
+                    .rand(&mut rng, c * oc, 1.0)
+                    .rand(&mut rng, oc, 1.0)
+                    .rand(&mut rng, n * oc, 1.0)
+                    .rand(&mut rng, n * c, 1.0)
+                    .rand(&mut rng, c * oc, 1.0);
+                let tol = tolerance::matmul(n.max(oc));
+                r.check("matmul_backward", &shape, &case, tol, &|be, f, _| {
+                    be.matmul_backward(f[0], f[1], bias.then_some(f[2]), f[3], f[4], f[5], s)
+                });
+            }
+        }
+    }
+}
+
+pub(super) fn attention(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for (b, t, c, nh) in [(2, 5, 12, 3), (1, 1, 8, 2), (2, 17, 20, 4)] {
+        let s = AttentionShape { b, t, c, nh };
+        let shape = format!("b{b} t{t} c{c} nh{nh}");
+        // out [b, t, c], att [b, nh, t, t], qkv [b, t, 3c]
+        let case = Operands::default()
+            .zeros(b * t * c)
+            .zeros(b * nh * t * t)
+            .rand(&mut rng, b * t * 3 * c, 2.0);
+        r.check("attention_forward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            be.attention_forward(f[0], f[1], f[2], s)
+        });
+        // Backward reads the forward's probabilities: build them with the f32 reference.
+        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|_| rng.random_range(-2.0..2.0f32)).collect(); // [b, t, 3c]
+        let att = reference_attention_probabilities(&qkv, s); // [b, nh, t, t]
+                                                              // dqkv [b, t, 3c], datt [b, nh, t, t], dout [b, t, c], qkv [b, t, 3c], att [b, nh, t, t]
+        let case = Operands::default()
+            .rand(&mut rng, b * t * 3 * c, 1.0)
+            .rand(&mut rng, b * nh * t * t, 1.0)
+            .rand(&mut rng, b * t * c, 1.0)
+            .values(qkv)
+            .values(att);
+        r.check("attention_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            be.attention_backward(f[0], f[1], f[2], f[3], f[4], s)
+        });
+    }
+}
+
+/// The softmax probabilities `att` `[b, nh, t, t]` of `qkv` `[b, t, 3c]`, from `CpuBackend<f32>`.
+fn reference_attention_probabilities(qkv: &[f32], s: AttentionShape) -> Vec<f32> {
+    let mut cpu = CpuBackend::<f32>::new();
+    let (b, t, c, nh) = (s.b, s.t, s.c, s.nh);
+    let allocated = (|| {
+        let out = cpu.alloc(b * t * c)?; // [b, t, c]
+        let att = cpu.alloc(b * nh * t * t)?; // [b, nh, t, t]
+        let q = cpu.alloc(qkv.len())?; // [b, t, 3c]
+        cpu.upload(q, qkv)?;
+        anyhow::Ok((out, att, q))
+    })();
+    // The CPU backend's allocations and uploads fail only on a length mismatch, a bug here.
+    let (out, att, q) = allocated.expect("host buffers for the attention probabilities");
+    cpu.attention_forward(out, att, q, s);
+    cpu.slice(att).to_vec()
+}
+
+pub(super) fn gelu(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for n in [1, 1000, 4099] {
+        let shape = format!("n{n}");
+        // out [n], inp [n]
+        let case = Operands::default().zeros(n).rand(&mut rng, n, 6.0);
+        r.check("gelu_forward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            be.gelu_forward(f[0], f[1])
+        });
+        // dinp [n], inp [n], dout [n]
+        let case = Operands::default()
+            .rand(&mut rng, n, 1.0)
+            .rand(&mut rng, n, 6.0)
+            .rand(&mut rng, n, 1.0);
+        r.check("gelu_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            be.gelu_backward(f[0], f[1], f[2])
+        });
+    }
+}
+
+pub(super) fn elementwise(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    for n in [1, 333, 70001] {
+        let shape = format!("n{n}");
+        // three [n] operands, used in turn as outputs and inputs
+        let case = Operands::default()
+            .rand(&mut rng, n, 1.0)
+            .rand(&mut rng, n, 1.0)
+            .rand(&mut rng, n, 1.0);
+        r.check("residual_forward", &shape, &case, EXACTISH, &|be, f, _| {
+            be.residual_forward(f[0], f[1], f[2])
+        });
+        r.check("add_inplace", &shape, &case, EXACTISH, &|be, f, _| {
+            be.add_inplace(f[0], f[1])
+        });
+        r.check("scale", &shape, &case, EXACTISH, &|be, f, _| be.scale(f[1], -0.37));
+        r.check("fill", &shape, &case, EXACTISH, &|be, f, _| be.fill(f[2], 1.25));
+        r.check("copy", &shape, &case, EXACTISH, &|be, f, _| be.copy(f[0], f[2]));
+    }
+}
+
+pub(super) fn crossentropy(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for (n, v) in [(7, 256), (1, 256), (3, 50257)] {
+        let shape = format!("n{n} v{v}");
+        // losses [n], logits [n, v]; targets [n]
+        let case = Operands::default()
+            .zeros(n)
+            .rand(&mut rng, n * v, 4.0)
+            .tokens(&mut rng, n, v);
+        r.check(
+            "crossentropy_forward",
+            &shape,
+            &case,
+            CROSSENTROPY_LOSS,
+            &|be, f, tk| be.crossentropy_forward(f[0], f[1], tk[0], n, v),
+        );
+        let in_place = format!("{shape} in place");
+        r.check(
+            "crossentropy_backward",
+            &in_place,
+            &case,
+            CROSSENTROPY_GRAD,
+            &|be, f, tk| be.crossentropy_backward(f[1], f[1], tk[0], n, v, 0.3),
+        );
+        // ... and dlogits [n, v] after them
+        let case = case.zeros(n * v);
+        r.check(
+            "crossentropy_backward",
+            &shape,
+            &case,
+            CROSSENTROPY_GRAD,
+            &|be, f, tk| be.crossentropy_backward(f[2], f[1], tk[0], n, v, 1.0 / 7.0),
+        );
+    }
+}
+
+pub(super) fn sum_squares_and_adamw(r: &mut Runner) {
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    for n in [1, 4095, 4097, 30011, 150001] {
+        let shape = format!("n{n}");
+        let x: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0f32)).collect(); // [n]
+        r.check_sum_squares(&shape, &x);
+        // params [n], grads [n], m [n], v [n]
+        let case = Operands::default()
+            .rand(&mut rng, n, 1.0)
+            .rand(&mut rng, n, 1.0)
+            .rand(&mut rng, n, 0.1)
+            .positive(&mut rng, n, 0.0, 0.01);
+        let step = AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step_size: 1e-3 / (1.0 - 0.9f32.powi(3)),
+            bias_correction2_sqrt: (1.0 - 0.95f32.powi(3)).sqrt(),
+            grad_scale: 0.5,
+        };
+        r.check("adamw", &shape, &case, EXACTISH, &|be, f, _| {
+            be.adamw(f[0], f[1], f[2], f[3], &step)
+        });
+    }
+    r.check_sum_squares_propagates_nan();
+}
