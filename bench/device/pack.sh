@@ -2,8 +2,11 @@
 # Packs what bench/device/run.sh needs on an NVIDIA machine that has no Rust toolchain and no network, into
 # target/device/ (ignored with the rest of target/, so nothing needs adding to .git/info/exclude):
 #   bin/ringtrain, bin/ringtrain-sim  one release build with the `cuda` feature, stripped (about 34 MiB together)
-#   debs/libvulkan1_*.deb             Debian's Vulkan loader, unpacked there only where the machine has none
-#   debs/*.deb                        the packages of the other shared libraries the binaries link (fontconfig,
+#   debs/vulkan/*.deb                 Debian's Vulkan loader (libvulkan1) with the GL dispatch libraries that
+#                                     the device README's recipe brings beside it (libglvnd0, ...), unpacked
+#                                     there only where the machine has no libvulkan.so.1 or NVIDIA's Vulkan
+#                                     driver lacks one of them
+#   debs/libs/*.deb                   the packages of the other shared libraries the binaries link (fontconfig,
 #                                     freetype, ...; glibc and libgcc aside), unpacked only where one is missing
 #   manifest.txt                      the commit, features and sizes, copied into the run's log
 # The folder stays well under the device tool's 64 MiB (the repository's tracked files add about 4 MiB).
@@ -27,7 +30,7 @@ done
 
 cargo build --release --locked -p ringtrain -p ringtrain-sim --features ringtrain/cuda,ringtrain-sim/cuda
 rm -rf "$out"
-mkdir -p "$out/bin" "$out/debs"
+mkdir -p "$out/bin" "$out/debs/vulkan" "$out/debs/libs"
 for b in ringtrain ringtrain-sim; do
   strip -o "$out/bin/$b" "target/release/$b"
 done
@@ -35,10 +38,15 @@ done
 # The Debian package of each shared library the binaries link, by the file's path (merged-/usr systems list
 # some under /lib and some under /usr/lib).
 owner_of() {
-  local path candidate
+  local path candidate owner
   for path in "$1" "$(readlink -f "$1")"; do
     for candidate in "$path" "/usr${path#/usr}" "${path#/usr}"; do
-      dpkg -S "$candidate" 2>/dev/null | head -n 1 | cut -d: -f1 && return 0
+      # "package:arch: path" lines; the first one's package.
+      if owner=$(dpkg -S "$candidate" 2>/dev/null); then
+        owner=${owner%%$'\n'*}
+        echo "${owner%%:*}"
+        return 0
+      fi
     done
   done
   echo "pack.sh: no Debian package owns $1" >&2
@@ -60,12 +68,13 @@ trap 'rm -rf "$lists"' EXIT
 mkdir -p "$lists/partial"
 apt_opts=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 "-oDir::State::Lists=$lists")
 apt-get "${apt_opts[@]}" update -qq
-(cd "$out/debs" && apt-get "${apt_opts[@]}" download -qq libvulkan1 "${pkgs[@]}")
+(cd "$out/debs/vulkan" && apt-get "${apt_opts[@]}" download -qq libvulkan1 libglvnd0 libegl1 libopengl0 libgl1 libglx0 libgles2)
+(cd "$out/debs/libs" && apt-get "${apt_opts[@]}" download -qq "${pkgs[@]}")
 
 {
   echo "commit $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!target' || echo ' (with uncommitted changes)')"
   echo "built $(date -u '+%F %H:%M') UTC on $(uname -srm), features ringtrain/cuda ringtrain-sim/cuda, release, stripped"
-  (cd "$out" && du -b bin/* debs/*)
+  (cd "$out" && du -b bin/* debs/*/*)
 } >"$out/manifest.txt"
 cat "$out/manifest.txt"
 echo "pack.sh: $(du -sh "$out" | cut -f1) in $out; carry it to the device machine (bench/device/README.md)"

@@ -25,9 +25,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 pack_dir=$repo/target/device
 
-usage() {
+usage() { # EXIT_STATUS
   sed -n 's/^# \{0,1\}//; /^usage:/,/^exit:/p' "$0" >&2
-  exit 2
+  exit "$1"
 }
 
 bin_dir=${RINGTRAIN_BIN_DIR:-$pack_dir/bin}
@@ -37,18 +37,30 @@ budget=300
 only=
 while [ $# -gt 0 ]; do
   case $1 in
-    --bin) [ $# -ge 2 ] || usage; bin_dir=$2; shift 2 ;;
-    --out) [ $# -ge 2 ] || usage; out_dir=$2; shift 2 ;;
+    --bin) [ $# -ge 2 ] || usage 2; bin_dir=$2; shift 2 ;;
+    --out) [ $# -ge 2 ] || usage 2; out_dir=$2; shift 2 ;;
     --no-gpu) force_no_gpu=1; shift ;;
-    --budget) [ $# -ge 2 ] || usage; budget=$2; shift 2 ;;
-    --only) [ $# -ge 2 ] || usage; only=,$2,; shift 2 ;;
-    -h | --help) usage ;;
-    *) echo "run.sh: unknown argument $1" >&2; usage ;;
+    --budget) [ $# -ge 2 ] || usage 2; budget=$2; shift 2 ;;
+    --only) [ -n "${2:-}" ] || usage 2; only=,$2,; shift 2 ;;
+    -h | --help) usage 0 ;;
+    *) echo "run.sh: unknown argument $1" >&2; usage 2 ;;
   esac
 done
-if ! [[ $budget =~ ^[0-9]+$ ]] || [ "$budget" -lt 10 ]; then
-  echo "run.sh: --budget must be a whole number of seconds >= 10" >&2
+if ! [[ $budget =~ ^[0-9]{1,5}$ ]] || [ "$budget" -lt 10 ]; then
+  echo "run.sh: --budget must be a whole number of seconds, 10 to 99999" >&2
   exit 2
+fi
+# The checks --only may name (the environment probes gpu, binaries, cuda_libs and vulkan_* always run).
+checks=(info selftest_cpu selftest_cuda selftest_wgpu sim bench_step_cpu bench_step_cuda torch_step torch_matmul
+  bench_step_wgpu matmul_cuda matmul_wgpu)
+if [ -n "$only" ]; then
+  IFS=, read -ra asked <<<"${only:1:-1}"
+  for check in "${asked[@]}"; do
+    if [[ " ${checks[*]} " != *" $check "* ]]; then
+      echo "run.sh: --only: unknown check '$check' (expected some of: ${checks[*]})" >&2
+      exit 2
+    fi
+  done
 fi
 [ -n "$out_dir" ] || out_dir=$(mktemp -d "${TMPDIR:-/tmp}/ringtrain-device.XXXXXX")
 mkdir -p "$out_dir" || { echo "run.sh: cannot create $out_dir" >&2; exit 2; }
@@ -127,12 +139,14 @@ failure_note() {
 
 # ---- the environment ----------------------------------------------------------------------------------------
 
+ldconfig_cmd() { command -v ldconfig || echo /sbin/ldconfig; }
+
 # has_system_lib NAME: whether the dynamic loader's cache lists NAME or a NAME.N version of it (ldconfig is in
 # /sbin, off a non-root user's PATH).
 has_system_lib() {
-  local ldconfig
-  ldconfig=$(command -v ldconfig || echo /sbin/ldconfig)
-  "$ldconfig" -p 2>/dev/null | grep -qE "^[[:space:]]*${1//./\\.}(\\.[0-9]+)* "
+  local cache
+  cache=$("$(ldconfig_cmd)" -p 2>/dev/null)
+  grep -qE "^[[:space:]]*${1//./\\.}(\\.[0-9]+)* " <<<"$cache"
 }
 
 # unpack_debs DEST DEB...: unpacks Debian packages into DEST (never into /) and puts their library folders
@@ -156,11 +170,12 @@ probe_gpu() {
     no_gpu_reason="no NVIDIA GPU (no /dev/nvidia0)"
   elif ! command -v nvidia-smi >/dev/null; then
     no_gpu_reason="no NVIDIA GPU usable (/dev/nvidia0 exists but nvidia-smi is missing)"
-  elif ! gpu_line=$(timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1) ||
-    [ -z "$gpu_line" ]; then
+  elif ! gpu_line=$(timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1) ||
+    [ -z "${gpu_line%%$'\n'*}" ]; then
     no_gpu_reason="no NVIDIA GPU usable (nvidia-smi failed: ${gpu_line:-no output})"
   else
     gpu=1
+    gpu_line=${gpu_line%%$'\n'*} # the first GPU, the one the checks use
   fi
   if [ "$gpu" = 1 ]; then
     { echo "=== gpu"; nvidia-smi; } >>"$log" 2>&1
@@ -185,8 +200,8 @@ probe_binaries() {
   unresolved=$(for b in "$ringtrain" "$sim"; do [ -x "$b" ] && ldd "$b" 2>&1; done | grep 'not found' | sed 's/^[[:space:]]*//' | sort -u)
   if [ -n "$unresolved" ]; then
     local debs=()
-    for b in "$pack_dir"/debs/*.deb; do
-      [[ -e $b && $(basename "$b") != libvulkan1_* ]] && debs+=("$b")
+    for b in "$pack_dir"/debs/libs/*.deb; do
+      [ -e "$b" ] && debs+=("$b")
     done
     echo "missing shared libraries: $unresolved; unpacking ${debs[*]:-nothing}" | tee -a "$log"
     [ ${#debs[@]} -gt 0 ] && unpack_debs "$work/syslibs" "${debs[@]}" >>"$log" 2>&1
@@ -254,27 +269,24 @@ for root in nvidia.__path__:
 # The Vulkan loader (libvulkan.so.1), from the packed libvulkan1 .deb where the machine has none; then, on a
 # GPU machine, NVIDIA's Vulkan driver files, to which the loader is pinned so wgpu opens the GPU.
 probe_vulkan() {
-  have_loader=0 vulkan_nvidia=0
+  have_loader=0 vulkan_nvidia=0 vulkan_unpacked=0
   if has_system_lib libvulkan.so.1; then
     have_loader=1
     record vulkan_loader pass "system" "libvulkan.so.1 in the loader's cache"
+  elif unpack_vulkan_debs && [ -e "$work/vulkan/usr/lib/x86_64-linux-gnu/libvulkan.so.1" ]; then
+    have_loader=1
+    record vulkan_loader pass "packed" "libvulkan1 from $pack_dir/debs/vulkan unpacked into a scratch folder"
+  elif [ "$gpu" = 1 ]; then
+    record vulkan_loader fail "" "no libvulkan.so.1 on this machine and none unpacked from $pack_dir/debs/vulkan (bench/device/pack.sh downloads it)"
   else
-    local debs=("$pack_dir"/debs/libvulkan1_*.deb)
-    if [ -e "${debs[0]}" ] && unpack_debs "$work/vulkan" "${debs[0]}" >>"$log" 2>&1 &&
-      [ -e "$work/vulkan/usr/lib/x86_64-linux-gnu/libvulkan.so.1" ]; then
-      have_loader=1
-      record vulkan_loader pass "packed" "$(basename "${debs[0]}") unpacked into a scratch folder"
-    elif [ "$gpu" = 1 ]; then
-      record vulkan_loader fail "" "no libvulkan.so.1 on this machine and none unpacked from $pack_dir/debs (bench/device/pack.sh downloads it)"
-    else
-      record vulkan_loader skipped "" "no libvulkan.so.1 on this machine and none packed in $pack_dir/debs; wgpu is skipped"
-    fi
+    record vulkan_loader skipped "" "no libvulkan.so.1 on this machine and none packed in $pack_dir/debs/vulkan; wgpu is skipped"
   fi
   if [ "$gpu" = 0 ]; then
     record vulkan_nvidia skipped "" "$no_gpu_reason; wgpu runs on whatever adapter this machine has"
     return
   fi
-  local dirs=(/etc/vulkan/icd.d /usr/share/vulkan/icd.d /usr/local/share/vulkan/icd.d /usr/local/nvidia/share/vulkan/icd.d) d f icd=
+  local dirs=(/etc/vulkan/icd.d /usr/share/vulkan/icd.d /usr/local/share/vulkan/icd.d /usr/local/nvidia/share/vulkan/icd.d)
+  local d f icd='' gaps rc
   for d in "${dirs[@]}"; do
     for f in "$d"/nvidia_icd*.json; do
       [ -e "$f" ] && { icd=$f; break 2; }
@@ -282,13 +294,63 @@ probe_vulkan() {
   done
   if [ -z "$icd" ]; then
     record vulkan_nvidia skipped "" "no NVIDIA Vulkan driver files (nvidia_icd*.json) in ${dirs[*]}: the wgpu steps are skipped"
+    return
   elif [ "$have_loader" = 0 ]; then
     record vulkan_nvidia skipped "" "$icd found, but no Vulkan loader: the wgpu steps are skipped"
-  else
-    export VK_DRIVER_FILES=$icd VK_ICD_FILENAMES=$icd
-    vulkan_nvidia=1
-    record vulkan_nvidia pass "" "$icd (VK_DRIVER_FILES)"
+    return
   fi
+  # The driver's library may need GL dispatch libraries (libGLdispatch) that only the packed set brings.
+  gaps=$(icd_library_gaps "$icd")
+  rc=$?
+  if [ "$rc" = 1 ] && [ "$vulkan_unpacked" = 0 ] && unpack_vulkan_debs; then
+    gaps=$(icd_library_gaps "$icd")
+    rc=$?
+  fi
+  case $rc in
+    1) record vulkan_nvidia fail "" "$icd: its driver library cannot load, missing $gaps" ;;
+    *)
+      export VK_DRIVER_FILES=$icd VK_ICD_FILENAMES=$icd
+      vulkan_nvidia=1
+      local packed=
+      [ "$vulkan_unpacked" = 1 ] && packed="; with the packed loader libraries"
+      record vulkan_nvidia pass "" "$icd, pinned with VK_DRIVER_FILES${gaps:+ ($gaps)}$packed"
+      ;;
+  esac
+}
+
+# unpack_vulkan_debs: the packed Vulkan loader and GL dispatch libraries, into a scratch folder (once).
+unpack_vulkan_debs() {
+  local debs=("$pack_dir"/debs/vulkan/*.deb)
+  [ -e "${debs[0]}" ] || return 1
+  [ "$vulkan_unpacked" = 1 ] && return 0
+  unpack_debs "$work/vulkan" "${debs[@]}" >>"$log" 2>&1 || return 1
+  vulkan_unpacked=1
+}
+
+# icd_library_gaps ICD: checks the library that Vulkan driver file ICD names. Prints nothing and returns 0
+# when all its dependencies resolve; prints the missing ones and returns 1; prints why it could not look and
+# returns 2 (the wgpu steps then tell).
+icd_library_gaps() {
+  local lib path='' d
+  lib=$(sed -n 's/.*"library_path"[[:space:]]*:[[:space:]]*"\([^"]*\)".*/\1/p' "$1" | head -n 1)
+  [ -n "$lib" ] || { echo "could not read its library_path"; return 2; }
+  if [[ $lib == /* ]]; then
+    path=$lib
+  else
+    local search=()
+    IFS=: read -ra search <<<"${LD_LIBRARY_PATH:-}"
+    for d in "${search[@]}" /usr/local/nvidia/lib64 /lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib; do
+      [ -n "$d" ] && [ -e "$d/$lib" ] && { path=$d/$lib; break; }
+    done
+    [ -n "$path" ] || path=$("$(ldconfig_cmd)" -p 2>/dev/null | awk -v name="$lib" '$1 == name {print $NF; exit}')
+  fi
+  if [ -z "$path" ] || [ ! -e "$path" ]; then
+    echo "did not find its library $lib"
+    return 2
+  fi
+  local missing
+  missing=$(ldd "$path" 2>&1 | awk '/not found/ {print $1}' | paste -sd ' ' -)
+  [ -z "$missing" ] || { echo "$missing (needed by $path)"; return 1; }
 }
 
 # ---- the checks ---------------------------------------------------------------------------------------------
@@ -415,10 +477,9 @@ probe_cuda_libs
 probe_vulkan
 echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" >>"$log"
 
-ringtrain_checks=(info selftest_cpu selftest_cuda selftest_wgpu sim bench_step_cpu bench_step_cuda
-  bench_step_wgpu matmul_cuda matmul_wgpu)
 if [ "$have_ringtrain" = 0 ]; then
-  skip_all "no working ringtrain binary (see binaries)" "${ringtrain_checks[@]}"
+  skip_all "no working ringtrain binary (see binaries)" info selftest_cpu selftest_cuda selftest_wgpu sim \
+    bench_step_cpu bench_step_cuda bench_step_wgpu matmul_cuda matmul_wgpu
 else
   check_info
   wgpu_ok=0 no_wgpu_adapter=
