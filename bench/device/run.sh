@@ -403,7 +403,7 @@ check_sim() { # BACKENDS
   fi
 }
 
-# figures_of CHECK KIND ARGS...: the figure and note figures.py reads from CHECK's log, recorded as a pass;
+# record_figures CHECK KIND ARGS...: the figure and note figures.py reads from CHECK's log, recorded as a pass;
 # a fail when the command failed or printed no figure.
 record_figures() {
   local check=$1 line
@@ -434,27 +434,25 @@ check_matmul() { # BACKEND
   record_figures "matmul_$1" matmul --size 4096
 }
 
-# The PyTorch reference: one process gives both torch_step and torch_matmul.
+# The PyTorch reference: one process gives both torch_step and torch_matmul; torch_ref.py exits 3 when
+# python3 has no torch, transformers or CUDA.
 check_torch() {
   wanted torch_step || wanted torch_matmul || return 0
-  local probe
   if ! command -v python3 >/dev/null; then
-    record torch_step skipped "" "no python3"
-    record torch_matmul skipped "" "no python3"
-    return
-  fi
-  if ! probe=$(timeout 90 python3 -c 'import torch, transformers; assert torch.cuda.is_available(), "torch %s sees no CUDA device" % torch.__version__' 2>&1); then
-    probe=$(tail -n 1 <<<"$probe")
-    record torch_step skipped "" "PyTorch reference unavailable: ${probe:-timed out}"
-    record torch_matmul skipped "" "PyTorch reference unavailable: ${probe:-timed out}"
+    skip_all "no python3" torch_step torch_matmul
     return
   fi
   run_step torch_step 180 env PYTHONUNBUFFERED=1 python3 "$here/torch_ref.py" --model gpt2 --batch-size 8 \
     --seq-len 1024 --steps 10 --warmup 3 --matmul 4096 --matmul-iters 10 || {
-    record torch_matmul skipped "" "the run's ${budget}s budget is spent"
+    skip_all "the run's ${budget}s budget is spent" torch_matmul
     return
   }
-  record_figures torch_step step --layers "$GPT2_LAYERS" --embd "$GPT2_EMBD" --peak-tflops "$PEAK_TFLOPS"
+  if [ "$step_rc" = 3 ]; then
+    skip_all "PyTorch reference unavailable: $(tail -n 1 "$work/torch_step.log")" torch_step torch_matmul
+    return
+  fi
+  wanted torch_step && record_figures torch_step step --layers "$GPT2_LAYERS" --embd "$GPT2_EMBD" --peak-tflops "$PEAK_TFLOPS"
+  wanted torch_matmul || return 0
   cp "$work/torch_step.log" "$work/torch_matmul.log"
   record_figures torch_matmul matmul --size 4096
 }
@@ -526,8 +524,19 @@ if [ "$have_ringtrain" = 1 ]; then
   fi
 fi
 
+# ratio_to_torch CHECK GOAL: CHECK's tokens/s over PyTorch's, beside the issue's goal, when both ran.
+ratio_to_torch() {
+  awk -F'\t' -v check="$1" -v goal="$2" '
+    $1 == check && $2 == "pass" { mine = $3 + 0 }
+    $1 == "torch_step" && $2 == "pass" { torch = $3 + 0 }
+    END { if (mine > 0 && torch > 0) printf "%s tokens/s = %.2f x PyTorch eager fp32 (goal: at least %s)\n", check, mine / torch, goal }
+  ' "$results"
+}
+
 {
   printf '\n=== summary after %ss: %s passed, %s failed, %s skipped\n' "$SECONDS" "$passed" "$failed" "$skipped"
   column -t -s $'\t' "$results" 2>/dev/null || cat "$results"
+  ratio_to_torch bench_step_cuda 1.0
+  ratio_to_torch bench_step_wgpu 0.5
 } | tee -a "$log"
 [ "$failed" = 0 ]
