@@ -438,7 +438,10 @@ check_matmul() { # BACKEND
 # python3 has no torch, transformers or CUDA.
 check_torch() {
   wanted torch_step || wanted torch_matmul || return 0
-  if ! command -v python3 >/dev/null; then
+  if [ "$gpu" = 0 ]; then
+    skip_all "$no_gpu_reason" torch_step torch_matmul
+    return
+  elif ! command -v python3 >/dev/null; then
     skip_all "no python3" torch_step torch_matmul
     return
   fi
@@ -466,6 +469,15 @@ skip_all() { # REASON CHECK...
   return 0
 }
 
+# skip_or REASON CHECK CMD...: records CHECK skipped with REASON when REASON is set, else runs CMD.
+skip_or() {
+  if [ -n "$1" ]; then
+    skip_all "$1" "$2"
+  else
+    "${@:3}"
+  fi
+}
+
 # ---- the run ------------------------------------------------------------------------------------------------
 
 echo "run.sh: results in $results, full log in $log (budget ${budget}s)"
@@ -475,53 +487,34 @@ probe_cuda_libs
 probe_vulkan
 echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" >>"$log"
 
+# Why each kind of check cannot run on this machine ('' where it can).
+cuda_skip='' wgpu_skip='' sim_skip=''
+[ "$gpu" = 1 ] || cuda_skip=$no_gpu_reason
+[ "$have_sim" = 1 ] || sim_skip="no working ringtrain-sim binary (see binaries)"
 if [ "$have_ringtrain" = 0 ]; then
   skip_all "no working ringtrain binary (see binaries)" info selftest_cpu selftest_cuda selftest_wgpu sim \
-    bench_step_cpu bench_step_cuda bench_step_wgpu matmul_cuda matmul_wgpu
+    bench_step_cpu bench_step_cuda
 else
   check_info
-  wgpu_ok=0 no_wgpu_adapter=
-  wgpu_usable && wgpu_ok=1
-  if [ "$gpu" = 1 ]; then
-    no_cuda="" no_wgpu=""
-  else
-    no_cuda="$no_gpu_reason" no_wgpu="$no_gpu_reason"
-  fi
-  [ "$wgpu_ok" = 1 ] || no_wgpu_adapter="no wgpu adapter (on a GPU machine: the NVIDIA Vulkan driver, see vulkan_nvidia; elsewhere: mesa-vulkan-drivers for lavapipe)"
-
+  wgpu_usable || wgpu_skip="no wgpu adapter (on a GPU machine: the NVIDIA Vulkan driver, see vulkan_nvidia; elsewhere: mesa-vulkan-drivers for lavapipe)"
   check_selftest cpu
-  if [ -z "$no_cuda" ]; then check_selftest cuda; else skip_all "$no_cuda" selftest_cuda; fi
-  if [ "$wgpu_ok" = 1 ]; then check_selftest wgpu; else skip_all "$no_wgpu_adapter" selftest_wgpu; fi
-
-  # The sim: cuda, wgpu and cpu ranks; cpu stands in for what this machine lacks.
-  sim_backends="$([ -z "$no_cuda" ] && echo cuda || echo cpu),$([ "$wgpu_ok" = 1 ] && echo wgpu || echo cpu),cpu"
-  if [ "$have_sim" = 1 ]; then check_sim "$sim_backends"; else skip_all "no working ringtrain-sim binary (see binaries)" sim; fi
-
+  skip_or "$cuda_skip" selftest_cuda check_selftest cuda
+  skip_or "$wgpu_skip" selftest_wgpu check_selftest wgpu
+  # cuda, wgpu and cpu ranks; cpu stands in for a backend this machine lacks.
+  skip_or "$sim_skip" sim check_sim "$([ -z "$cuda_skip" ] && echo cuda || echo cpu),$([ -z "$wgpu_skip" ] && echo wgpu || echo cpu),cpu"
   # The figure plumbing on a tiny model (a fraction of a second), then the GPU benchmarks.
   check_bench_step bench_step_cpu cpu tiny 2 32 3 60
-  if [ -z "$no_cuda" ]; then
-    check_bench_step bench_step_cuda cuda gpt2 8 1024 10 150
-  else
-    skip_all "$no_cuda" bench_step_cuda
-  fi
+  skip_or "$cuda_skip" bench_step_cuda check_bench_step bench_step_cuda cuda gpt2 8 1024 10 150
 fi
-if [ "$gpu" = 1 ]; then check_torch; else skip_all "$no_gpu_reason" torch_step torch_matmul; fi
-if [ "$have_ringtrain" = 1 ]; then
-  if [ -n "$no_wgpu" ]; then
-    skip_all "$no_wgpu" bench_step_wgpu
-  elif [ "$wgpu_ok" = 1 ]; then
-    check_bench_step bench_step_wgpu wgpu gpt2 8 1024 5 180
-  else
-    skip_all "$no_wgpu_adapter" bench_step_wgpu
-  fi
-  if [ -z "$no_cuda" ]; then check_matmul cuda; else skip_all "$no_cuda" matmul_cuda; fi
-  if [ -n "$no_wgpu" ]; then
-    skip_all "$no_wgpu" matmul_wgpu
-  elif [ "$wgpu_ok" = 1 ]; then
-    check_matmul wgpu
-  else
-    skip_all "$no_wgpu_adapter" matmul_wgpu
-  fi
+check_torch
+# The wgpu benchmarks are GPU benchmarks: without an NVIDIA GPU they say so, not that lavapipe is slow.
+wgpu_bench_skip=${cuda_skip:-$wgpu_skip}
+if [ "$have_ringtrain" = 0 ]; then
+  skip_all "no working ringtrain binary (see binaries)" bench_step_wgpu matmul_cuda matmul_wgpu
+else
+  skip_or "$wgpu_bench_skip" bench_step_wgpu check_bench_step bench_step_wgpu wgpu gpt2 8 1024 5 180
+  skip_or "$cuda_skip" matmul_cuda check_matmul cuda
+  skip_or "$wgpu_bench_skip" matmul_wgpu check_matmul wgpu
 fi
 
 # ratio_to_torch CHECK GOAL: CHECK's tokens/s over PyTorch's, beside the issue's goal, when both ran.
