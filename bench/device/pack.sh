@@ -11,8 +11,9 @@
 #   manifest.txt                      the commit, features and sizes, copied into the run's log
 # The folder stays well under the device tool's 64 MiB (the repository's tracked files add about 4 MiB).
 #
-# Takes: the release build, about 10 minutes from a cold target/release on 2 cores (one or two when only
-# ringtrain's own crates changed); the strip and the package download, a few seconds. Needs cargo, strip
+# Takes: the release build, 1 to 2 minutes on 2 cores when only ringtrain's own crates changed since the last
+# one (measured: 1m08s and 1m49s); a cold target/release also compiles every dependency, several times that.
+# The strip and the package download take a few seconds. Needs cargo, strip
 # (binutils), apt-get and dpkg (Debian or Ubuntu), and an x86-64 host, since that is what the NVIDIA machines
 # run.
 # usage: bench/device/pack.sh
