@@ -23,7 +23,7 @@ mod timing;
 struct Cli {
     #[arg(long, default_value_t = 4)]
     workers: usize,
-    /// Backend of each worker, comma-separated and cycled over the ranks: cpu, wgpu
+    /// Backend of each worker, comma-separated and cycled over the ranks: cpu, wgpu, cuda
     #[arg(long, default_value = "cpu")]
     backends: String,
     #[arg(long, default_value = "sharded")]
@@ -84,7 +84,8 @@ fn real_main() -> Result<ExitCode> {
         .map(|b| match b.trim() {
             "cpu" => Ok(BackendChoice::Cpu),
             "wgpu" => Ok(BackendChoice::Wgpu),
-            bad => bail!("--backends: unknown backend {bad:?} (expected cpu or wgpu)"),
+            "cuda" => Ok(BackendChoice::Cuda),
+            bad => bail!("--backends: unknown backend {bad:?} (expected cpu, wgpu or cuda)"),
         })
         .collect::<Result<Vec<_>>>()?;
     let update = match cli.update.as_str() {
