@@ -359,7 +359,8 @@ check_info() {
   wanted info || return 0
   run_step info 60 "$ringtrain" info || return 0
   if [ "$step_rc" = 0 ]; then
-    record info pass "" "$(grep -E '^(cuda|--backend)' "$work/info.log" | paste -sd ';' -)"
+    # The CUDA lines (driver, devices, NVRTC, cuBLAS) follow `cuda:` indented, up to the `--backend` line.
+    record info pass "" "$(sed -n '/^cuda:/,/^--backend/p' "$work/info.log" | sed 's/^ *//' | paste -sd ';' -)"
   else
     record info fail "" "$(failure_note info)"
   fi
