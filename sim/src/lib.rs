@@ -2,9 +2,9 @@
 //! the in-memory ring (or QUIC on loopback). After every step each rank fingerprints its parameters and
 //! the harness checks that all replicas hold identical bits; it also runs the same global batch on a
 //! single worker (on the CPU backend) and reports how far the losses are apart (float rounding only: the
-//! sum over ranks reassociates the mean). Ranks may run different backends (`cpu`, `wgpu`, `cuda` with the `cuda` feature): with the
-//! sharded update the replicas stay bit-identical even then, because every parameter chunk is computed by
-//! one owner and copied byte for byte. `--fault` injects faults inside the process ([`faults`]).
+//! sum over ranks reassociates the mean). Ranks may run different backends (`cpu`, `wgpu`, and `cuda` with
+//! the `cuda` feature): with the sharded update the replicas stay bit-identical even then, because every
+//! parameter chunk is computed by one owner and copied byte for byte. `--fault` injects faults inside the process ([`faults`]).
 
 pub mod cluster;
 pub mod netmodel;
