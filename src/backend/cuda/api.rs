@@ -90,7 +90,11 @@ pub(super) fn check(status: cu::CUresult, what: &str) -> Result<(), BackendError
         | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
         | R::CUDA_ERROR_MISALIGNED_ADDRESS
         | R::CUDA_ERROR_INVALID_PC
-        | R::CUDA_ERROR_DEVICE_UNAVAILABLE => Err(BackendError::DeviceLost(format!("{what}: {}", error_name(status)))),
+        | R::CUDA_ERROR_DEVICE_UNAVAILABLE
+        | R::CUDA_ERROR_ASSERT
+        | R::CUDA_ERROR_LAUNCH_TIMEOUT
+        | R::CUDA_ERROR_NVLINK_UNCORRECTABLE
+        | R::CUDA_ERROR_CONTAINED => Err(BackendError::DeviceLost(format!("{what}: {}", error_name(status)))),
         _ => Err(BackendError::Driver(format!("{what}: {}", error_name(status)))),
     }
 }
@@ -118,10 +122,13 @@ pub(super) fn check_blas(status: cublas::cublasStatus_t, what: &str) -> Result<(
     }
 }
 
-/// Loads the driver and initialises it, once per process; the error says what is missing.
+/// Loads the driver and initialises it (once it succeeds, never again); the error says what is missing.
 pub(super) fn init() -> Result<(), BackendError> {
-    static INIT: OnceLock<Result<(), BackendError>> = OnceLock::new();
-    INIT.get_or_init(|| {
+    static INITIALISED: OnceLock<()> = OnceLock::new();
+    if INITIALISED.get().is_some() {
+        return Ok(());
+    }
+    let result = (|| {
         require(Library::Driver)?;
         // SAFETY: the driver library loads (checked above); `cuInit(0)` is the documented first call and
         // may be repeated.
@@ -132,8 +139,49 @@ pub(super) fn init() -> Result<(), BackendError> {
             ));
         }
         check(status, "initialising the CUDA driver (cuInit)")
-    })
-    .clone()
+    })();
+    if result.is_ok() {
+        let _ = INITIALISED.set(());
+    }
+    result
+}
+
+/// The CUDA major version this build's bindings, kernels and library names are for.
+pub(super) const CUDA_MAJOR: i32 = 13;
+
+/// Refuses a driver, NVRTC or cuBLAS older than CUDA 13 with a message saying which (cudarc also loads the
+/// `.so.12` libraries, whose CUBINs and entry points differ, and an older driver lacks functions the
+/// backend calls, which cudarc would answer with a panic).
+pub(super) fn require_cuda_13() -> Result<(), BackendError> {
+    let (major, minor) = driver_version()?;
+    if major < CUDA_MAJOR {
+        return Err(BackendError::NoAdapter(format!(
+            "cuda backend: the NVIDIA driver supports CUDA {major}.{minor}, and this build needs CUDA {CUDA_MAJOR} (driver 580 or newer)"
+        )));
+    }
+    let (major, minor) = nvrtc_version()?;
+    if major != CUDA_MAJOR {
+        return Err(BackendError::NoAdapter(format!(
+            "cuda backend: the NVRTC found is version {major}.{minor}, and this build needs NVRTC {CUDA_MAJOR} (libnvrtc.so.{CUDA_MAJOR})"
+        )));
+    }
+    let major = cublas_major()?;
+    if major != CUDA_MAJOR {
+        return Err(BackendError::NoAdapter(format!(
+            "cuda backend: the cuBLAS found is version {major}, and this build needs cuBLAS {CUDA_MAJOR} (libcublas.so.{CUDA_MAJOR})"
+        )));
+    }
+    Ok(())
+}
+
+/// cuBLAS's major version.
+pub(super) fn cublas_major() -> Result<i32, BackendError> {
+    require(Library::Cublas)?;
+    let mut major = 0;
+    // SAFETY: cuBLAS loads; `cublasGetProperty` needs no handle; valid out-pointer.
+    let status = unsafe { cublas::cublasGetProperty(cublas::libraryPropertyType::MAJOR_VERSION, &mut major) };
+    check_blas(status, "asking cuBLAS's version")?;
+    Ok(major)
 }
 
 /// The number of CUDA devices the driver sees.

@@ -146,7 +146,9 @@ impl Blas {
 
     /// Queues `g` on the handle's stream.
     pub(super) fn run(&self, g: &Gemm) -> Result<(), BackendError> {
-        let dims = [g.m, g.n, g.k, g.lda, g.ldb, g.ldc];
+        // cuBLAS refuses a leading dimension of 0, which a degenerate shape (c or oc of 0) would give.
+        let (lda, ldb, ldc) = (g.lda.max(1), g.ldb.max(1), g.ldc.max(1));
+        let dims = [g.m, g.n, g.k, lda, ldb, ldc];
         if dims.iter().any(|&d| d > i32::MAX as usize) {
             return Err(BackendError::ShapeUnsupported {
                 op: "matmul".into(),
@@ -174,12 +176,12 @@ impl Blas {
                 g.k as i32,
                 &alpha,
                 g.a as *const f32,
-                g.lda as i32,
+                lda as i32,
                 g.b as *const f32,
-                g.ldb as i32,
+                ldb as i32,
                 &g.beta,
                 g.c as *mut f32,
-                g.ldc as i32,
+                ldc as i32,
             )
         };
         check_blas(status, "cuBLAS sgemm")

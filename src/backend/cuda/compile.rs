@@ -152,7 +152,8 @@ fn read_cached(file: &Path) -> Option<Vec<u8>> {
 fn write_cached(file: &Path, cubin: &[u8]) -> std::io::Result<()> {
     let dir = file.parent().expect("cache files live in a folder");
     std::fs::create_dir_all(dir)?;
-    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    // Unique per process and thread, so that two writers never share a temporary file.
+    let tmp = file.with_extension(format!("tmp{}-{:?}", std::process::id(), std::thread::current().id()));
     let mut bytes = blake3::hash(cubin).as_bytes().to_vec();
     bytes.extend_from_slice(cubin);
     std::fs::write(&tmp, &bytes)?;

@@ -7,6 +7,7 @@ use super::blas::Blas;
 use super::compile;
 use super::gpu::{Addr, Gemm, Gpu, Param};
 use super::readback::Readbacks;
+use super::staging::Staging;
 use cudarc::driver::sys as cu;
 use std::collections::HashMap;
 
@@ -27,6 +28,7 @@ pub struct Driver {
     kernels: HashMap<&'static str, cu::CUfunction>,
     blas: Option<Blas>,
     readbacks: Readbacks,
+    staging: Staging,
 }
 
 // SAFETY: the CUDA driver API may be called from any thread; every entry point makes the context current on
@@ -38,9 +40,29 @@ impl Driver {
     /// architecture (from the cache when it has them).
     pub(super) fn open(ordinal: usize) -> Result<Self, BackendError> {
         let info = api::device_info(ordinal)?;
-        // Checked before any allocation, so the message names the missing library, not a failed call.
+        // Checked before any allocation, so the message names the missing library or the old version, not
+        // a failed call.
         api::require(Library::Nvrtc)?;
         api::require(Library::Cublas)?;
+        api::require_cuda_13()?;
+        let mut pools = 0;
+        // SAFETY: valid out-pointer, valid device.
+        check(
+            unsafe {
+                cu::cuDeviceGetAttribute(
+                    &mut pools,
+                    cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
+                    info.handle,
+                )
+            },
+            "asking whether the device has memory pools",
+        )?;
+        if pools == 0 {
+            return Err(BackendError::NoAdapter(format!(
+                "cuda backend: {} does not support stream-ordered memory pools (cuMemAllocAsync), which the backend allocates with",
+                info.name
+            )));
+        }
         let mut context: cu::CUcontext = std::ptr::null_mut();
         // SAFETY: the driver is initialised (`device_info`) and `info.handle` is a valid device.
         check(
@@ -57,6 +79,7 @@ impl Driver {
             kernels: HashMap::new(),
             blas: None,
             readbacks: Readbacks::default(),
+            staging: Staging::default(),
         };
         // From here on `Drop` releases whatever was made.
         driver.bind()?;
@@ -68,6 +91,7 @@ impl Driver {
                 "creating a CUDA stream",
             )?;
         }
+        driver.keep_freed_memory()?;
         driver.load_kernels()?;
         driver.blas = Some(Blas::new(driver.compute)?);
         Ok(driver)
@@ -80,6 +104,28 @@ impl Driver {
             unsafe { cu::cuCtxSetCurrent(self.context) },
             "making the CUDA context current",
         )
+    }
+
+    /// Keeps freed memory in the device's pool instead of returning it at every synchronisation, so that
+    /// buffers freed and allocated again (a new batch shape, the scratch buffers growing) cost no new mapping.
+    fn keep_freed_memory(&self) -> Result<(), BackendError> {
+        let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
+        let mut threshold = u64::MAX;
+        // SAFETY: valid device and out-pointer; the attribute takes a u64, passed by pointer.
+        unsafe {
+            check(
+                cu::cuDeviceGetDefaultMemPool(&mut pool, self.info.handle),
+                "finding the memory pool",
+            )?;
+            check(
+                cu::cuMemPoolSetAttribute(
+                    pool,
+                    cu::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut threshold as *mut u64 as *mut _,
+                ),
+                "setting the memory pool's release threshold",
+            )
+        }
     }
 
     /// Compiles (or loads from the cache) every family and looks up its kernels.
@@ -161,12 +207,7 @@ impl Gpu for Driver {
             return Ok(());
         }
         self.bind()?;
-        // SAFETY: `dst` holds `src.len()` bytes (the ops check views against their buffers); CUDA stages
-        // pageable memory before an asynchronous copy from it returns, so `src` may change afterwards.
-        check(
-            unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const _, src.len(), self.compute) },
-            "copying to the GPU",
-        )
+        self.staging.upload(self.compute, dst, src)
     }
 
     fn read(&mut self, src: Addr, dst: &mut [u8]) -> Result<(), BackendError> {
@@ -277,6 +318,11 @@ impl Gpu for Driver {
 impl Drop for Driver {
     fn drop(&mut self) {
         if self.bind().is_err() {
+            // No context to release resources in (the driver is shutting down, say): leave them to the
+            // process's end, but give back the context reference, which needs none.
+            std::mem::forget(self.blas.take());
+            // SAFETY: retained by `open`, released once.
+            unsafe { cu::cuDevicePrimaryCtxRelease_v2(self.info.handle) };
             return;
         }
         // SAFETY: everything below was made by this driver in this context and is released once, after the
@@ -289,6 +335,7 @@ impl Drop for Driver {
                 }
             }
             self.readbacks.release();
+            self.staging.release();
             self.blas = None;
             for stream in [self.compute, self.copy] {
                 if !stream.is_null() {

@@ -13,6 +13,7 @@
 //! - `device.rs`: the backend's state over a `Gpu`: allocations behind views, token host copies, scratch.
 //! - `blas.rs`: the four matmul layouts as column-major GEMMs, and cuBLAS set up for repeatable fp32.
 //! - `readback.rs`: read-backs that run on the copy stream while the compute stream goes on.
+//! - `staging.rs`: uploads through a ring of pinned slots, so they stay asynchronous.
 //! - `ops.rs`: the ops of [`Backend`], each a kernel launch or a GEMM in the order of `kernels/README.md`.
 //!
 //! Design points:
@@ -46,6 +47,8 @@ mod ops;
 mod readback;
 #[cfg(feature = "cuda")]
 mod report;
+#[cfg(feature = "cuda")]
+mod staging;
 
 use super::Backend;
 #[cfg(not(feature = "cuda"))]

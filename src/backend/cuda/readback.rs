@@ -19,7 +19,8 @@ pub(super) struct Pinned {
 }
 
 impl Pinned {
-    fn new(cap: usize) -> Result<Self, BackendError> {
+    /// `cap` floats of pinned memory (the context must be current).
+    pub(super) fn new(cap: usize) -> Result<Self, BackendError> {
         let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: the context is current (callers bind it); `ptr` is a valid out-pointer.
         check(
@@ -30,6 +31,19 @@ impl Pinned {
             ptr: ptr as *mut f32,
             cap,
         })
+    }
+}
+
+impl Pinned {
+    /// The first float.
+    pub(super) fn ptr(&self) -> *mut f32 {
+        self.ptr
+    }
+
+    /// Releases the memory (no copy may target it any more).
+    pub(super) fn release(self) {
+        // SAFETY: allocated by `cuMemHostAlloc` and released once (this takes `self`).
+        unsafe { cu::cuMemFreeHost(self.ptr as *mut _) };
     }
 }
 
@@ -49,7 +63,7 @@ pub(super) struct Readbacks {
 }
 
 /// An event without timing (cheaper to record and wait on).
-fn new_event() -> Result<cu::CUevent, BackendError> {
+pub(super) fn new_event() -> Result<cu::CUevent, BackendError> {
     let mut event: cu::CUevent = std::ptr::null_mut();
     // SAFETY: the context is current; valid out-pointer.
     check(
@@ -69,12 +83,29 @@ impl Readbacks {
         src: cu::CUdeviceptr,
         len: usize,
     ) -> Result<u64, BackendError> {
+        let ready = new_event()?;
+        let done = match new_event() {
+            Ok(done) => done,
+            Err(e) => {
+                // SAFETY: created above and used by nothing.
+                unsafe { cu::cuEventDestroy_v2(ready) };
+                return Err(e);
+            }
+        };
         let pinned = match self.pool.iter().position(|p| p.cap >= len) {
             Some(i) => self.pool.swap_remove(i),
-            None => Pinned::new(len)?,
+            None => match Pinned::new(len) {
+                Ok(pinned) => pinned,
+                Err(e) => {
+                    // SAFETY: created above and used by nothing.
+                    unsafe {
+                        cu::cuEventDestroy_v2(ready);
+                        cu::cuEventDestroy_v2(done);
+                    }
+                    return Err(e);
+                }
+            },
         };
-        let ready = new_event()?;
-        let done = new_event()?;
         // SAFETY: both streams and events belong to the current context; `pinned` holds `len` floats and
         // stays alive (in `in_flight`) until the copy is waited for; `src` holds `len` floats (the caller
         // checked the view). The `ready` event may be destroyed once the copy stream waits on it.
@@ -141,8 +172,7 @@ impl Readbacks {
         if self.pool.len() < POOLED {
             self.pool.push(pinned);
         } else {
-            // SAFETY: no copy targets it any more.
-            unsafe { cu::cuMemFreeHost(pinned.ptr as *mut _) };
+            pinned.release();
         }
     }
 
@@ -170,15 +200,12 @@ impl Readbacks {
     /// Frees every pinned buffer and event (the streams have finished).
     pub(super) fn release(&mut self) {
         for (_, copy) in self.in_flight.drain() {
-            // SAFETY: the streams finished, so no copy targets these any more.
-            unsafe {
-                cu::cuEventDestroy_v2(copy.done);
-                cu::cuMemFreeHost(copy.pinned.ptr as *mut _);
-            }
+            // SAFETY: the streams finished, so nothing waits on the event any more.
+            unsafe { cu::cuEventDestroy_v2(copy.done) };
+            copy.pinned.release();
         }
         for pinned in self.pool.drain(..) {
-            // SAFETY: pooled buffers are idle.
-            unsafe { cu::cuMemFreeHost(pinned.ptr as *mut _) };
+            pinned.release();
         }
     }
 }

@@ -42,8 +42,8 @@ pub(super) fn lines() -> Vec<String> {
         Ok((major, minor)) => lines.push(format!("nvrtc: found, version {major}.{minor}")),
         Err(e) => lines.push(format!("nvrtc: {}", plain(e))),
     }
-    lines.push(match api::require(Library::Cublas) {
-        Ok(()) => "cublas: found".into(),
+    lines.push(match api::cublas_major() {
+        Ok(major) => format!("cublas: found, version {major}"),
         Err(e) => format!("cublas: {}", plain(e)),
     });
     lines
