@@ -27,11 +27,27 @@ impl BucketPlan {
     /// Walks the tensors from the last to the first, closing a bucket once it holds at least
     /// `bucket_elems` elements (as DDP fills `bucket_cap_mb`): a bucket smaller than a tensor gives one
     /// bucket per tensor, one larger than the model a single bucket.
+    ///
+    /// When the model takes more than one bucket, the embeddings (`wte`, `wpe`, first in the layout) start
+    /// a bucket of their own. They are finished last, after the whole backward, so their bucket's
+    /// collective can never overlap it; anything sharing it (the first block's tensors, finished earlier)
+    /// would wait with them and lengthen the exposed tail.
     pub fn new(layout: &ParamLayout, bucket_elems: usize) -> Self {
+        let bucket_elems = bucket_elems.max(1);
+        if bucket_elems >= layout.total {
+            return BucketPlan {
+                buckets: vec![0..layout.total],
+            };
+        }
+        let embeddings_end = layout.wpe + layout.specs[1].len;
         let mut buckets = Vec::new();
         let mut end = layout.total;
         for spec in layout.specs.iter().rev() {
-            if end - spec.offset >= bucket_elems.max(1) {
+            if spec.offset < embeddings_end && end > embeddings_end {
+                buckets.push(embeddings_end..end);
+                end = embeddings_end;
+            }
+            if end - spec.offset >= bucket_elems {
                 buckets.push(spec.offset..end);
                 end = spec.offset;
             }
@@ -109,12 +125,30 @@ mod tests {
                 end = b.start;
             }
             assert_eq!(end, 0);
-            // Every bucket but the last (which holds what is left) reached the size.
+            // Every bucket reached the size but the last (what is left) and, with several buckets, the one
+            // that ends where the embeddings end, which starts a bucket of their own.
+            let embeddings_end = layout.specs[2].offset;
             for b in &plan.buckets[..plan.buckets.len() - 1] {
-                assert!(b.len() >= elems);
+                assert!(b.len() >= elems || b.start == embeddings_end, "{b:?}");
+            }
+            if plan.buckets.len() > 1 {
+                assert!(
+                    plan.buckets.iter().any(|b| b.end == embeddings_end),
+                    "embeddings on their own"
+                );
+                assert!(plan
+                    .buckets
+                    .iter()
+                    .all(|b| b.start >= embeddings_end || b.end <= embeddings_end));
             }
         }
         assert_eq!(BucketPlan::new(&layout, 1).buckets.len(), layout.specs.len());
+        // A bucket just smaller than the model: the embeddings alone, then the rest.
+        let embeddings_end = layout.specs[2].offset;
+        assert_eq!(
+            BucketPlan::new(&layout, layout.total - 1).buckets,
+            vec![embeddings_end..layout.total, 0..embeddings_end]
+        );
         assert_eq!(
             BucketPlan::new(&layout, 10 * layout.total).buckets,
             vec![0..layout.total]

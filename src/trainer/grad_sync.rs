@@ -72,10 +72,14 @@ impl GradSync {
         }
     }
 
-    /// Forgets the last step (a step that failed half way leaves nothing behind).
-    pub fn begin_step(&mut self) {
+    /// Forgets the last step (a step that failed half way leaves nothing behind): read-backs still in
+    /// flight are finished and dropped, so the backend releases what they hold (its errors were the failed
+    /// step's, already reported).
+    pub fn begin_step<B: Backend>(&mut self, be: &mut B) {
         self.next = 0;
-        self.reading.clear();
+        for (_, read) in self.reading.drain(..) {
+            let _ = be.finish_download(read);
+        }
         self.in_flight.clear();
         self.trace = SyncTrace::default();
     }

@@ -288,7 +288,7 @@ impl<B: Backend> Trainer<B> {
         // Local compute: gradients accumulate over the micro-batches, weighted so that their sum is the
         // gradient of this rank's mean loss; the mean over ranks in the sync makes it the global batch's.
         self.model.zero_grads(&mut self.be);
-        self.sync.begin_step();
+        self.sync.begin_step(&mut self.be);
         if self.world > 1 {
             let step = self.step;
             let _ = self.comm.submit(move |c| {
