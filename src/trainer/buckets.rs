@@ -36,7 +36,7 @@ impl BucketPlan {
         let bucket_elems = bucket_elems.max(1);
         if bucket_elems >= layout.total {
             return BucketPlan {
-                buckets: vec![0..layout.total],
+                buckets: std::iter::once(0..layout.total).collect(),
             };
         }
         let embeddings_end = layout.wpe + layout.specs[1].len;
