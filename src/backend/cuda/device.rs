@@ -108,24 +108,23 @@ impl<G: Gpu> CudaBackend<G> {
 
     /// A device buffer of at least `len` words in `which`, grown (never shrunk) as needed.
     pub(super) fn scratch(&mut self, which: Scratch, len: usize) -> Result<Addr, BackendError> {
-        let slot = match which {
-            Scratch::Partials => &mut self.partials,
-            Scratch::EmbedIndex => &mut self.embed_index,
-        };
-        if let Some(buffer) = slot.as_ref().filter(|b| b.len >= len) {
+        if let Some(buffer) = self.scratch_slot(which).as_ref().filter(|b| b.len >= len) {
             return Ok(buffer.addr);
         }
         let len = len.next_power_of_two();
         let addr = self.gpu.alloc(len, "a scratch buffer")?;
-        let slot = match which {
-            Scratch::Partials => &mut self.partials,
-            Scratch::EmbedIndex => &mut self.embed_index,
-        };
-        if let Some(old) = slot.replace(DeviceBuffer { addr, len }) {
+        if let Some(old) = self.scratch_slot(which).replace(DeviceBuffer { addr, len }) {
             let freed = self.gpu.free(old.addr);
             self.record(freed);
         }
         Ok(addr)
+    }
+
+    fn scratch_slot(&mut self, which: Scratch) -> &mut Option<DeviceBuffer> {
+        match which {
+            Scratch::Partials => &mut self.partials,
+            Scratch::EmbedIndex => &mut self.embed_index,
+        }
     }
 }
 
