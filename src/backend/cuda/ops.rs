@@ -21,6 +21,7 @@ const SUM_BLOCK: usize = 4096;
 const COLUMNS_PER_BLOCK: usize = 16;
 
 /// One kernel argument, before it is checked and lowered to a [`Param`].
+#[derive(Clone, Copy)]
 enum Arg {
     /// A view's device address; its length must fit the kernels' 32-bit indices.
     F(View),
@@ -41,27 +42,35 @@ impl<G: Gpu> CudaBackend<G> {
         if blocks == 0 {
             return;
         }
-        let too_big = |n: usize| n > u32::MAX as usize;
-        let mut params = Vec::with_capacity(args.len());
-        for arg in args {
-            let (param, extent) = match *arg {
-                Arg::F(v) => (Param::Ptr(self.addr(v)), v.len),
-                Arg::Tok(t) => (Param::Ptr(self.token_addr(t)), t.len),
-                Arg::Ptr(p) => (Param::Ptr(p), 0),
-                Arg::U(n) => (Param::U32(n as u32), n),
-                Arg::S(s) => (Param::F32(s), 0),
-            };
-            if too_big(extent) || too_big(blocks * WG) {
-                self.record(Err(BackendError::ShapeUnsupported {
-                    op: kernel.into(),
-                    detail: format!(
-                        "needs sizes below 2^32 elements for its 32-bit indices, got {extent} ({blocks} blocks)"
-                    ),
-                }));
-                return;
-            }
-            params.push(param);
+        // The grid's threads and every view's or size's extent must fit the kernels' 32-bit indices.
+        let extents = args.iter().map(|arg| match *arg {
+            Arg::F(v) => v.len,
+            Arg::Tok(t) => t.len,
+            Arg::U(n) => n,
+            Arg::Ptr(_) | Arg::S(_) => 0,
+        });
+        if let Some(extent) = std::iter::once(blocks * WG)
+            .chain(extents)
+            .find(|&n| n > u32::MAX as usize)
+        {
+            self.record(Err(BackendError::ShapeUnsupported {
+                op: kernel.into(),
+                detail: format!(
+                    "needs sizes below 2^32 elements for its 32-bit indices, got {extent} ({blocks} blocks)"
+                ),
+            }));
+            return;
         }
+        let params: Vec<Param> = args
+            .iter()
+            .map(|arg| match *arg {
+                Arg::F(v) => Param::Ptr(self.addr(v)),
+                Arg::Tok(t) => Param::Ptr(self.token_addr(t)),
+                Arg::Ptr(p) => Param::Ptr(p),
+                Arg::U(n) => Param::U32(n as u32),
+                Arg::S(s) => Param::F32(s),
+            })
+            .collect();
         let launched = self.gpu.launch(kernel, blocks as u32, &params);
         self.record(launched);
     }
@@ -366,22 +375,10 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         let AttentionShape { b, t, c, nh } = s;
         assert!(out.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
         assert!(nh > 0 && c % nh == 0);
-        let shape = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
-        let [sb, st, sc, snh] = shape;
-        self.launch(
-            "attention_forward",
-            Self::per_element(b * nh * t),
-            &[Arg::F(att), Arg::F(qkv), sb, st, sc, snh],
-        );
-        let args = [
-            Arg::F(out),
-            Arg::F(att),
-            Arg::F(qkv),
-            Arg::U(b),
-            Arg::U(t),
-            Arg::U(c),
-            Arg::U(nh),
-        ];
+        let [sb, st, sc, snh] = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
+        let rows = Self::per_element(b * nh * t);
+        self.launch("attention_forward", rows, &[Arg::F(att), Arg::F(qkv), sb, st, sc, snh]);
+        let args = [Arg::F(out), Arg::F(att), Arg::F(qkv), sb, st, sc, snh];
         self.launch("attention_forward_out", Self::per_element(b * t * c), &args);
     }
 
@@ -389,22 +386,19 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         let AttentionShape { b, t, c, nh } = s;
         assert!(dqkv.len == b * t * 3 * c && qkv.len == b * t * 3 * c && dout.len == b * t * c);
         assert!(datt.len == b * nh * t * t && att.len == b * nh * t * t && nh > 0 && c % nh == 0);
-        let shape = || [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
+        let [sb, st, sc, snh] = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
         let rows = Self::per_element(b * nh * t);
         let elements = Self::per_element(b * t * c);
-        let [sb, st, sc, snh] = shape();
         self.launch(
             "attention_backward",
             rows,
             &[Arg::F(datt), Arg::F(att), Arg::F(qkv), Arg::F(dout), sb, st, sc, snh],
         );
-        let [sb, st, sc, snh] = shape();
         self.launch(
             "attention_backward_dq",
             elements,
             &[Arg::F(dqkv), Arg::F(datt), Arg::F(qkv), sb, st, sc, snh],
         );
-        let [sb, st, sc, snh] = shape();
         let args = [
             Arg::F(dqkv),
             Arg::F(datt),
