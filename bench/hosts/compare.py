@@ -327,6 +327,7 @@ def main():
                               "update": a.update, "overlap": overlaps,
                               "single_baseline": "alone" if a.single_alone else f"{a.hosts} concurrent",
                               "queue_limit_bytes": int(os.environ.get("HOSTS_LIMIT", 1514000)),
+                              "link_mtu": int(os.environ.get("HOSTS_MTU", 1500)),
                               "tcp_congestion_control": host_sysctl("net.ipv4.tcp_congestion_control")}),
                   flush=True)
             results = []

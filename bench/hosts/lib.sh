@@ -19,8 +19,8 @@ HOSTS_SWITCH=${HOSTS_PREFIX}-sw
 HOSTS_SUBNET=10.77.0
 HOSTS_MAX=4
 HOSTS_STATE=${HOSTS_STATE:-/run/ringtrain-hosts.state}
-# Link MTU: an Ethernet frame's payload.
-HOSTS_MTU=1500
+# Link MTU: an Ethernet frame's payload; HOSTS_MTU=9000 emulates a network with jumbo frames.
+HOSTS_MTU=${HOSTS_MTU:-1500}
 # Queue of each direction, bytes: 1000 full frames, Linux's default txqueuelen (see README.md).
 HOSTS_LIMIT=${HOSTS_LIMIT:-1514000}
 
@@ -77,6 +77,8 @@ hosts_up() {
   hosts_require_root
   [[ $n =~ ^[0-9]+$ ]] && ((n >= 1 && n <= HOSTS_MAX)) || hosts_die "hosts must be 1..$HOSTS_MAX, got '$n'"
   bps=$(hosts_rate_bps "$rate") && ((bps > 0)) || hosts_die "rate '$rate': expected e.g. 200mbit or 1gbit"
+  [[ $HOSTS_MTU =~ ^[0-9]+$ ]] && ((HOSTS_MTU >= 1280 && HOSTS_MTU <= 9000)) ||
+    hosts_die "HOSTS_MTU '$HOSTS_MTU' must be between 1280 and 9000 bytes"
   [[ $HOSTS_LIMIT =~ ^[0-9]+$ ]] && ((HOSTS_LIMIT >= HOSTS_MTU + 14)) ||
     hosts_die "HOSTS_LIMIT '$HOSTS_LIMIT' must be a byte count of at least one frame"
   local existing
