@@ -6,21 +6,9 @@
 //! with apt-get where they are missing. Without root it skips with a notice, except under `CI=true`, where CI
 //! runs as root and a skip would hide the check.
 
-use std::path::Path;
-use std::process::Command;
-use std::time::Instant;
+mod common;
 
-fn is_root() -> bool {
-    // `Uid:` lists the real, effective, saved and filesystem uids; slurmd needs the effective one to be 0.
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|ids| ids.split_whitespace().nth(1).map(|e| e == "0"))
-        })
-        .unwrap_or(false)
-}
+use common::{is_root, run_repo_script};
 
 #[test]
 fn srun_trains_three_ranks_and_a_killed_rank_fails_the_job() {
@@ -30,18 +18,8 @@ fn srun_trains_three_ranks_and_a_killed_rank_fails_the_job() {
         eprintln!("SKIP srun_trains_three_ranks_and_a_killed_rank_fails_the_job: needs root (slurmd starts the ranks)");
         return;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/slurm/check.sh");
-    let started = Instant::now();
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg("20")
-        .env("RINGTRAIN_BIN", env!("CARGO_BIN_EXE_ringtrain"))
-        .output()
-        .expect("running scripts/slurm/check.sh");
+    let out = run_repo_script("scripts/slurm/check.sh", &["20"], &[]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("{stdout}{stderr}");
-    eprintln!("slurm check took {:.1} s", started.elapsed().as_secs_f64());
     assert!(out.status.success(), "scripts/slurm/check.sh failed: {}", out.status);
     assert!(
         stdout.contains("ok: srun -n 3 trained one job"),

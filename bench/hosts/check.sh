@@ -3,9 +3,12 @@
 # own network namespace, links shaped to RATE) and the same job on loopback with `ringtrain launch --nproc 2`,
 # then compares the per-step loss and gradient norm of the two runs. They must be bit-identical (the ring's
 # reduction order does not depend on the transport's timing); prints both columns and exits 1 if they differ.
-# Needs root. Took 3-6 s on the 2-core VM under a load of 7-9.
+# With HOSTS_MTU above 1500 (jumbo frames) it also exits 1 unless host 0's frames average more than a
+# standard Ethernet frame (1514 bytes): QUIC's MTU discovery must find the larger path. Needs root. Took 3-6 s
+# on the 2-core VM under a load of 7-9.
 #
 #   bench/hosts/check.sh [STEPS] [RATE]      defaults: 6 steps, 1gbit
+#   HOSTS_MTU=9000 bench/hosts/check.sh
 #
 # RINGTRAIN_BIN overrides the binary (default target/release/ringtrain).
 set -euo pipefail
@@ -49,6 +52,15 @@ for i in 0 1; do
   wait "${pids[$i]}" || { failed=1; echo "host $i failed; its log:" >&2; cat "$WORK/host$i.log" >&2; }
 done
 ((failed == 0)) || exit 1
+
+# Host 0's egress queue since `hosts_up`: only the job's traffic (and a few neighbour lookups) crossed it.
+read -r sent_bytes sent_pkts < <(hosts_tbf_counters "$(hosts_ns 0)" eth0 h0-egress |
+  python3 -c 'import json, sys; q = json.load(sys.stdin); print(q["sent_bytes"], q["sent_pkts"])')
+avg_frame=$((sent_bytes / (sent_pkts > 0 ? sent_pkts : 1)))
+echo "host 0 sent $sent_bytes bytes in $sent_pkts frames (average $avg_frame bytes) over a $HOSTS_MTU-byte MTU"
+if ((HOSTS_MTU > 1500 && avg_frame <= 1514)); then
+  hosts_die "the link takes $HOSTS_MTU-byte frames, but host 0's averaged $avg_frame bytes: MTU discovery stopped at Ethernet's 1500"
+fi
 
 # The metrics writer prints floats in their shortest round-trip form, so equal text is equal bits.
 python3 - "$WORK/loopback.jsonl" "$WORK/hosts.jsonl" "$STEPS" << 'EOF'

@@ -43,3 +43,37 @@ pub fn pytorch_reference_dir() -> PathBuf {
     }
     dir
 }
+
+/// Whether this process runs with effective uid 0 (namespaces, slurmd). `Uid:` in /proc/self/status lists
+/// the real, effective, saved and filesystem uids.
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|ids| ids.split_whitespace().nth(1).map(|e| e == "0"))
+        })
+        .unwrap_or(false)
+}
+
+/// Runs `bash script args` from the repository with `RINGTRAIN_BIN` set to the binary under test and `env`
+/// added; prints its output and how long it took, and returns it.
+pub fn run_repo_script(script: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let started = std::time::Instant::now();
+    let out = Command::new("bash")
+        .arg(&path)
+        .args(args)
+        .env("RINGTRAIN_BIN", env!("CARGO_BIN_EXE_ringtrain"))
+        .envs(env.iter().copied())
+        .output()
+        .unwrap_or_else(|e| panic!("running {script}: {e}"));
+    eprintln!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{script} took {:.1} s", started.elapsed().as_secs_f64());
+    out
+}

@@ -1,0 +1,42 @@
+//! Two emulated hosts for real: `bench/hosts/check.sh` puts each rank in its own network namespace, joined
+//! by a bridge with every link shaped by `tbf`, trains `tiny` data-parallel across them and on loopback with
+//! `ringtrain launch`, and requires the per-step losses and gradient norms to be bit-identical. It runs twice:
+//! on Ethernet's 1500-byte MTU, and on 9000-byte jumbo frames, where it also requires host 0's frames to
+//! average more than a standard Ethernet frame (QUIC's MTU discovery found the larger path).
+//!
+//! It needs root and iproute2 (`ip`, `tc`). Without root it skips with a notice, except under `CI=true`,
+//! where CI runs as root and a skip would hide the check. Both runs use the same namespace names, so they
+//! run one after the other in this one test.
+
+mod common;
+
+use common::{is_root, run_repo_script};
+
+#[test]
+fn two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames() {
+    let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    if !is_root() {
+        assert!(!in_ci, "CI=true but not root: the emulated hosts need root");
+        eprintln!(
+            "SKIP two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames: needs root (network namespaces)"
+        );
+        return;
+    }
+    for mtu in ["1500", "9000"] {
+        let out = run_repo_script("bench/hosts/check.sh", &["6", "1gbit"], &[("HOSTS_MTU", mtu)]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "bench/hosts/check.sh with MTU {mtu} failed: {}",
+            out.status
+        );
+        assert!(
+            stdout.contains("OK: 6 steps bit-identical on loopback and on 2 emulated hosts"),
+            "MTU {mtu}: no bit-identical result reported"
+        );
+        assert!(
+            stdout.contains(&format!("over a {mtu}-byte MTU")),
+            "MTU {mtu}: the frame sizes were not reported"
+        );
+    }
+}
