@@ -25,7 +25,10 @@ Then, from the medians over rounds:
          equals the measured median comm_ms there
   compute  the single-rank step alone, split into forward / backward / update by the sim's own per-layer
          timing of the same model on the CPU backend (only the shares are taken from it)
-and runs `ringtrain-sim --timing-only` for every configuration with those numbers. Prints one JSON line per
+  cores  not fitted: every emulated host runs on this machine, so the network gets `shared-cores=` this
+         machine's core count (os.cpu_count()), and the sim slows compute and bounds the step accordingly
+and runs `ringtrain-sim --timing-only` for every configuration with those numbers (and, for comparison,
+without the shared cores, as if every host had cores of its own). Prints one JSON line per
 measurement, one with the calibration, one per configuration with prediction, measurement and error, and
 a Markdown table. The error of the 2 x 1gbit row is a fit residual, not a held-out check.
 """
@@ -234,9 +237,10 @@ class Sim:
         return {"forward": f / total, "backward": b / total, "update": u / total, "sim_total_ms": total}
 
     @staticmethod
-    def network(alpha_s, beta_bytes_s, gamma_s_per_byte):
+    def network(alpha_s, beta_bytes_s, gamma_s_per_byte, shared_cores=None):
+        cores = f",shared-cores={shared_cores}" if shared_cores else ""
         return (f"latency={alpha_s * 1e6:.3f}us,bandwidth={beta_bytes_s / 1e6:.4f}MB,"
-                f"cpu-per-byte={gamma_s_per_byte * 1e9:.4f}ns")
+                f"cpu-per-byte={gamma_s_per_byte * 1e9:.4f}ns{cores}")
 
     @staticmethod
     def compute_flag(step_ms, shares):
@@ -253,14 +257,14 @@ class Sim:
         return {"compute_ms": c, "comm_ms": comm, "exposed_ms": exposed, "step_ms": step, "command": cmd}
 
 
-def fit_gamma(sim, alpha, beta, compute, target_comm_ms):
+def fit_gamma(sim, alpha, beta, compute, target_comm_ms, cores):
     """gamma such that the sim's communication at 2 ranks equals the measured comm_ms (it grows with gamma)."""
     lo, hi = 0.0, 200e-9
-    if sim.predict(2, Sim.network(alpha, beta, lo), compute)["comm_ms"] >= target_comm_ms:
+    if sim.predict(2, Sim.network(alpha, beta, lo, cores), compute)["comm_ms"] >= target_comm_ms:
         return 0.0
     for _ in range(24):
         mid = (lo + hi) / 2
-        if sim.predict(2, Sim.network(alpha, beta, mid), compute)["comm_ms"] < target_comm_ms:
+        if sim.predict(2, Sim.network(alpha, beta, mid, cores), compute)["comm_ms"] < target_comm_ms:
             lo = mid
         else:
             hi = mid
@@ -323,26 +327,30 @@ def main():
     compute = Sim.compute_flag(single_alone, shares)
     measured_comm = med("train", chosts, "comm_ms", crate)
     beta_cal = RATE_BPS[crate] / 8 * payload_share
-    gamma = fit_gamma(sim, alpha, beta_cal, compute, measured_comm)
+    cores = os.cpu_count()
+    gamma = fit_gamma(sim, alpha, beta_cal, compute, measured_comm, cores)
     calibration = {"calibration": f"{chosts}x{crate}", "alpha_us": round(alpha * 1e6, 2),
                    "payload_share": round(payload_share, 4), "gamma_ns_per_byte": round(gamma * 1e9, 3),
                    "beta_MB_s": {r: round(RATE_BPS[r] / 8 * payload_share / 1e6, 2) for r in RATE_BPS},
-                   "single_alone_step_ms": round(single_alone, 2), "compute_ms": compute,
+                   "single_alone_step_ms": round(single_alone, 2), "compute_ms": compute, "shared_cores": cores,
                    "measured_comm_ms_fitted": round(measured_comm, 2)}
     print(json.dumps(calibration), flush=True)
 
     # ---- prediction for every configuration, no refitting ----
     rows = []
     for hosts, rate in configs:
-        net = Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma)
+        net = Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma, cores)
         p = sim.predict(hosts, net, compute)
+        p_own = sim.predict(hosts, Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma), compute)
         train = [r for r in results if r["kind"] == "train" and r["hosts"] == hosts and r["rate"] == rate]
         m = {k: median([r[k] for r in train]) for k in ("step_ms", "comm_ms", "exposed_ms")}
-        # Diagnostics, not part of the prediction: one rank's step while N single-rank jobs share the cores,
-        # the sim given that compute instead, the compute inside the job (step minus exposed communication),
-        # and the CPU the job spent beyond N single-rank jobs, per gradient byte sent.
+        # Diagnostics, not part of the prediction: the prediction without shared cores (each host its own
+        # cores), one rank's step while N single-rank jobs share the cores, the sim given that compute
+        # instead (without shared cores), the compute inside the job (step minus exposed communication), and
+        # the CPU the job spent beyond N single-rank jobs, per gradient byte sent.
         contended = med("single", hosts, "step_ms")
-        p_cont = sim.predict(hosts, net, Sim.compute_flag(contended, shares))
+        p_cont = sim.predict(hosts, Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma),
+                             Sim.compute_flag(contended, shares))
         extra_cpu = median([r["cpu_s"] for r in train]) - med("single", hosts, "cpu_s")
         row = {"config": f"{hosts}x{rate}", "held_out": (hosts, rate) != CALIBRATION,
                "measured": {k: round(v, 1) for k, v in m.items()},
@@ -350,6 +358,8 @@ def main():
                "predicted": {k: round(p[k], 1) for k in ("step_ms", "comm_ms", "exposed_ms")},
                "error": {k: round(err(p[k], m[k]), 3) for k in ("step_ms", "comm_ms", "exposed_ms")},
                "within_goal": abs(err(p["step_ms"], m["step_ms"])) <= GOAL,
+               "predicted_step_without_shared_cores": round(p_own["step_ms"], 1),
+               "error_step_without_shared_cores": round(err(p_own["step_ms"], m["step_ms"]), 3),
                "single_with_n_running_ms": round(contended, 1),
                "predicted_step_with_that_compute": round(p_cont["step_ms"], 1),
                "error_step_with_that_compute": round(err(p_cont["step_ms"], m["step_ms"]), 3),
@@ -361,11 +371,11 @@ def main():
 
     print(f"\nmeasured {time.strftime('%H:%M', time.gmtime(started))}–{time.strftime('%H:%M', time.gmtime())} UTC, "
           f"load now {loadavg()}; single rank alone {single_alone:.1f} ms/step; alpha {alpha * 1e6:.1f} us, "
-          f"payload share {payload_share:.3f}, gamma {gamma * 1e9:.2f} ns/byte")
+          f"payload share {payload_share:.3f}, gamma {gamma * 1e9:.2f} ns/byte; shared cores {cores}")
     print("| hosts × rate | measured step / comm / exposed | step per round | predicted step / comm / exposed "
-          "| error step / comm / exposed | step within 15% | one rank with N running | predicted step with that, "
-          "error | compute in the job | comm CPU ns/byte |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| error step / comm / exposed | step within 15% | without shared cores: predicted step, error "
+          "| one rank with N running | predicted step with that, error | compute in the job | comm CPU ns/byte |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         m, p, e = r["measured"], r["predicted"], r["error"]
         label = r["config"].replace("x", " × ") + ("" if r["held_out"] else " (fit)")
@@ -373,7 +383,9 @@ def main():
               f"{', '.join(f'{x:.0f}' for x in r['measured_step_per_round'])} | "
               f"{p['step_ms']:.1f} / {p['comm_ms']:.1f} / {p['exposed_ms']:.1f} | "
               f"{pct(e['step_ms'])} / {pct(e['comm_ms'])} / {pct(e['exposed_ms'])} | "
-              f"{'yes' if r['within_goal'] else 'no'} | {r['single_with_n_running_ms']:.1f} | "
+              f"{'yes' if r['within_goal'] else 'no'} | "
+              f"{r['predicted_step_without_shared_cores']:.1f}, {pct(r['error_step_without_shared_cores'])} | "
+              f"{r['single_with_n_running_ms']:.1f} | "
               f"{r['predicted_step_with_that_compute']:.1f}, {pct(r['error_step_with_that_compute'])} | "
               f"{r['job_compute_ms']:.1f} | {r['comm_cpu_ns_per_byte']:.1f} |")
     return 0

@@ -56,6 +56,7 @@ struct Cli {
     timing_only: bool,
     /// Fabric for --timing-only: a preset (10gbe, 100gbe-quic, ib-hdr100, wan, dgx) or
     /// latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..]
+    /// [,shared-cores=C] (C cores shared by a host's ranks, or by every rank without hosts-of)
     #[arg(long)]
     network: Option<String>,
     /// Given compute per micro-batch instead of measuring it: forward=MS,backward=MS[,update=MS]

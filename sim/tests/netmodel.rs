@@ -119,6 +119,7 @@ fn two_tier_ring_lies_between_its_chain_and_the_all_slow_ring() {
         name: "two tiers".into(),
         inter,
         intra: Some((g, intra)),
+        shared_cores: None,
     };
     let elems = n * 10_000;
     let chunk = (elems / n * 4) as f64;
@@ -227,6 +228,48 @@ fn sharded_gathers_overlap_the_next_forward() {
     // forward waits for at its start.
     let want = 0.5 + scalars + 0.5;
     assert!(close(p.exposed_s, want), "exposed {} != {want}", p.exposed_s);
+}
+
+/// Shared cores: R ranks on C < R cores compute R/C times slower, and a step is never shorter than the
+/// machine's CPU work over its cores; with a core per rank and no CPU per byte nothing changes.
+#[test]
+fn shared_cores_slow_compute_and_bound_the_step() {
+    let bucket = 250_000; // 1 MB
+    let plan = |world| StepPlan {
+        buckets: vec![bucket..2 * bucket, 0..bucket],
+        update: UpdateMode::Replicated,
+        world,
+        grad_accum: 1,
+        sub_chunk: bucket,
+        tokens_per_micro_batch: 1,
+    };
+    let profile = flat_profile(0.2, &[(bucket, 0.3), (0, 0.3)], 0.1);
+    let compute = 0.2 + 0.6 + 0.1;
+    let with_cores = |mut net: Network, cores| {
+        net.shared_cores = Some(cores);
+        net
+    };
+    // A fast link without CPU cost: 4 ranks on 2 cores take twice the compute, on 4 cores what they take
+    // with cores of their own.
+    let fast = uniform(0.0, 1e12, 0.0);
+    let own = predict(&fast, &plan(4), &profile);
+    let halved = predict(&with_cores(fast.clone(), 2), &plan(4), &profile);
+    let enough = predict(&with_cores(fast.clone(), 4), &plan(4), &profile);
+    assert!(close(halved.compute_s, 2.0 * compute), "compute {}", halved.compute_s);
+    // The link's few microseconds are not stretched: only the compute doubles.
+    assert!(close(halved.step_s, own.step_s + compute), "{} vs {} + {compute}", halved.step_s, own.step_s);
+    assert_eq!(enough.step_s, own.step_s);
+    assert!(close(halved.cpu_floor_s, 2.0 * compute));
+    // CPU per byte on a fast link: 2 ranks with a core each still share them with the communication.
+    // Replicated at N = 2, each rank sends 2(N-1)/N of the 2 MB gradient and (N-1)/N of the 32-byte gather of
+    // the scalars (two f64 per rank).
+    let gamma = 1e-7;
+    let costly = uniform(0.0, 1e12, gamma);
+    let sent = 2_000_000.0 + 16.0;
+    let bound = predict(&with_cores(costly.clone(), 2), &plan(2), &profile);
+    assert!(close(bound.cpu_floor_s, compute + gamma * sent), "floor {}", bound.cpu_floor_s);
+    assert!(bound.step_s >= bound.cpu_floor_s - 1e-12);
+    assert!(bound.step_s > predict(&costly, &plan(2), &profile).step_s);
 }
 
 /// The scale: 1024 ranks of gpt2 in a few seconds (given compute, so no model runs here).

@@ -6,6 +6,11 @@
 //! is one link kind for every hop, or two tiers: `hosts_of` consecutive ranks share a host joined by the
 //! intra-host link, and hosts are joined by the inter-host link. The ring runs in rank order, so hop
 //! `r → r+1` is intra-host exactly when both ranks are on the same host.
+//!
+//! `shared-cores=C` says the ranks do not each have a machine of their own: a machine of `C` cores holds
+//! every rank of a host (`hosts-of`), or with one link kind every rank of the job, as when N ranks run on
+//! one machine (`ringtrain launch`, or emulated hosts in network namespaces). Compute and the per-byte
+//! CPU work then share those cores ([`super::schedule`] says how).
 
 use anyhow::{bail, Context, Result};
 
@@ -36,6 +41,9 @@ pub struct Network {
     pub inter: Link,
     /// `(ranks per host, link inside a host)`.
     pub intra: Option<(usize, Link)>,
+    /// Cores of the machine that holds a host's ranks (every rank, without tiers); `None`: each rank has
+    /// cores of its own.
+    pub shared_cores: Option<usize>,
 }
 
 /// Gigabits per second in bytes per second.
@@ -73,6 +81,7 @@ impl Network {
             name: name.to_string(),
             inter: link,
             intra: None,
+            shared_cores: None,
         }
     }
 
@@ -97,23 +106,25 @@ impl Network {
                 name: name.to_string(),
                 inter: link(2.0, 200.0, 0.0),
                 intra: Some((8, link(2.0, 300.0 * 8.0, 0.0))),
+                shared_cores: None,
             },
             other => bail!(
-                "unknown network preset {other:?}: expected one of {}, or latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..]",
+                "unknown network preset {other:?}: expected one of {}, or latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..][,shared-cores=..]",
                 PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
             ),
         })
     }
 
     /// A preset name, or `latency=30ms,bandwidth=1Gbit[,cpu-per-byte=0.9ns][,hosts-of=8,intra-latency=2us,
-    /// intra-bandwidth=100Gbit]`. Times take `s`, `ms`, `us` or `ns`; bandwidths `Gbit`, `Mbit`, `GB` or `MB`
-    /// (per second).
+    /// intra-bandwidth=100Gbit][,shared-cores=2]`. Times take `s`, `ms`, `us` or `ns`; bandwidths `Gbit`,
+    /// `Mbit`, `GB` or `MB` (per second).
     pub fn parse(spec: &str) -> Result<Self> {
         if !spec.contains('=') {
             return Self::preset(spec.trim());
         }
         let (mut latency, mut bandwidth, mut cpu) = (None, None, 0.0);
         let (mut hosts_of, mut intra_latency, mut intra_bandwidth) = (None, None, None);
+        let mut shared_cores = None;
         for field in spec.split(',') {
             let Some((key, value)) = field.split_once('=') else {
                 bail!("--network {spec:?}: field {field:?} is not KEY=VALUE")
@@ -133,8 +144,15 @@ impl Network {
                 }
                 "intra-latency" => intra_latency = Some(seconds(value).with_context(what)?),
                 "intra-bandwidth" => intra_bandwidth = Some(bytes_per_s(value).with_context(what)?),
+                "shared-cores" => {
+                    let n: usize = value.parse().with_context(what)?;
+                    if n == 0 {
+                        bail!("{}: a machine has at least one core", what());
+                    }
+                    shared_cores = Some(n);
+                }
                 other => bail!(
-                    "--network: unknown field {other:?} (expected latency, bandwidth, cpu-per-byte, hosts-of, intra-latency, intra-bandwidth)"
+                    "--network: unknown field {other:?} (expected latency, bandwidth, cpu-per-byte, hosts-of, intra-latency, intra-bandwidth, shared-cores)"
                 ),
             }
         }
@@ -162,7 +180,16 @@ impl Network {
             name: spec.to_string(),
             inter,
             intra,
+            shared_cores,
         })
+    }
+
+    /// How many of `world` ranks share one machine's cores (with `shared-cores`).
+    pub fn ranks_per_machine(&self, world: usize) -> usize {
+        match self.intra {
+            Some((per_host, _)) => per_host.min(world),
+            None => world,
+        }
     }
 
     /// The link of hop `rank → rank+1 mod world`.
@@ -230,6 +257,9 @@ mod tests {
         assert!((n.inter.bandwidth_bytes_per_s - 1.25e8).abs() < 1e-3);
         assert!((n.inter.cpu_s_per_byte - 0.5e-9).abs() < 1e-18);
         assert_eq!(n.intra, None);
+        assert_eq!(n.shared_cores, None);
+        let n = Network::parse("latency=1ms,bandwidth=1Gbit,shared-cores=2").unwrap();
+        assert_eq!((n.shared_cores, n.ranks_per_machine(3)), (Some(2), 3));
     }
 
     #[test]
@@ -241,6 +271,7 @@ mod tests {
         assert_eq!(n.hop(3, 8), n.inter, "3 → 4 leaves host 0");
         assert_eq!(n.hop(7, 8), n.inter, "7 → 0 wraps to host 0");
         assert_eq!(n.hop(3, 4), intra, "one host: the wrap stays inside");
+        assert_eq!((n.ranks_per_machine(8), n.ranks_per_machine(2)), (4, 2));
     }
 
     #[test]
@@ -253,6 +284,8 @@ mod tests {
             ("latency=1ms,bandwidth=1Gbit,hosts-of=8", "go together"),
             ("latency=1ms,bandwidth=1Gbit,jitter=2ms", "unknown field"),
             ("latency=-1ms,bandwidth=1Gbit", "non-negative"),
+            ("latency=1ms,bandwidth=1Gbit,shared-cores=0", "at least one core"),
+            ("latency=1ms,bandwidth=1Gbit,shared-cores=1.5", "shared-cores=1.5"),
         ] {
             let err = format!("{:#}", Network::parse(spec).unwrap_err());
             assert!(err.contains(says), "{spec}: {err}");

@@ -46,7 +46,8 @@ pub struct RingShape {
 }
 
 impl RingShape {
-    fn phases(&self, world: usize) -> usize {
+    /// Messages each rank sends one chunk in.
+    pub fn phases(&self, world: usize) -> usize {
         match self.kind {
             RingKind::ReduceScatter | RingKind::AllGather => world - 1,
             RingKind::AllReduce => 2 * (world - 1),

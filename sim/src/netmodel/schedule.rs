@@ -10,6 +10,12 @@
 //! - `sharded`: the update is followed by one parameter all-gather per bucket in forward order, not waited
 //!   for; the next step's forward waits at each layer for the buckets that layer reads.
 //!
+//! - shared cores (`Network::shared_cores`, a fluid model): with `R` ranks on a machine of `C < R` cores,
+//!   each rank's kernels get `C / R` of a core, so every compute segment takes `R / C` times as long; and
+//!   the machine cannot finish a step sooner than it can do the step's CPU work, `R × (compute + γ × bytes
+//!   sent) / C` per rank, so no rank's step ends sooner than that after it began. Communication threads
+//!   are not slowed beyond their own γ: that bound carries their share of the cores.
+//!
 //! Every rank is simulated (vectors of N times), so two-tier fabrics and uneven chunks need no symmetry
 //! argument. The report is the last of a few steps, when the sharded gathers have reached their steady
 //! state of overlapping the next forward.
@@ -46,6 +52,9 @@ pub struct StepPrediction {
     pub step_s: f64,
     /// Tokens of the whole job per second.
     pub tokens_per_s: f64,
+    /// With shared cores: the shortest step the machine's cores allow (its CPU work over its cores); 0
+    /// without.
+    pub cpu_floor_s: f64,
 }
 
 /// Steps simulated before the reported one (the first sharded step has no gathers to wait for).
@@ -69,6 +78,8 @@ struct Cluster {
     comm_free: Vec<f64>,
     /// Sharded: parameter gathers in flight, in forward order: (bucket, when each rank has it).
     gathers: Vec<(Range<usize>, Vec<f64>)>,
+    /// Bytes one rank has sent in this step's collectives (even chunks assumed).
+    sent_bytes: f64,
 }
 
 impl Cluster {
@@ -77,6 +88,7 @@ impl Cluster {
             now: vec![0.0; world],
             comm_free: vec![0.0; world],
             gathers: Vec::new(),
+            sent_bytes: 0.0,
         }
     }
 
@@ -98,6 +110,8 @@ impl Cluster {
             elem_bytes,
             sub_chunk: plan.sub_chunk,
         };
+        let world = ready.len();
+        self.sent_bytes += (shape.phases(world) * elems * elem_bytes) as f64 / world as f64;
         self.comm_free = simulate(net, &shape, &start);
         self.comm_free[0] - start[0]
     }
@@ -105,6 +119,11 @@ impl Cluster {
     fn step(&mut self, net: &Network, plan: &StepPlan, profile: &ComputeProfile) -> StepPrediction {
         let world = plan.world;
         let started = self.now[0];
+        let starts = self.now.clone();
+        self.sent_bytes = 0.0;
+        let machine_ranks = net.ranks_per_machine(world) as f64;
+        // Shared cores: how much longer each compute segment takes (see the module doc).
+        let stretch = net.shared_cores.map_or(1.0, |c| (machine_ranks / c as f64).max(1.0));
         let mut comm_s = 0.0;
         let mut t = self.now.clone();
         let gathers = std::mem::take(&mut self.gathers);
@@ -115,12 +134,12 @@ impl Cluster {
                 while let Some((_, done)) = waiting.next_if(|(range, _)| micro == 0 && range.start < seg.bound) {
                     t.iter_mut().zip(done).for_each(|(t, d)| *t = t.max(*d));
                 }
-                t.iter_mut().for_each(|t| *t += seg.seconds);
+                t.iter_mut().for_each(|t| *t += seg.seconds * stretch);
             }
             // Backward: the last micro-batch hands each bucket over as it is finished.
             let mut next = 0;
             for seg in &profile.backward {
-                t.iter_mut().for_each(|t| *t += seg.seconds);
+                t.iter_mut().for_each(|t| *t += seg.seconds * stretch);
                 if micro + 1 < plan.grad_accum || world == 1 {
                     continue;
                 }
@@ -144,23 +163,32 @@ impl Cluster {
             UpdateMode::Sharded => 1.0 / world as f64,
             UpdateMode::Replicated => 1.0,
         };
-        let update_s = profile.update_s * share;
-        t.iter_mut().for_each(|t| *t += update_s);
+        let update_cpu_s = profile.update_s * share;
+        t.iter_mut().for_each(|t| *t += update_cpu_s * stretch);
         if plan.update == UpdateMode::Sharded && world > 1 {
             for bucket in plan.buckets.iter().rev() {
                 comm_s += self.collective(net, plan, RingKind::AllGather, bucket.len(), 4, &t);
                 self.gathers.push((bucket.clone(), self.comm_free.clone()));
             }
         }
+        let compute_cpu_s = plan.grad_accum as f64 * (profile.forward_s() + profile.backward_s()) + update_cpu_s;
+        let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
+            let comm_cpu_s = self.sent_bytes * net.hop(0, world).cpu_s_per_byte;
+            machine_ranks * (compute_cpu_s + comm_cpu_s) / cores as f64
+        });
+        for (t, start) in t.iter_mut().zip(&starts) {
+            *t = t.max(start + cpu_floor_s);
+        }
         self.now = t;
         let step_s = self.now[0] - started;
-        let compute_s = plan.grad_accum as f64 * (profile.forward_s() + profile.backward_s()) + update_s;
+        let compute_s = compute_cpu_s * stretch;
         StepPrediction {
             compute_s,
             comm_s,
             exposed_s: (step_s - compute_s).max(0.0),
             step_s,
             tokens_per_s: (world * plan.tokens_per_micro_batch * plan.grad_accum) as f64 / step_s,
+            cpu_floor_s,
         }
     }
 }
