@@ -27,6 +27,9 @@ Then, from the medians over rounds:
          timing of the same model on the CPU backend (only the shares are taken from it)
   cores  not fitted: every emulated host runs on this machine, so the network gets `shared-cores=` this
          machine's core count (os.cpu_count()), and the sim slows compute and bounds the step accordingly
+  rank CPU per byte  the CPU the 2 x 1gbit job used beyond 2 single-rank jobs run at once, per gradient
+         byte sent (getrusage of the ranks): what communication costs the shared cores, on all of a rank's
+         threads (`rank-cpu-per-byte=`), where gamma is only the sender's serial share
 and runs `ringtrain-sim --timing-only` for every configuration with those numbers (and, for comparison,
 without the shared cores, as if every host had cores of its own). Prints one JSON line per
 measurement, one with the calibration, one per configuration with prediction, measurement and error, and
@@ -237,8 +240,10 @@ class Sim:
         return {"forward": f / total, "backward": b / total, "update": u / total, "sim_total_ms": total}
 
     @staticmethod
-    def network(alpha_s, beta_bytes_s, gamma_s_per_byte, shared_cores=None):
+    def network(alpha_s, beta_bytes_s, gamma_s_per_byte, shared_cores=None, rank_cpu_s_per_byte=None):
         cores = f",shared-cores={shared_cores}" if shared_cores else ""
+        if shared_cores and rank_cpu_s_per_byte is not None:
+            cores += f",rank-cpu-per-byte={rank_cpu_s_per_byte * 1e9:.4f}ns"
         return (f"latency={alpha_s * 1e6:.3f}us,bandwidth={beta_bytes_s / 1e6:.4f}MB,"
                 f"cpu-per-byte={gamma_s_per_byte * 1e9:.4f}ns{cores}")
 
@@ -329,17 +334,20 @@ def main():
     beta_cal = RATE_BPS[crate] / 8 * payload_share
     cores = os.cpu_count()
     gamma = fit_gamma(sim, alpha, beta_cal, compute, measured_comm, cores)
+    rank_cpu = max(0.0, med("train", chosts, "cpu_s", crate) - med("single", chosts, "cpu_s")) / med(
+        "train", chosts, "payload_bytes", crate)
     calibration = {"calibration": f"{chosts}x{crate}", "alpha_us": round(alpha * 1e6, 2),
                    "payload_share": round(payload_share, 4), "gamma_ns_per_byte": round(gamma * 1e9, 3),
                    "beta_MB_s": {r: round(RATE_BPS[r] / 8 * payload_share / 1e6, 2) for r in RATE_BPS},
                    "single_alone_step_ms": round(single_alone, 2), "compute_ms": compute, "shared_cores": cores,
+                   "rank_cpu_ns_per_byte": round(rank_cpu * 1e9, 3),
                    "measured_comm_ms_fitted": round(measured_comm, 2)}
     print(json.dumps(calibration), flush=True)
 
     # ---- prediction for every configuration, no refitting ----
     rows = []
     for hosts, rate in configs:
-        net = Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma, cores)
+        net = Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma, cores, rank_cpu)
         p = sim.predict(hosts, net, compute)
         p_own = sim.predict(hosts, Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma), compute)
         train = [r for r in results if r["kind"] == "train" and r["hosts"] == hosts and r["rate"] == rate]
@@ -371,7 +379,8 @@ def main():
 
     print(f"\nmeasured {time.strftime('%H:%M', time.gmtime(started))}–{time.strftime('%H:%M', time.gmtime())} UTC, "
           f"load now {loadavg()}; single rank alone {single_alone:.1f} ms/step; alpha {alpha * 1e6:.1f} us, "
-          f"payload share {payload_share:.3f}, gamma {gamma * 1e9:.2f} ns/byte; shared cores {cores}")
+          f"payload share {payload_share:.3f}, gamma {gamma * 1e9:.2f} ns/byte; shared cores {cores}, rank CPU "
+          f"{rank_cpu * 1e9:.2f} ns/byte")
     print("| hosts × rate | measured step / comm / exposed | step per round | predicted step / comm / exposed "
           "| error step / comm / exposed | step within 15% | without shared cores: predicted step, error "
           "| one rank with N running | predicted step with that, error | compute in the job | comm CPU ns/byte |")

@@ -56,7 +56,8 @@ struct Cli {
     timing_only: bool,
     /// Fabric for --timing-only: a preset (10gbe, 100gbe-quic, ib-hdr100, wan, dgx) or
     /// latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..]
-    /// [,shared-cores=C] (C cores shared by a host's ranks, or by every rank without hosts-of)
+    /// [,shared-cores=C[,rank-cpu-per-byte=..]] (C cores shared by a host's ranks, or by every rank
+    /// without hosts-of; a rank's CPU per byte sent on all its threads, default cpu-per-byte)
     #[arg(long)]
     network: Option<String>,
     /// Given compute per micro-batch instead of measuring it: forward=MS,backward=MS[,update=MS]

@@ -120,6 +120,7 @@ fn two_tier_ring_lies_between_its_chain_and_the_all_slow_ring() {
         inter,
         intra: Some((g, intra)),
         shared_cores: None,
+        rank_cpu_s_per_byte: None,
     };
     let elems = n * 10_000;
     let chunk = (elems / n * 4) as f64;
@@ -270,6 +271,12 @@ fn shared_cores_slow_compute_and_bound_the_step() {
     assert!(close(bound.cpu_floor_s, compute + gamma * sent), "floor {}", bound.cpu_floor_s);
     assert!(bound.step_s >= bound.cpu_floor_s - 1e-12);
     assert!(bound.step_s > predict(&costly, &plan(2), &profile).step_s);
+    // A rank's CPU per byte given apart from the sender's γ: only the bound moves.
+    let mut apart = with_cores(costly.clone(), 2);
+    apart.rank_cpu_s_per_byte = Some(3.0 * gamma);
+    let apart = predict(&apart, &plan(2), &profile);
+    assert!(close(apart.cpu_floor_s, compute + 3.0 * gamma * sent), "floor {}", apart.cpu_floor_s);
+    assert!(close(apart.comm_s, bound.comm_s));
 }
 
 /// The scale: 1024 ranks of gpt2 in a few seconds (given compute, so no model runs here).

@@ -10,7 +10,10 @@
 //! `shared-cores=C` says the ranks do not each have a machine of their own: a machine of `C` cores holds
 //! every rank of a host (`hosts-of`), or with one link kind every rank of the job, as when N ranks run on
 //! one machine (`ringtrain launch`, or emulated hosts in network namespaces). Compute and the per-byte
-//! CPU work then share those cores ([`super::schedule`] says how).
+//! CPU work then share those cores ([`super::schedule`] says how). That CPU work is γ per byte sent unless
+//! `rank-cpu-per-byte` gives it apart: γ is what a send costs on the sender's path, while a rank's threads
+//! together also receive, sum and run the kernel's share (measured as about twice γ on emulated hosts,
+//! BENCHMARKS.md).
 
 use anyhow::{bail, Context, Result};
 
@@ -44,6 +47,8 @@ pub struct Network {
     /// Cores of the machine that holds a host's ranks (every rank, without tiers); `None`: each rank has
     /// cores of its own.
     pub shared_cores: Option<usize>,
+    /// With `shared_cores`: CPU seconds a rank spends per byte it sends, on all its threads; `None`: γ.
+    pub rank_cpu_s_per_byte: Option<f64>,
 }
 
 /// Gigabits per second in bytes per second.
@@ -82,6 +87,7 @@ impl Network {
             inter: link,
             intra: None,
             shared_cores: None,
+            rank_cpu_s_per_byte: None,
         }
     }
 
@@ -107,16 +113,17 @@ impl Network {
                 inter: link(2.0, 200.0, 0.0),
                 intra: Some((8, link(2.0, 300.0 * 8.0, 0.0))),
                 shared_cores: None,
+                rank_cpu_s_per_byte: None,
             },
             other => bail!(
-                "unknown network preset {other:?}: expected one of {}, or latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..][,shared-cores=..]",
+                "unknown network preset {other:?}: expected one of {}, or latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..][,shared-cores=..[,rank-cpu-per-byte=..]]",
                 PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
             ),
         })
     }
 
     /// A preset name, or `latency=30ms,bandwidth=1Gbit[,cpu-per-byte=0.9ns][,hosts-of=8,intra-latency=2us,
-    /// intra-bandwidth=100Gbit][,shared-cores=2]`. Times take `s`, `ms`, `us` or `ns`; bandwidths `Gbit`,
+    /// intra-bandwidth=100Gbit][,shared-cores=2[,rank-cpu-per-byte=8ns]]`. Times take `s`, `ms`, `us` or `ns`; bandwidths `Gbit`,
     /// `Mbit`, `GB` or `MB` (per second).
     pub fn parse(spec: &str) -> Result<Self> {
         if !spec.contains('=') {
@@ -124,7 +131,7 @@ impl Network {
         }
         let (mut latency, mut bandwidth, mut cpu) = (None, None, 0.0);
         let (mut hosts_of, mut intra_latency, mut intra_bandwidth) = (None, None, None);
-        let mut shared_cores = None;
+        let (mut shared_cores, mut rank_cpu) = (None, None);
         for field in spec.split(',') {
             let Some((key, value)) = field.split_once('=') else {
                 bail!("--network {spec:?}: field {field:?} is not KEY=VALUE")
@@ -151,10 +158,14 @@ impl Network {
                     }
                     shared_cores = Some(n);
                 }
+                "rank-cpu-per-byte" => rank_cpu = Some(seconds(value).with_context(what)?),
                 other => bail!(
-                    "--network: unknown field {other:?} (expected latency, bandwidth, cpu-per-byte, hosts-of, intra-latency, intra-bandwidth, shared-cores)"
+                    "--network: unknown field {other:?} (expected latency, bandwidth, cpu-per-byte, hosts-of, intra-latency, intra-bandwidth, shared-cores, rank-cpu-per-byte)"
                 ),
             }
+        }
+        if rank_cpu.is_some() && shared_cores.is_none() {
+            bail!("--network {spec:?}: rank-cpu-per-byte only applies with shared-cores");
         }
         let (Some(latency_s), Some(bandwidth_bytes_per_s)) = (latency, bandwidth) else {
             bail!("--network {spec:?}: latency= and bandwidth= are both required")
@@ -181,7 +192,14 @@ impl Network {
             inter,
             intra,
             shared_cores,
+            rank_cpu_s_per_byte: rank_cpu,
         })
+    }
+
+    /// CPU seconds a rank spends per byte it sends over hop `rank → rank+1`, charged to shared cores.
+    pub fn rank_cpu_per_byte(&self, rank: usize, world: usize) -> f64 {
+        self.rank_cpu_s_per_byte
+            .unwrap_or_else(|| self.hop(rank, world).cpu_s_per_byte)
     }
 
     /// How many of `world` ranks share one machine's cores (with `shared-cores`).
@@ -260,6 +278,10 @@ mod tests {
         assert_eq!(n.shared_cores, None);
         let n = Network::parse("latency=1ms,bandwidth=1Gbit,shared-cores=2").unwrap();
         assert_eq!((n.shared_cores, n.ranks_per_machine(3)), (Some(2), 3));
+        assert_eq!(n.rank_cpu_per_byte(0, 3), n.inter.cpu_s_per_byte);
+        let n = Network::parse("latency=1ms,bandwidth=1Gbit,cpu-per-byte=1ns,shared-cores=2,rank-cpu-per-byte=3ns")
+            .unwrap();
+        assert!((n.rank_cpu_per_byte(0, 3) - 3e-9).abs() < 1e-18);
     }
 
     #[test]
@@ -286,6 +308,7 @@ mod tests {
             ("latency=-1ms,bandwidth=1Gbit", "non-negative"),
             ("latency=1ms,bandwidth=1Gbit,shared-cores=0", "at least one core"),
             ("latency=1ms,bandwidth=1Gbit,shared-cores=1.5", "shared-cores=1.5"),
+            ("latency=1ms,bandwidth=1Gbit,rank-cpu-per-byte=2ns", "only applies with shared-cores"),
         ] {
             let err = format!("{:#}", Network::parse(spec).unwrap_err());
             assert!(err.contains(says), "{spec}: {err}");

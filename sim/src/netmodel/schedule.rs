@@ -12,9 +12,10 @@
 //!
 //! - shared cores (`Network::shared_cores`, a fluid model): with `R` ranks on a machine of `C < R` cores,
 //!   each rank's kernels get `C / R` of a core, so every compute segment takes `R / C` times as long; and
-//!   the machine cannot finish a step sooner than it can do the step's CPU work, `R × (compute + γ × bytes
-//!   sent) / C` per rank, so no rank's step ends sooner than that after it began. Communication threads
-//!   are not slowed beyond their own γ: that bound carries their share of the cores.
+//!   the machine cannot finish a step sooner than it can do the step's CPU work, `R × (compute + γ_rank ×
+//!   bytes sent) / C` per rank (`γ_rank`: `rank-cpu-per-byte`, else γ), so no rank's step ends sooner than
+//!   that after it began. Communication threads are not slowed beyond their own γ: that bound carries
+//!   their share of the cores.
 //!
 //! Every rank is simulated (vectors of N times), so two-tier fabrics and uneven chunks need no symmetry
 //! argument. The report is the last of a few steps, when the sharded gathers have reached their steady
@@ -173,7 +174,7 @@ impl Cluster {
         }
         let compute_cpu_s = plan.grad_accum as f64 * (profile.forward_s() + profile.backward_s()) + update_cpu_s;
         let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
-            let comm_cpu_s = self.sent_bytes * net.hop(0, world).cpu_s_per_byte;
+            let comm_cpu_s = self.sent_bytes * net.rank_cpu_per_byte(0, world);
             machine_ranks * (compute_cpu_s + comm_cpu_s) / cores as f64
         });
         for (t, start) in t.iter_mut().zip(&starts) {
