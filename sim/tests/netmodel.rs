@@ -258,7 +258,12 @@ fn shared_cores_slow_compute_and_bound_the_step() {
     let enough = predict(&with_cores(fast.clone(), 4), &plan(4), &profile);
     assert!(close(halved.compute_s, 2.0 * compute), "compute {}", halved.compute_s);
     // The link's few microseconds are not stretched: only the compute doubles.
-    assert!(close(halved.step_s, own.step_s + compute), "{} vs {} + {compute}", halved.step_s, own.step_s);
+    assert!(
+        close(halved.step_s, own.step_s + compute),
+        "{} vs {} + {compute}",
+        halved.step_s,
+        own.step_s
+    );
     assert_eq!(enough.step_s, own.step_s);
     assert!(close(halved.cpu_floor_s, 2.0 * compute));
     // CPU per byte on a fast link: 2 ranks with a core each still share them with the communication.
@@ -268,14 +273,22 @@ fn shared_cores_slow_compute_and_bound_the_step() {
     let costly = uniform(0.0, 1e12, gamma);
     let sent = 2_000_000.0 + 16.0;
     let bound = predict(&with_cores(costly.clone(), 2), &plan(2), &profile);
-    assert!(close(bound.cpu_floor_s, compute + gamma * sent), "floor {}", bound.cpu_floor_s);
+    assert!(
+        close(bound.cpu_floor_s, compute + gamma * sent),
+        "floor {}",
+        bound.cpu_floor_s
+    );
     assert!(bound.step_s >= bound.cpu_floor_s - 1e-12);
     assert!(bound.step_s > predict(&costly, &plan(2), &profile).step_s);
     // A rank's CPU per byte given apart from the sender's γ: only the bound moves.
     let mut apart = with_cores(costly.clone(), 2);
     apart.rank_cpu_s_per_byte = Some(3.0 * gamma);
     let apart = predict(&apart, &plan(2), &profile);
-    assert!(close(apart.cpu_floor_s, compute + 3.0 * gamma * sent), "floor {}", apart.cpu_floor_s);
+    assert!(
+        close(apart.cpu_floor_s, compute + 3.0 * gamma * sent),
+        "floor {}",
+        apart.cpu_floor_s
+    );
     assert!(close(apart.comm_s, bound.comm_s));
 }
 
@@ -316,6 +329,46 @@ fn gpt2_on_1024_workers_predicts_quickly() {
     assert!(big.step_s >= small.step_s);
     assert!(big.tokens_per_s > 100.0 * small.tokens_per_s);
     assert!(big.compute_s > 3.0 && big.exposed_s > 0.0);
+}
+
+/// `shared-cores` on the command line: four ranks on two cores report the slowed compute and the bound.
+#[test]
+fn timing_only_command_reports_shared_cores() {
+    let run = |network: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ringtrain-sim"))
+            .args([
+                "--timing-only",
+                "--workers",
+                "4",
+                "--model",
+                "tiny",
+                "--network",
+                network,
+            ])
+            .args(["--compute-ms", "forward=10,backward=20,update=2"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let step = |stdout: &str| -> f64 {
+        let line = stdout.lines().find(|l| l.starts_with("predicted step")).unwrap();
+        let ms = line.split("| step ").nth(1).unwrap().split(" ms").next().unwrap();
+        ms.parse().unwrap()
+    };
+    let own = run("latency=10us,bandwidth=10Gbit");
+    let shared = run("latency=10us,bandwidth=10Gbit,shared-cores=2,rank-cpu-per-byte=1ns");
+    assert!(!own.contains("shared cores"), "{own}");
+    let line = shared
+        .lines()
+        .find(|l| l.starts_with("shared cores"))
+        .expect("a shared-cores line");
+    assert!(
+        line.contains("4 ranks per machine of 2 cores") && line.contains("compute slowed 2.00x"),
+        "{line}"
+    );
+    // 32 ms of compute per rank, twice as long on half a core each: the step grows by at least 30 ms.
+    assert!(step(&shared) > step(&own) + 30.0, "{own}\n{shared}");
 }
 
 #[test]

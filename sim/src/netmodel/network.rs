@@ -308,7 +308,10 @@ mod tests {
             ("latency=-1ms,bandwidth=1Gbit", "non-negative"),
             ("latency=1ms,bandwidth=1Gbit,shared-cores=0", "at least one core"),
             ("latency=1ms,bandwidth=1Gbit,shared-cores=1.5", "shared-cores=1.5"),
-            ("latency=1ms,bandwidth=1Gbit,rank-cpu-per-byte=2ns", "only applies with shared-cores"),
+            (
+                "latency=1ms,bandwidth=1Gbit,rank-cpu-per-byte=2ns",
+                "only applies with shared-cores",
+            ),
         ] {
             let err = format!("{:#}", Network::parse(spec).unwrap_err());
             assert!(err.contains(says), "{spec}: {err}");
