@@ -142,21 +142,11 @@ impl Network {
                 "latency" => latency = Some(seconds(value).with_context(what)?),
                 "bandwidth" => bandwidth = Some(bytes_per_s(value).with_context(what)?),
                 "cpu-per-byte" => cpu = seconds(value).with_context(what)?,
-                "hosts-of" => {
-                    let n: usize = value.parse().with_context(what)?;
-                    if n == 0 {
-                        bail!("{}: a host holds at least one rank", what());
-                    }
-                    hosts_of = Some(n);
-                }
+                "hosts-of" => hosts_of = Some(positive_count(value, "a host holds at least one rank").with_context(what)?),
                 "intra-latency" => intra_latency = Some(seconds(value).with_context(what)?),
                 "intra-bandwidth" => intra_bandwidth = Some(bytes_per_s(value).with_context(what)?),
                 "shared-cores" => {
-                    let n: usize = value.parse().with_context(what)?;
-                    if n == 0 {
-                        bail!("{}: a machine has at least one core", what());
-                    }
-                    shared_cores = Some(n);
+                    shared_cores = Some(positive_count(value, "a machine has at least one core").with_context(what)?)
                 }
                 "rank-cpu-per-byte" => rank_cpu = Some(seconds(value).with_context(what)?),
                 other => bail!(
@@ -217,6 +207,17 @@ impl Network {
             _ => self.inter,
         }
     }
+}
+
+/// A whole number of at least one; `zero_means` says why 0 is refused.
+fn positive_count(value: &str, zero_means: &str) -> Result<usize> {
+    let n: usize = value
+        .parse()
+        .with_context(|| format!("{value:?} is not a whole number"))?;
+    if n == 0 {
+        bail!("{zero_means}");
+    }
+    Ok(n)
 }
 
 /// Splits `"30ms"` into `(30.0, "ms")`.
