@@ -123,8 +123,8 @@ impl Network {
     }
 
     /// A preset name, or `latency=30ms,bandwidth=1Gbit[,cpu-per-byte=0.9ns][,hosts-of=8,intra-latency=2us,
-    /// intra-bandwidth=100Gbit][,shared-cores=2[,rank-cpu-per-byte=8ns]]`. Times take `s`, `ms`, `us` or `ns`; bandwidths `Gbit`,
-    /// `Mbit`, `GB` or `MB` (per second).
+    /// intra-bandwidth=100Gbit][,shared-cores=2[,rank-cpu-per-byte=8ns]]`. Times take `s`, `ms`, `us` or
+    /// `ns`; bandwidths `Gbit`, `Mbit`, `GB` or `MB` (per second).
     pub fn parse(spec: &str) -> Result<Self> {
         if !spec.contains('=') {
             return Self::preset(spec.trim());
@@ -142,7 +142,9 @@ impl Network {
                 "latency" => latency = Some(seconds(value).with_context(what)?),
                 "bandwidth" => bandwidth = Some(bytes_per_s(value).with_context(what)?),
                 "cpu-per-byte" => cpu = seconds(value).with_context(what)?,
-                "hosts-of" => hosts_of = Some(positive_count(value, "a host holds at least one rank").with_context(what)?),
+                "hosts-of" => {
+                    hosts_of = Some(positive_count(value, "a host holds at least one rank").with_context(what)?)
+                }
                 "intra-latency" => intra_latency = Some(seconds(value).with_context(what)?),
                 "intra-bandwidth" => intra_bandwidth = Some(bytes_per_s(value).with_context(what)?),
                 "shared-cores" => {

@@ -46,7 +46,7 @@ pub struct RingShape {
 }
 
 impl RingShape {
-    /// Messages each rank sends one chunk in.
+    /// How many phases the collective has; in each, every rank sends one chunk.
     pub fn phases(&self, world: usize) -> usize {
         match self.kind {
             RingKind::ReduceScatter | RingKind::AllGather => world - 1,

@@ -174,6 +174,7 @@ impl Cluster {
         }
         let compute_cpu_s = plan.grad_accum as f64 * (profile.forward_s() + profile.backward_s()) + update_cpu_s;
         let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
+            // Rank 0's outgoing hop stands for every rank's (they differ only on two-tier fabrics).
             let comm_cpu_s = self.sent_bytes * net.rank_cpu_per_byte(0, world);
             machine_ranks * (compute_cpu_s + comm_cpu_s) / cores as f64
         });
