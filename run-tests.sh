@@ -11,6 +11,8 @@ need_pkgs=()
 ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1' || need_pkgs+=(libvulkan1)
 pkg-config --exists fontconfig 2>/dev/null || need_pkgs+=(libfontconfig1-dev pkg-config)
 fc-list 2>/dev/null | grep -qi dejavu || need_pkgs+=(fonts-dejavu-core)
+# tests/emulated_hosts.rs (as root) builds network namespaces with ip and shapes them with tc.
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || need_pkgs+=(iproute2)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "run-tests: installing ${need_pkgs[*]}"
