@@ -279,7 +279,16 @@ fn shared_cores_slow_compute_and_bound_the_step() {
         bound.cpu_floor_s
     );
     assert!(bound.step_s >= bound.cpu_floor_s - 1e-12);
-    assert!(bound.step_s > predict(&costly, &plan(2), &profile).step_s);
+    let unbound = predict(&costly, &plan(2), &profile);
+    assert!(bound.step_s > unbound.step_s);
+    // The bound lengthens compute, as the trainer would measure it, not the exposed communication.
+    assert!(
+        close(bound.exposed_s, unbound.exposed_s),
+        "{} vs {}",
+        bound.exposed_s,
+        unbound.exposed_s
+    );
+    assert!(close(bound.compute_s + bound.exposed_s, bound.step_s));
     // A rank's CPU per byte given apart from the sender's γ: only the bound moves.
     let mut apart = with_cores(costly.clone(), 2);
     apart.rank_cpu_s_per_byte = Some(3.0 * gamma);

@@ -44,11 +44,12 @@ pub struct StepPlan {
 /// One rank's step, in seconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepPrediction {
-    /// Forward, backward and update.
+    /// Forward, backward and update; with shared cores, also the time the machine's CPU bound adds (the
+    /// trainer would see it as slower compute: it measures compute as the step less exposed communication).
     pub compute_s: f64,
     /// Time the communication thread spent in this step's collectives.
     pub comm_s: f64,
-    /// Step time not spent computing: communication that overlap did not hide.
+    /// Communication that overlap did not hide: what the step waits for after its compute.
     pub exposed_s: f64,
     pub step_s: f64,
     /// Tokens of the whole job per second.
@@ -178,16 +179,17 @@ impl Cluster {
             let comm_cpu_s = self.sent_bytes * net.rank_cpu_per_byte(0, world);
             machine_ranks * (compute_cpu_s + comm_cpu_s) / cores as f64
         });
+        // Rank 0's step before the bound, less its compute: the communication it waited for.
+        let exposed_s = (t[0] - started - compute_cpu_s * stretch).max(0.0);
         for (t, start) in t.iter_mut().zip(&starts) {
             *t = t.max(start + cpu_floor_s);
         }
         self.now = t;
         let step_s = self.now[0] - started;
-        let compute_s = compute_cpu_s * stretch;
         StepPrediction {
-            compute_s,
+            compute_s: step_s - exposed_s,
             comm_s,
-            exposed_s: (step_s - compute_s).max(0.0),
+            exposed_s,
             step_s,
             tokens_per_s: (world * plan.tokens_per_micro_batch * plan.grad_accum) as f64 / step_s,
             cpu_floor_s,
