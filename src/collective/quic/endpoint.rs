@@ -89,7 +89,8 @@ fn bind_addr(cfg: &QuicConfig) -> SocketAddr {
 /// Segmentation offload stays off: it gave no gain at any datagram size we measured, and without a cap on
 /// the batch (quinn offers none) batches over 64 KiB are refused by the kernel.
 /// Other links keep quinn's defaults (1200-byte start, MTU discovery, GSO), which are safe on any path,
-/// except two. MTU discovery may climb to [`DISCOVERY_CEILING`] instead of quinn's 1452 bytes, so a
+/// except two. MTU discovery may climb to [`DISCOVERY_CEILING`] instead of quinn's bound of 1452 bytes
+/// (and each endpoint announces that much to its peer, whose discovery would stop at 1472), so a
 /// cluster network with 9000-byte jumbo frames carries 4.5 times fewer datagrams per byte; on a 1500-byte
 /// path the larger probes are lost (the kernel refuses them) and the search settles where it would have.
 /// And the congestion controller: BBR, which paces at the bottleneck rate it measures, instead of Cubic,
@@ -360,17 +361,18 @@ mod tests {
         assert_eq!(flow_window_for(usize::MAX), 16 << 20);
     }
 
-    /// The limits in [`Tuning`]'s comment: a handshake packet must fit a long header, and the first
-    /// congestion window must hold several of the largest datagrams, or the first flight never leaves.
+    /// [`DISCOVERY_CEILING`]'s limits: quinn's `MAX_TRANSMIT_SEGMENTS` (10) datagrams of the largest
+    /// discovered size must fit one UDP send, and the ceiling must lie above quinn's own (1452 bytes).
     #[test]
     fn segmentation_batches_fit_the_kernel_limit() {
-        // quinn's MAX_TRANSMIT_SEGMENTS (10) datagrams of the largest discovered size, within one UDP send.
         let t = Tuning::for_link(false);
         assert!(t.gso);
         assert!(10 * t.mtu_ceiling as usize <= 65507, "{t:?}");
-        assert!(t.mtu_ceiling > 1452, "no larger than quinn's own ceiling: {t:?}");
+        assert!(t.mtu_ceiling > 1452, "{t:?}");
     }
 
+    /// The limits in [`Tuning`]'s comment: a handshake packet must fit a long header, and the first
+    /// congestion window must hold several of the largest datagrams, or the first flight never leaves.
     #[test]
     fn loopback_tuning_respects_quic_packet_limits() {
         for loopback in [true, false] {
