@@ -347,9 +347,10 @@ def main():
     # ---- prediction for every configuration, no refitting ----
     rows = []
     for hosts, rate in configs:
-        net = Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma, cores, rank_cpu)
-        p = sim.predict(hosts, net, compute)
-        p_own = sim.predict(hosts, Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma), compute)
+        beta = RATE_BPS[rate] / 8 * payload_share
+        p = sim.predict(hosts, Sim.network(alpha, beta, gamma, cores, rank_cpu), compute)
+        own_cores = Sim.network(alpha, beta, gamma)
+        p_own = sim.predict(hosts, own_cores, compute)
         train = [r for r in results if r["kind"] == "train" and r["hosts"] == hosts and r["rate"] == rate]
         m = {k: median([r[k] for r in train]) for k in ("step_ms", "comm_ms", "exposed_ms")}
         # Diagnostics, not part of the prediction: the prediction without shared cores (each host its own
@@ -357,8 +358,7 @@ def main():
         # instead (without shared cores), the compute inside the job (step minus exposed communication), and
         # the CPU the job spent beyond N single-rank jobs, per gradient byte sent.
         contended = med("single", hosts, "step_ms")
-        p_cont = sim.predict(hosts, Sim.network(alpha, RATE_BPS[rate] / 8 * payload_share, gamma),
-                             Sim.compute_flag(contended, shares))
+        p_cont = sim.predict(hosts, own_cores, Sim.compute_flag(contended, shares))
         extra_cpu = median([r["cpu_s"] for r in train]) - med("single", hosts, "cpu_s")
         row = {"config": f"{hosts}x{rate}", "held_out": (hosts, rate) != CALIBRATION,
                "measured": {k: round(v, 1) for k, v in m.items()},

@@ -69,7 +69,7 @@ pub fn run(cli: &Cli, model: &ModelConfig, options: &TrainOptions, backends: &[B
         println!(
             "shared cores | {} ranks per machine of {cores} cores | compute slowed {:.2}x | the machine's CPU work allows a step of at least {:.1} ms",
             net.ranks_per_machine(cli.workers),
-            (net.ranks_per_machine(cli.workers) as f64 / cores as f64).max(1.0),
+            net.compute_slowdown(cli.workers),
             p.cpu_floor_s * 1e3
         );
     }

@@ -202,6 +202,13 @@ impl Network {
         }
     }
 
+    /// How many times longer compute takes when `world` ranks share the machine's cores: ranks per
+    /// machine over cores, at least 1 (1 without `shared-cores`).
+    pub fn compute_slowdown(&self, world: usize) -> f64 {
+        self.shared_cores
+            .map_or(1.0, |c| (self.ranks_per_machine(world) as f64 / c as f64).max(1.0))
+    }
+
     /// The link of hop `rank → rank+1 mod world`.
     pub fn hop(&self, rank: usize, world: usize) -> Link {
         match self.intra {
@@ -281,6 +288,7 @@ mod tests {
         assert_eq!(n.shared_cores, None);
         let n = Network::parse("latency=1ms,bandwidth=1Gbit,shared-cores=2").unwrap();
         assert_eq!((n.shared_cores, n.ranks_per_machine(3)), (Some(2), 3));
+        assert_eq!((n.compute_slowdown(3), n.compute_slowdown(2)), (1.5, 1.0));
         assert_eq!(n.rank_cpu_per_byte(0, 3), n.inter.cpu_s_per_byte);
         let n = Network::parse("latency=1ms,bandwidth=1Gbit,cpu-per-byte=1ns,shared-cores=2,rank-cpu-per-byte=3ns")
             .unwrap();

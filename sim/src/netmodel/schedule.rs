@@ -120,12 +120,11 @@ impl Cluster {
 
     fn step(&mut self, net: &Network, plan: &StepPlan, profile: &ComputeProfile) -> StepPrediction {
         let world = plan.world;
-        let started = self.now[0];
         let starts = self.now.clone();
         self.sent_bytes = 0.0;
         let machine_ranks = net.ranks_per_machine(world) as f64;
         // Shared cores: how much longer each compute segment takes (see the module doc).
-        let stretch = net.shared_cores.map_or(1.0, |c| (machine_ranks / c as f64).max(1.0));
+        let stretch = net.compute_slowdown(world);
         let mut comm_s = 0.0;
         let mut t = self.now.clone();
         let gathers = std::mem::take(&mut self.gathers);
@@ -180,12 +179,12 @@ impl Cluster {
             machine_ranks * (compute_cpu_s + comm_cpu_s) / cores as f64
         });
         // Rank 0's step before the bound, less its compute: the communication it waited for.
-        let exposed_s = (t[0] - started - compute_cpu_s * stretch).max(0.0);
+        let exposed_s = (t[0] - starts[0] - compute_cpu_s * stretch).max(0.0);
         for (t, start) in t.iter_mut().zip(&starts) {
             *t = t.max(start + cpu_floor_s);
         }
         self.now = t;
-        let step_s = self.now[0] - started;
+        let step_s = self.now[0] - starts[0];
         StepPrediction {
             compute_s: step_s - exposed_s,
             comm_s,
