@@ -7,7 +7,7 @@
 //! time its collective took, come back through the [`Pending`] handle returned at submission; dropping a
 //! handle does not cancel the job, which keeps the order on every rank intact.
 
-use super::{Collective, CollectiveError, Result};
+use super::{Collective, CollectiveError, ComputeBusy, Result};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -17,6 +17,8 @@ type Job = Box<dyn FnOnce(&mut dyn Collective) + Send>;
 /// The communication thread of one rank.
 pub struct CommThread {
     rank: usize,
+    /// The transport's flag for compute running beside the collectives, when it has one.
+    busy: Option<ComputeBusy>,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -57,6 +59,7 @@ impl CommThread {
     /// Moves `comm` onto a new thread named after its rank; fails only when the system refuses a thread.
     pub fn spawn(mut comm: Box<dyn Collective>) -> std::io::Result<Self> {
         let rank = comm.rank();
+        let busy = comm.compute_busy();
         let (jobs, queue) = channel::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("ringtrain-comm-{rank}"))
@@ -67,6 +70,7 @@ impl CommThread {
             })?;
         Ok(CommThread {
             rank,
+            busy,
             jobs: Some(jobs),
             thread: Some(thread),
         })
@@ -74,6 +78,14 @@ impl CommThread {
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Tells the transport whether this rank's compute runs while the queued collectives do (see
+    /// [`ComputeBusy`]); until told otherwise, it assumes the rank waits for them.
+    pub fn set_compute_busy(&self, busy: bool) {
+        if let Some(flag) = &self.busy {
+            flag.set(busy);
+        }
     }
 
     /// Queues `job` behind every job submitted before it.

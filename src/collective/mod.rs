@@ -22,7 +22,10 @@ pub mod quic;
 pub mod rank_runtime;
 pub mod ring;
 
+use buffer_pool::BufferPool;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 pub use ring::{chunk_range, Engine, GatherEngine, Reduce, RingEngine, RingError, RingOp};
 
@@ -80,6 +83,17 @@ pub trait Collective: Send {
     /// Sub-chunk size in f32 elements used for pipelining.
     fn sub_chunk(&self) -> usize {
         ring::DEFAULT_SUB_CHUNK
+    }
+
+    /// The pool a transport returns sent payloads' storage to, for engines to take their copies from.
+    fn message_pool(&self) -> Option<Arc<BufferPool>> {
+        None
+    }
+
+    /// The flag through which the caller says its compute runs while collectives do, for transports that
+    /// trade latency for fewer wake-ups of busy cores then.
+    fn compute_busy(&self) -> Option<ComputeBusy> {
+        None
     }
 
     /// Every rank ends with the element-wise mean of all ranks' `buf` (identical bits on every rank).
@@ -157,7 +171,27 @@ pub trait Collective: Send {
     fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {
         let (rank, world, sub) = (self.rank(), self.world(), self.sub_chunk());
         let mut e = RingEngine::new(op, rank, world, buf, sub).map_err(|e| CollectiveError::Local(e.to_string()))?;
+        if let Some(pool) = self.message_pool() {
+            e = e.recycling(pool);
+        }
         self.run_engine(&mut e)
+    }
+}
+
+/// Set while the rank's compute runs beside its collectives (the trainer sets it for backward with overlap
+/// on). A transport then reads a streaming link in batches rather than as each datagram arrives, so it
+/// interrupts the compute less often (`quic::coalesce`); while the rank waits for a collective, it reads
+/// at once.
+#[derive(Clone, Debug, Default)]
+pub struct ComputeBusy(Arc<AtomicBool>);
+
+impl ComputeBusy {
+    pub fn set(&self, busy: bool) {
+        self.0.store(busy, Ordering::Relaxed);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
     }
 }
 

@@ -32,8 +32,10 @@
 //! `r-1-p`; in all-gather phase `q` it sends chunk `r-q`. A sub-chunk moves to the next phase as soon as
 //! it has arrived, independently of the other sub-chunks.
 
+use super::buffer_pool::BufferPool;
 use super::le_pieces::LePieces;
 use std::fmt;
+use std::sync::Arc;
 
 /// Default sub-chunk size in f32 elements (256 KiB per message).
 pub const DEFAULT_SUB_CHUNK: usize = 64 * 1024;
@@ -230,6 +232,9 @@ pub struct RingEngine<'a> {
     seen: Vec<Vec<bool>>,
     remaining: usize,
     outbox: std::collections::VecDeque<Outgoing>,
+    /// Where the phase-0 copies come from, when the transport recycles its message buffers: a fresh
+    /// allocation per message costs the allocator fresh pages (and their zeroing) on every step.
+    pool: Option<Arc<BufferPool>>,
 }
 
 /// A message waiting to be sent.
@@ -273,12 +278,19 @@ impl<'a> RingEngine<'a> {
             seen: Vec::new(),
             remaining: 0,
             outbox: Default::default(),
+            pool: None,
         };
         let phases = e.num_phases();
         e.seen = (0..phases).map(|p| vec![false; e.subs_of(e.recv_chunk(p))]).collect();
         e.remaining = e.seen.iter().map(|v| v.len()).sum();
         e.start();
         Ok(e)
+    }
+
+    /// Takes the phase-0 copies from `pool` (the transport returns each sent payload's storage there).
+    pub fn recycling(mut self, pool: Arc<BufferPool>) -> Self {
+        self.pool = Some(pool);
+        self
     }
 
     fn num_phases(&self) -> usize {
@@ -403,7 +415,15 @@ impl Engine for RingEngine<'_> {
         match self.outbox.pop_front()? {
             Outgoing::Ready(m) => Some(m),
             Outgoing::FromBuffer { phase, sub } => {
-                let data = self.buf[self.sub_range(self.send_chunk(phase), sub)].to_vec();
+                let src = &self.buf[self.sub_range(self.send_chunk(phase), sub)];
+                let data = match &self.pool {
+                    Some(pool) => {
+                        let mut data = pool.take(src.len());
+                        data.copy_from_slice(src);
+                        data
+                    }
+                    None => src.to_vec(),
+                };
                 Some(self.msg(phase, sub, Payload::F32(data)))
             }
         }

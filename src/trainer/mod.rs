@@ -327,10 +327,14 @@ impl<B: Backend> Trainer<B> {
             if overlap {
                 let (sync, comm, grads) = (&mut self.sync, &self.comm, self.model.grads);
                 let inject = &mut inject;
-                self.model.backward_reporting(&mut self.be, dloss, &mut |be, from| {
+                // The buckets travel while this backward computes; after it, the rank waits for them.
+                comm.set_compute_busy(true);
+                let backward = self.model.backward_reporting(&mut self.be, dloss, &mut |be, from| {
                     write_if_final(inject, be, grads, from)?;
                     sync.finished(be, comm, grads, from)
-                })?;
+                });
+                comm.set_compute_busy(false);
+                backward?;
             } else {
                 self.model.backward(&mut self.be, dloss)?;
             }

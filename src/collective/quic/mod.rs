@@ -54,6 +54,7 @@
 //! `framing` reads and writes the frames on quinn's streams.
 
 mod auth;
+mod coalesce;
 mod control;
 mod driver;
 mod endpoint;
@@ -80,7 +81,7 @@ use super::buffer_pool::BufferPool;
 use super::frame::{self, SequenceGuard};
 use super::rank_runtime::RankRuntime;
 use super::ring::Engine;
-use super::{Collective, CollectiveError, Result};
+use super::{Collective, CollectiveError, ComputeBusy, Result};
 use control::ControlPlane;
 use links::{LeftLink, RightLink, Ring, RingLinks};
 use listener::Listener;
@@ -164,6 +165,8 @@ struct Shared {
     crashed: AtomicBool,
     /// Message buffers recycled between the sending side and the left link's reader.
     pool: Arc<BufferPool>,
+    /// Whether the rank computes while its collectives run (read by the endpoint's socket).
+    compute_busy: ComputeBusy,
 }
 
 impl Shared {
@@ -226,6 +229,7 @@ impl QuicCollective {
             closing: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
             pool: BufferPool::new(POOL_MAX_BYTES),
+            compute_busy: ComputeBusy::default(),
         });
         let s = match rt.block_on(setup(&cfg, socket, shared.clone())) {
             Ok(s) => s,
@@ -359,7 +363,7 @@ struct Setup {
 /// as a joining rank), start the control plane, connect the ring links, then keep refusing late arrivals.
 async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Result<Setup> {
     let key = auth::auth_key(cfg.secret.as_deref());
-    let (endpoint, own_cert) = endpoint::start(socket, cfg.idle_timeout).map_err(local)?;
+    let (endpoint, own_cert) = endpoint::start(socket, cfg.idle_timeout, &shared.compute_busy).map_err(local)?;
     let mut listener = Listener::start(&endpoint, key);
     let deadline = Instant::now() + cfg.rendezvous_timeout;
     let (ring, control) = if cfg.world == 1 {
@@ -400,6 +404,14 @@ impl Collective for QuicCollective {
 
     fn sub_chunk(&self) -> usize {
         self.cfg.sub_chunk
+    }
+
+    fn message_pool(&self) -> Option<Arc<BufferPool>> {
+        Some(self.shared.pool.clone())
+    }
+
+    fn compute_busy(&self) -> Option<ComputeBusy> {
+        Some(self.shared.compute_busy.clone())
     }
 
     fn set_step(&mut self, step: u64) {

@@ -14,6 +14,7 @@ use super::listener::Listener;
 use super::messages::Control;
 use super::rendezvous::{self, HostLink};
 use super::{endpoint, QuicConfig};
+use crate::collective::ComputeBusy;
 
 /// A member with the secret and its own fresh certificate, on its own runtime. It accepts (and
 /// authenticates) connections, as any member's endpoint does, and holds them without answering.
@@ -38,7 +39,7 @@ impl Rogue {
         let idle = Duration::from_secs(3);
         let key = auth_key(Some(secret));
         let (endpoint, listener) = rt.block_on(async {
-            let (ep, _) = endpoint::start(socket, idle)?;
+            let (ep, _) = endpoint::start(socket, idle, &ComputeBusy::default())?;
             let listener = Listener::start(&ep, key);
             Ok::<_, String>((ep, listener))
         })?;
