@@ -778,6 +778,28 @@ mod tests {
     }
 
     #[test]
+    fn phase_zero_copies_come_from_the_pool() {
+        let pool = BufferPool::new(1 << 20);
+        let idle = vec![0.0f32; 64];
+        let recycled = idle.as_ptr();
+        pool.give(idle);
+        let mut a: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let mut e = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 0, 2, &mut a, 8)
+            .unwrap()
+            .recycling(pool.clone());
+        // Rank 0 sends chunk 1 (5..10) first, copied out of its buffer.
+        let m = e.poll_transmit().expect("phase 0 sends at once");
+        assert_eq!(pool.idle(), 0, "the copy took the idle buffer");
+        match m.payload {
+            Payload::F32(v) => {
+                assert_eq!(v, vec![5.0, 6.0, 7.0, 8.0, 9.0]);
+                assert_eq!(v.as_ptr(), recycled);
+            }
+            _ => panic!("phase 0 sends f32"),
+        }
+    }
+
+    #[test]
     fn rejects_duplicates_and_bad_tags() {
         let mut a = vec![1.0f32; 10];
         let mut e = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 1, 3, &mut a, 2).unwrap();
