@@ -287,13 +287,19 @@ mod tests {
         started.elapsed()
     }
 
+    /// How long a read takes after a burst of `count` datagrams of `len` bytes, with the rank computing
+    /// (`busy`) or waiting.
+    async fn read_time_after_burst(busy: bool, count: usize, len: usize) -> Duration {
+        let flag = ComputeBusy::default();
+        let (socket, sender) = pair(&flag);
+        flag.set(busy);
+        stream(&socket, &sender, count, len).await;
+        next_read_time(&socket, &sender).await
+    }
+
     #[tokio::test]
     async fn a_streaming_socket_pauses_while_the_rank_computes() {
-        let busy = ComputeBusy::default();
-        let (socket, sender) = pair(&busy);
-        busy.set(true);
-        stream(&socket, &sender, 3, 1400).await;
-        let took = next_read_time(&socket, &sender).await;
+        let took = read_time_after_burst(true, 3, 1400).await;
         assert!(
             took >= INTERVAL,
             "read after a streaming burst took {took:?}, expected a pause of {INTERVAL:?}"
@@ -302,21 +308,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_streaming_socket_reads_at_once_while_the_rank_waits() {
-        let busy = ComputeBusy::default();
-        let (socket, sender) = pair(&busy);
-        stream(&socket, &sender, 3, 1400).await;
-        let took = next_read_time(&socket, &sender).await;
+        let took = read_time_after_burst(false, 3, 1400).await;
         assert!(took < INTERVAL, "read while waiting took {took:?}: it paused");
     }
 
     #[tokio::test]
     async fn small_datagrams_are_read_at_once_while_the_rank_computes() {
-        let busy = ComputeBusy::default();
-        let (socket, sender) = pair(&busy);
-        busy.set(true);
         // Acknowledgements and small collectives: under BULK_BYTES per burst.
-        stream(&socket, &sender, 2, 100).await;
-        let took = next_read_time(&socket, &sender).await;
+        let took = read_time_after_burst(true, 2, 100).await;
         assert!(took < INTERVAL, "read after a small burst took {took:?}: it paused");
     }
 }
