@@ -11,6 +11,7 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 use super::auth::{fingerprint, ExporterBound, Fingerprint};
+#[cfg(unix)]
 use super::coalesce::CoalescingSocket;
 use super::{local, QuicConfig};
 use crate::collective::{ComputeBusy, Result};
@@ -117,7 +118,7 @@ struct Tuning {
     /// the window until a queue overflows.
     bbr: bool,
     /// While the rank computes, read a streaming socket this often rather than per datagram
-    /// ([`CoalescingSocket`]); `None` reads each datagram as it arrives.
+    /// (`coalesce.rs`, unix only); `None` reads each datagram as it arrives.
     recv_coalesce: Option<Duration>,
 }
 
@@ -212,6 +213,8 @@ impl Identity {
     }
 }
 
+// `busy` only reaches the batching socket, which needs unix.
+#[cfg_attr(not(unix), allow(unused_variables))]
 fn make_endpoint(
     socket: UdpSocket,
     idle: Duration,
@@ -228,9 +231,10 @@ fn make_endpoint(
 
     let runtime = quinn::default_runtime().ok_or("no async runtime for quinn")?;
     let started = match tuning.recv_coalesce {
+        #[cfg(unix)]
         Some(interval) => CoalescingSocket::new(socket, interval, busy.clone())
             .and_then(|socket| Endpoint::new_with_abstract_socket(ep_cfg, Some(server), Arc::new(socket), runtime)),
-        None => Endpoint::new(ep_cfg, Some(server), socket, runtime),
+        _ => Endpoint::new(ep_cfg, Some(server), socket, runtime),
     };
     let mut ep = started.map_err(|e| format!("cannot start the QUIC endpoint: {e}"))?;
     ep.set_default_client_config(client);

@@ -54,6 +54,8 @@
 //! `framing` reads and writes the frames on quinn's streams.
 
 mod auth;
+// Needs the reactor's raw-descriptor registration (unix only); other systems read per datagram.
+#[cfg(unix)]
 mod coalesce;
 mod control;
 mod driver;
