@@ -49,6 +49,15 @@ impl BufferPool {
         v
     }
 
+    /// A buffer of `len` elements for the caller to overwrite: from `pool` when there is one, else a fresh
+    /// zeroed one.
+    pub fn take_from(pool: Option<&Self>, len: usize) -> Vec<f32> {
+        match pool {
+            Some(pool) => pool.take(len),
+            None => vec![0.0; len],
+        }
+    }
+
     /// Returns `v`'s storage to the pool, or frees it when the pool is full.
     pub fn give(&self, v: Vec<f32>) {
         if v.capacity() == 0 {

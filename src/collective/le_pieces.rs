@@ -40,10 +40,7 @@ impl LePieces {
 
     /// A buffer of `len` values with unspecified contents, for the caller to overwrite.
     pub fn scratch(&self, len: usize) -> Vec<f32> {
-        match &self.pool {
-            Some(pool) => pool.take(len),
-            None => vec![0.0; len],
-        }
+        BufferPool::take_from(self.pool.as_deref(), len)
     }
 
     /// `dst = values`. `dst.len()` must be `len_bytes() / 4`.

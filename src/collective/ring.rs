@@ -416,14 +416,8 @@ impl Engine for RingEngine<'_> {
             Outgoing::Ready(m) => Some(m),
             Outgoing::FromBuffer { phase, sub } => {
                 let src = &self.buf[self.sub_range(self.send_chunk(phase), sub)];
-                let data = match &self.pool {
-                    Some(pool) => {
-                        let mut data = pool.take(src.len());
-                        data.copy_from_slice(src);
-                        data
-                    }
-                    None => src.to_vec(),
-                };
+                let mut data = BufferPool::take_from(self.pool.as_deref(), src.len());
+                data.copy_from_slice(src);
                 Some(self.msg(phase, sub, Payload::F32(data)))
             }
         }

@@ -43,7 +43,7 @@ use crate::collective::ComputeBusy;
 /// Bytes one read burst must bring in for the socket to count as streaming: two full-size datagrams at
 /// Ethernet's MTU. Acknowledgements and a small collective's frames stay below it, so they are still read
 /// the moment they arrive.
-pub(super) const BULK_BYTES: usize = 2 * 1400;
+const BULK_BYTES: usize = 2 * 1400;
 
 /// quinn's UDP socket on tokio, with batched reads while data streams in.
 pub(super) struct CoalescingSocket {
@@ -104,14 +104,22 @@ impl CoalescingSocket {
         unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| e.into_parts().1)
     }
 
-    /// One non-blocking read straight from the socket.
-    fn read_now(&self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta]) -> io::Result<usize> {
-        self.state.recv((&self.socket).into(), bufs, meta)
+    /// One non-blocking read straight from the socket, counted into the burst; `None` when it is dry.
+    fn read_now(
+        &self,
+        burst_bytes: &mut usize,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Option<io::Result<usize>> {
+        match self.state.recv((&self.socket).into(), bufs, meta) {
+            Ok(n) => {
+                *burst_bytes += meta[..n].iter().map(|m| m.len).sum::<usize>();
+                Some(Ok(n))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+            Err(e) => Some(Err(e)),
+        }
     }
-}
-
-fn received_bytes(meta: &[RecvMeta]) -> usize {
-    meta.iter().map(|m| m.len).sum()
 }
 
 impl fmt::Debug for CoalescingSocket {
@@ -154,13 +162,8 @@ impl AsyncUdpSocket for CoalescingSocket {
             pacing.pause = None;
         }
         loop {
-            match self.read_now(bufs, meta) {
-                Ok(n) => {
-                    pacing.burst_bytes += received_bytes(&meta[..n]);
-                    return Poll::Ready(Ok(n));
-                }
-                Err(e) if e.kind() != io::ErrorKind::WouldBlock => return Poll::Ready(Err(e)),
-                Err(_) => {}
+            if let Some(read) = self.read_now(&mut pacing.burst_bytes, bufs, meta) {
+                return Poll::Ready(read);
             }
             // The socket is dry.
             let streaming = std::mem::take(&mut pacing.burst_bytes) >= BULK_BYTES;
@@ -180,14 +183,10 @@ impl AsyncUdpSocket for CoalescingSocket {
                 empty => empty.insert(self.register_readable()?),
             };
             let mut seen = ready!(readable.poll_read_ready(cx))?;
-            match self.read_now(bufs, meta) {
-                Ok(n) => {
-                    pacing.burst_bytes += received_bytes(&meta[..n]);
-                    return Poll::Ready(Ok(n));
-                }
-                Err(e) if e.kind() != io::ErrorKind::WouldBlock => return Poll::Ready(Err(e)),
+            match self.read_now(&mut pacing.burst_bytes, bufs, meta) {
+                Some(read) => return Poll::Ready(read),
                 // Stale readiness: forget it, so that the next poll waits for a datagram.
-                Err(_) => seen.clear_ready(),
+                None => seen.clear_ready(),
             }
         }
     }
