@@ -8,11 +8,15 @@ cd "$(dirname "$0")"
 
 need_pkgs=()
 [ -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ] || [ -e /usr/share/vulkan/icd.d/lvp_icd.json ] || need_pkgs+=(mesa-vulkan-drivers)
-ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1' || need_pkgs+=(libvulkan1)
+# The loader's cache (ldconfig -p) can lag a fresh install, so ask for the file itself.
+{ ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1' || compgen -G '/usr/lib/*/libvulkan.so.1' >/dev/null; } || need_pkgs+=(libvulkan1)
 pkg-config --exists fontconfig 2>/dev/null || need_pkgs+=(libfontconfig1-dev pkg-config)
 fc-list 2>/dev/null | grep -qi dejavu || need_pkgs+=(fonts-dejavu-core)
 # tests/emulated_hosts.rs (as root) builds network namespaces with ip and shapes them with tc.
 { command -v ip && command -v tc; } >/dev/null 2>&1 || need_pkgs+=(iproute2)
+# The CUDA backend's emulator tests build kernels/*.cu with g++. (tests/slurm.rs's script installs Slurm and
+# munge itself, as root.)
+command -v g++ >/dev/null 2>&1 || need_pkgs+=(g++)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "run-tests: installing ${need_pkgs[*]}"
@@ -32,11 +36,24 @@ if [ -z "${XDG_RUNTIME_DIR:-}" ]; then
   trap 'rm -rf "$XDG_RUNTIME_DIR"' EXIT
 fi
 
+# Every stage runs even when an earlier one failed, so that one run reports every failure; the script
+# then lists the failed stages and exits non-zero.
+failed_stages=()
+stage() { # a name, then the command
+  local name=$1
+  shift
+  echo "run-tests: stage: $name"
+  if ! "$@"; then
+    echo "run-tests: FAILED stage: $name" >&2
+    failed_stages+=("$name")
+  fi
+}
+
 # Habits first, since they fail in seconds: formatting, then clippy on every crate of the workspace (the
 # fuzz targets included) with and without the `cuda` feature, warnings as errors.
-cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --profile test -- -D warnings
-cargo clippy --workspace --all-targets --profile test --features ringtrain/cuda -- -D warnings
+stage fmt cargo fmt --all -- --check
+stage clippy cargo clippy --workspace --all-targets --profile test -- -D warnings
+stage "clippy (cuda)" cargo clippy --workspace --all-targets --profile test --features ringtrain/cuda -- -D warnings
 
 # NVRTC for tests/nvrtc_kernels.rs, which compiles every kernels/*.cu without a GPU: the newest release and
 # the 13.0 series (what the driver of the NVIDIA machines this project borrows accepts), each from NVIDIA's
@@ -62,18 +79,27 @@ fi
 
 # One build of the test profile serves the rest: the tests, then the `cuda` feature's library and binary,
 # which must keep building where no NVIDIA GPU exists (only the ringtrain crate is rebuilt for it).
-cargo test --workspace
+# --no-fail-fast: a failing test binary does not stop the others from running.
+stage tests cargo test --workspace --no-fail-fast
 # The wgpu conformance and training tests again, with a software adapter (lavapipe) running only the kernels
 # a hardware GPU runs (tree reductions, plain and strided matmuls), so CI checks those kernels too.
-RINGTRAIN_WGPU_HARDWARE_KERNELS=1 cargo test -p ringtrain --test conformance --test wgpu_training
-cargo build --profile test -p ringtrain --features cuda --lib --bins
+stage "wgpu hardware kernels" env RINGTRAIN_WGPU_HARDWARE_KERNELS=1 \
+  cargo test -p ringtrain --no-fail-fast --test conformance --test wgpu_training
+stage "cuda build" cargo build --profile test -p ringtrain --features cuda --lib --bins
 # The CUDA backend's own tests: its NVRTC path compiles every kernel to CUBIN and caches it (NVRTC found on the
 # loader's path, here the first library named above); its op logic, kernels (built by g++ against a fiber
 # shim) and GEMM layouts pass the conformance suite and train `tiny` like the CPU on an emulator; and
 # without a driver `--backend cuda` says what is missing while `auto` opens another backend.
 nvrtc_dir=$(dirname "${RINGTRAIN_NVRTC_LIBS%%:*}" 2>/dev/null || true)
-LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" \
-  cargo test --profile test -p ringtrain --features cuda --lib -- backend::cuda backend::factory
+stage "cuda tests" env LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" \
+  cargo test --profile test -p ringtrain --no-fail-fast --features cuda --lib -- backend::cuda backend::factory
 
 # The benchmark harness that lives outside the workspace (its own lock file) must keep building too.
-(cd bench/allreduce/nexar && CARGO_TARGET_DIR=../../../target/bench-nexar cargo check --locked --quiet)
+check_nexar() { (cd bench/allreduce/nexar && CARGO_TARGET_DIR=../../../target/bench-nexar cargo check --locked --quiet); }
+stage "nexar harness" check_nexar
+
+if [ ${#failed_stages[@]} -gt 0 ]; then
+  echo "run-tests: ${#failed_stages[@]} stage(s) failed: ${failed_stages[*]}" >&2
+  exit 1
+fi
+echo "run-tests: every stage passed"

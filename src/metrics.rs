@@ -34,12 +34,13 @@ pub struct StepMetrics {
     /// Wall time of this step in milliseconds.
     #[serde(deserialize_with = "f64_or_nan")]
     pub step_ms: f64,
-    /// Time this step's collectives ran (gradient buckets, scalars, the sharded parameter gather), in
-    /// milliseconds, whether or not backward hid it.
+    /// Time the communication thread spent in the collectives this step waited for (gradient buckets,
+    /// scalars, the sharded parameter gather), in milliseconds, whether or not backward hid it.
     #[serde(deserialize_with = "f64_or_nan")]
     pub comm_ms: f64,
-    /// The part of the step spent waiting for communication after backward ended, in milliseconds (files
-    /// written before it existed read as 0).
+    /// The part of `comm_ms` during which the step's compute thread waited for those collectives, in
+    /// milliseconds: never more than `comm_ms` (`trainer::comm_ledger`). Read-backs, uploads and the
+    /// gradient norm around them count as the rank's own work. Files written before it existed read as 0.
     #[serde(default, deserialize_with = "f64_or_nan")]
     pub exposed_comm_ms: f64,
     /// Number of ranks.
@@ -138,6 +139,35 @@ fn ends_with_newline_or_empty(path: &Path) -> Result<bool> {
     let mut last = [0u8; 1];
     f.read_exact(&mut last)?;
     Ok(last[0] == b'\n')
+}
+
+/// Before a fresh run writes `path`: moves an earlier run's records there (a non-empty file) to the first
+/// free `path.1`, `path.2`, ... and returns where they went, so that no run's metrics are overwritten. A
+/// resumed run appends to `path` instead ([`MetricsWriter::open`]).
+pub fn set_aside_earlier_run(path: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+    let path = path.as_ref();
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("metrics file {}", path.display())),
+    };
+    if !meta.is_file() {
+        bail!("metrics file {} exists and is not a regular file", path.display());
+    }
+    if meta.len() == 0 {
+        return Ok(None);
+    }
+    for n in 1u32.. {
+        let mut name = path.as_os_str().to_owned();
+        name.push(format!(".{n}"));
+        let aside = PathBuf::from(name);
+        if std::fs::symlink_metadata(&aside).is_err() {
+            std::fs::rename(path, &aside)
+                .with_context(|| format!("moving metrics file {} to {}", path.display(), aside.display()))?;
+            return Ok(Some(aside));
+        }
+    }
+    unreachable!("some suffix is free")
 }
 
 /// Reads a metrics file written by [`MetricsWriter`].
@@ -248,6 +278,27 @@ mod tests {
         MetricsWriter::open(&path, false).unwrap().write(&sample(1)).unwrap();
         MetricsWriter::open(&path, true).unwrap().write(&sample(2)).unwrap();
         assert_eq!(read_metrics(&path).unwrap(), vec![sample(1), sample(2)]);
+    }
+
+    #[test]
+    fn an_earlier_runs_metrics_are_set_aside_not_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.jsonl");
+        assert_eq!(set_aside_earlier_run(&path).unwrap(), None);
+        MetricsWriter::open(&path, false).unwrap().write(&sample(1)).unwrap();
+        let first = set_aside_earlier_run(&path).unwrap().unwrap();
+        assert_eq!(first, dir.path().join("m.jsonl.1"));
+        assert!(!path.exists());
+        MetricsWriter::open(&path, false).unwrap().write(&sample(2)).unwrap();
+        let second = set_aside_earlier_run(&path).unwrap().unwrap();
+        assert_eq!(second, dir.path().join("m.jsonl.2"));
+        assert_eq!(read_metrics(&first).unwrap(), vec![sample(1)]);
+        assert_eq!(read_metrics(&second).unwrap(), vec![sample(2)]);
+        // An empty file holds nothing to keep; a directory is refused.
+        std::fs::write(&path, b"").unwrap();
+        assert_eq!(set_aside_earlier_run(&path).unwrap(), None);
+        let err = set_aside_earlier_run(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
     }
 
     #[test]

@@ -198,6 +198,12 @@ fn bad_inputs_give_clear_errors() {
     // Flags out of range.
     fails_with(&with(&SMALL, &["--seq-len", "65"]), "--seq-len");
     fails_with(&with(&SMALL[..10], &["--lr=-1"]), "--lr");
+    // A negative number after a flag is its value, and the message is about the value.
+    fails_with(
+        &with(&SMALL[..10], &["--lr", "-1"]),
+        "--lr -1 must be a positive number",
+    );
+    fails_with(&with(&SMALL, &["--steps", "-3"]), "invalid value '-3' for '--steps");
     fails_with(&with(&SMALL, &["--shuffle", "maybe"]), "--shuffle");
     fails_with(&["train", "--model", "huge"], "unknown model preset");
     fails_with(&with(&SMALL, &["--backend", "nope"]), "--backend");
@@ -383,6 +389,11 @@ fn launch_trains_data_parallel_over_quic() {
         a[1].param_hash.is_some() && a[0].param_hash.is_none(),
         "verified every 2 steps"
     );
+    // The exposed part of communication is part of it, by definition, in every record.
+    for x in &a {
+        assert!(x.comm_ms > 0.0, "step {}: {x:?}", x.step);
+        assert!(x.exposed_comm_ms <= x.comm_ms, "step {}: {x:?}", x.step);
+    }
     let (cfg, _) = load_model(&ck).unwrap();
     let state = load_trainer_state(&ck, &ParamLayout::new(&cfg)).unwrap();
     assert_eq!((state.world_size, state.step), (2, 6));
@@ -511,4 +522,184 @@ fn backend_errors_name_the_flags_that_avoid_them() {
     ];
     fails_with(&args, "--batch-size");
     fails_with(&args, "65535");
+}
+
+/// A `--save` path that cannot take a checkpoint is refused before the first step (here a file stands where
+/// a directory must go, and a directory holds a file that is not a checkpoint's), in one process and on rank
+/// 0 of a launched job; nothing is trained and nothing is written.
+#[test]
+fn a_save_path_that_cannot_take_a_checkpoint_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let afile = dir.path().join("afile");
+    std::fs::write(&afile, b"not a directory").unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let under_file = afile.join("sub");
+    let args = with(
+        &SMALL,
+        &[
+            "--steps",
+            "500",
+            "--save",
+            under_file.to_str().unwrap(),
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ],
+    );
+    common::fails_with_all(&args, &["--save", "was not started", "afile"]);
+    assert!(!metrics.exists(), "no step ran, so no metrics were written");
+    let notes = dir.path().join("notes");
+    std::fs::create_dir(&notes).unwrap();
+    std::fs::write(notes.join("todo.txt"), b"mine").unwrap();
+    fails_with(
+        &with(&SMALL, &["--steps", "500", "--save", notes.to_str().unwrap()]),
+        "it is not empty and is not a checkpoint",
+    );
+    assert_eq!(std::fs::read(notes.join("todo.txt")).unwrap(), b"mine");
+    let mut launch = vec!["launch", "--nproc", "2", "--"];
+    launch.extend(with(
+        &SMALL,
+        &["--steps", "500", "--save", under_file.to_str().unwrap()],
+    ));
+    common::fails_with_all(&launch, &["--save", "was not started"]);
+    assert_eq!(std::fs::read(&afile).unwrap(), b"not a directory");
+}
+
+/// A save that fails in the middle of a run stops it with an error naming the step and the checkpoint that
+/// is still whole; that checkpoint loads, and the file that made the save fail is untouched.
+#[test]
+fn a_save_that_fails_mid_run_stops_the_run_and_keeps_the_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let child = Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+        .args(with(
+            &SMALL,
+            &["--steps", "100000", "--save-every", "1", "--save", ck.to_str().unwrap()],
+        ))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once the first checkpoint is in place, put a file there that no checkpoint holds: every later save
+    // refuses to replace the directory.
+    let started = std::time::Instant::now();
+    while !ck.join("trainer_state.safetensors").is_file() {
+        assert!(started.elapsed() < Duration::from_secs(120), "no checkpoint appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::fs::write(ck.join("notes.txt"), b"mine").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for needle in [
+        "saving the checkpoint to",
+        "failed, so the run stops",
+        "there is whole",
+        "--resume",
+        "notes.txt",
+    ] {
+        assert!(stderr.contains(needle), "missing {needle:?} in:\n{stderr}");
+    }
+    let (params, _, _, step) = params_and_state(&ck);
+    assert!(step >= 1 && !params.is_empty());
+    assert!(
+        stderr.contains(&format!("the checkpoint of step {step} there is whole")),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(ck.join("notes.txt")).unwrap(), b"mine");
+}
+
+/// `eval --data DIR` scores the `_val_` shards of an llm.c-style directory (as `train --data DIR` validates
+/// on them) and says on stderr which files it read; stdout keeps its one JSON line.
+#[test]
+fn eval_of_a_shard_directory_reads_its_val_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    // The training shard repeats one pattern; the validation shard is different text.
+    let train: Vec<u32> = b"abcabcabc ".iter().cycle().take(4000).map(|&b| u32::from(b)).collect();
+    let val: Vec<u32> = b"the quick brown fox jumps. "
+        .iter()
+        .cycle()
+        .take(2000)
+        .map(|&b| u32::from(b))
+        .collect();
+    ringtrain::data::write_shard(&data.join("byte_train_000001.bin"), &train).unwrap();
+    ringtrain::data::write_shard(&data.join("byte_val_000000.bin"), &val).unwrap();
+    let ck = dir.path().join("ck");
+    ok(&with(&SMALL, &["--steps", "2", "--save", ck.to_str().unwrap()]));
+    let eval = |spec: &Path| {
+        let out = ringtrain(&[
+            "eval",
+            "--checkpoint",
+            ck.to_str().unwrap(),
+            "--data",
+            spec.to_str().unwrap(),
+            "--seq-len",
+            "16",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert_eq!(stdout.lines().count(), 1, "{stdout}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        (v["loss"].as_f64().unwrap(), stderr)
+    };
+    let (of_dir, said) = eval(&data);
+    assert!(
+        said.contains("the _val_ shards of") && said.contains("byte_val_000000.bin"),
+        "{said}"
+    );
+    assert!(!said.contains("byte_train_000001.bin"), "{said}");
+    let (of_val, _) = eval(&data.join("byte_val_000000.bin"));
+    let (of_train, _) = eval(&data.join("byte_train_000001.bin"));
+    assert_eq!(of_dir.to_bits(), of_val.to_bits());
+    assert_ne!(of_dir.to_bits(), of_train.to_bits());
+}
+
+/// Shards of GPT-2 tokens trained with the byte tokenizer: the error names the flag that fits them.
+#[test]
+fn out_of_range_tokens_name_the_tokenizer_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let shard = dir.path().join("gpt2_train_000001.bin");
+    let tokens: Vec<u32> = (0..2000u32).map(|i| (i * 7919) % 50257).collect();
+    ringtrain::data::write_shard(&shard, &tokens).unwrap();
+    common::fails_with_all(
+        &with(&SMALL, &["--data", shard.to_str().unwrap(), "--steps", "1"]),
+        &["out of range for a vocabulary of 256", "--tokenizer gpt2"],
+    );
+}
+
+/// A fresh run does not overwrite an earlier run's metrics: they move to `FILE.1` (then `.2`), and the run
+/// says so; a resumed run appends.
+#[test]
+fn an_earlier_runs_metrics_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let ck = dir.path().join("ck");
+    let m = metrics.to_str().unwrap();
+    ok(&with(
+        &SMALL,
+        &["--steps", "3", "--metrics", m, "--save", ck.to_str().unwrap()],
+    ));
+    let stderr = ok(&with(&SMALL, &["--steps", "2", "--metrics", m]));
+    let aside = dir.path().join("m.jsonl.1");
+    assert!(
+        stderr.contains("moved them to") && stderr.contains("m.jsonl.1"),
+        "{stderr}"
+    );
+    assert_eq!(ringtrain::metrics::read_metrics(&aside).unwrap().len(), 3);
+    assert_eq!(ringtrain::metrics::read_metrics(&metrics).unwrap().len(), 2);
+    // Resuming the first run appends to the file named.
+    std::fs::rename(&aside, &metrics).unwrap();
+    ok(&with(
+        &SMALL,
+        &["--steps", "5", "--metrics", m, "--resume", ck.to_str().unwrap()],
+    ));
+    let steps: Vec<u64> = ringtrain::metrics::read_metrics(&metrics)
+        .unwrap()
+        .iter()
+        .map(|r| r.step)
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3, 4, 5]);
 }

@@ -24,19 +24,19 @@ pub struct TrainArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// Custom shape: number of layers (overrides the preset)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub n_layer: Option<usize>,
     /// Custom shape: embedding width
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub n_embd: Option<usize>,
     /// Custom shape: attention heads
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub n_head: Option<usize>,
     /// Custom shape: vocabulary size (defaults to the tokenizer's)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub vocab_size: Option<usize>,
     /// Custom shape: longest sequence (position table size)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub n_positions: Option<usize>,
     /// Start from a Hugging Face GPT-2 directory
     #[arg(long)]
@@ -53,48 +53,48 @@ pub struct TrainArgs {
     /// auto, cpu, wgpu or cuda
     #[arg(long)]
     pub backend: Option<String>,
-    /// Sequences per micro-batch per rank [default: 8; 64 for --model small]
-    #[arg(long)]
+    /// Sequences per micro-batch per rank [default: 64 for the unchanged `small` preset (byte tokenizer), else 8]
+    #[arg(long, allow_negative_numbers = true)]
     pub batch_size: Option<usize>,
     /// Tokens per sequence
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub seq_len: Option<usize>,
     /// Micro-batches per optimizer step
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub grad_accum: Option<usize>,
     /// Optimizer steps (total, counting resumed ones)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub steps: Option<u64>,
     /// Peak learning rate [default: 3e-3 for models up to 256 wide, else 6e-4]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     /// constant or cosine
     #[arg(long)]
     pub lr_schedule: Option<String>,
     /// Linear warmup steps [default: a fifth of --steps]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub warmup: Option<u64>,
     /// Floor of the cosine schedule (default lr/10)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub min_lr: Option<f64>,
     /// none, linear or sqrt: scale --lr by global batch / --base-batch
     #[arg(long)]
     pub lr_scaling: Option<String>,
     /// Global batch (sequences) that --lr was tuned for
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub base_batch: Option<usize>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub beta1: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub beta2: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub eps: Option<f64>,
     /// Clip the global gradient L2 norm to this; 0 turns clipping off
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub grad_clip: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub seed: Option<u64>,
     /// on or off
     #[arg(long)]
@@ -103,7 +103,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub update: Option<String>,
     /// Compare replica hashes every N steps (0: never)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub verify_every: Option<u64>,
     /// abort or resync
     #[arg(long)]
@@ -113,10 +113,10 @@ pub struct TrainArgs {
     pub on_nonfinite: Option<String>,
     /// Warn when a step's loss exceeds this many times the running average of the earlier losses; only
     /// logged, 0 turns it off [default: 3]
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub loss_spike: Option<f64>,
     /// Gradient bucket size for the AllReduce, MiB
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub bucket_mb: Option<f64>,
     /// on (communicate each gradient bucket while backward goes on) or off (after backward); same bits
     #[arg(long)]
@@ -124,7 +124,7 @@ pub struct TrainArgs {
     /// Checkpoint directory written at the end (and every --save-every steps)
     #[arg(long)]
     pub save: Option<PathBuf>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub save_every: Option<u64>,
     /// Continue from a checkpoint directory
     #[arg(long)]
@@ -133,17 +133,17 @@ pub struct TrainArgs {
     #[arg(long)]
     pub metrics: Option<PathBuf>,
     /// Evaluate on the validation data every N steps (0: only at the end)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub eval_every: Option<u64>,
     /// Validation batches per evaluation
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub eval_batches: Option<usize>,
     /// Deadline of one collective, seconds
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub timeout: Option<f64>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub rank: Option<usize>,
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub world_size: Option<usize>,
     #[arg(long)]
     pub master_addr: Option<String>,
@@ -153,7 +153,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
     /// Compute threads of this rank (default: RAYON_NUM_THREADS, else the host's cores / ranks on this host)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub threads: Option<usize>,
 }
 

@@ -4,7 +4,7 @@
 use super::sample::tokenizer_for;
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
-use ringtrain::data::{eval_windows, fill_batch, load_tokens};
+use ringtrain::data::{eval_windows, fill_batch, load_eval_tokens};
 use ringtrain::model::{checkpoint, Gpt2};
 use std::path::Path;
 
@@ -19,7 +19,8 @@ pub fn run_eval(dir: &Path, data: &str, o: &EvalOptions) -> Result<()> {
     let dir = checkpoint::resolve_checkpoint_dir(dir)?;
     let (cfg, params) = checkpoint::load_model(&dir)?;
     let tokenizer = tokenizer_for(&cfg)?;
-    let stream = load_tokens(data, tokenizer.kind())?;
+    let eval_data = load_eval_tokens(data, tokenizer.kind())?;
+    let stream = eval_data.stream;
     stream.validate_vocab(cfg.vocab_size)?;
     let t = o.seq_len.unwrap_or(cfg.n_positions);
     if t == 0 || t > cfg.n_positions || o.batch_size == 0 {
@@ -35,6 +36,8 @@ pub fn run_eval(dir: &Path, data: &str, o: &EvalOptions) -> Result<()> {
             o.batch_size
         );
     }
+    // stdout keeps its one JSON line; what was read goes to stderr.
+    eprintln!("eval: reading {} ({} tokens)", eval_data.description, stream.len());
     let (mut be, _) = factory::open(BackendChoice::Cpu, 0)?;
     let mut model = Gpt2::new(&mut be, cfg.clone(), &params)?;
     let n = o.batch_size * t;

@@ -12,7 +12,7 @@ use ringtrain::data::{load_splits, DataSplits};
 use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
 };
-use ringtrain::metrics::{MetricsWriter, StepMetrics};
+use ringtrain::metrics::{set_aside_earlier_run, MetricsWriter, StepMetrics};
 use ringtrain::trainer::fault_injection::{NonFiniteFault, INJECT_FAULT_VAR};
 use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, TrainOptions, Trainer};
 use std::time::Duration;
@@ -180,8 +180,29 @@ fn run_steps<B: Backend>(
     backend_reason: &str,
 ) -> Result<()> {
     let opts = trainer.opts.clone();
+    // Rank 0 writes the checkpoints: find out now, not after the run, when the path cannot take one.
+    if let (Some(dir), true) = (&opts.save, is_rank0) {
+        ringtrain::model::checkpoint::check_save_target(dir).with_context(|| {
+            format!(
+                "--save {}: the run's checkpoints could not be written there, so it was not started",
+                dir.display()
+            )
+        })?;
+    }
+    let mut saves = Saves::default();
     let mut metrics = match metrics_path {
-        Some(p) if is_rank0 => Some(MetricsWriter::open(p, resuming)?),
+        Some(p) if is_rank0 => {
+            if !resuming {
+                if let Some(aside) = set_aside_earlier_run(p)? {
+                    eprintln!(
+                        "metrics: {} held an earlier run's records; moved them to {}",
+                        p.display(),
+                        aside.display()
+                    );
+                }
+            }
+            Some(MetricsWriter::open(p, resuming)?)
+        }
         _ => None,
     };
     let mut progress = if is_rank0 {
@@ -235,7 +256,7 @@ fn run_steps<B: Backend>(
         progress.update(&m);
         if let Some(dir) = &opts.save {
             if opts.save_every > 0 && trainer.step % opts.save_every == 0 && !at_end {
-                trainer.save(dir)?;
+                saves.save(trainer, dir)?;
                 if is_rank0 {
                     progress.message(&format!("step {}: saved {}", m.step, dir.display()));
                 }
@@ -245,7 +266,7 @@ fn run_steps<B: Backend>(
     }
     progress.finish();
     if let Some(dir) = &opts.save {
-        trainer.save(dir)?;
+        saves.save(trainer, dir)?;
         if is_rank0 {
             eprintln!("saved checkpoint {}", dir.display());
         }
@@ -261,6 +282,33 @@ fn run_steps<B: Backend>(
         );
     }
     Ok(())
+}
+
+/// The run's checkpoints so far. A save that fails stops the run (after every rank hears why): the save is
+/// atomic, so the checkpoint before it stays whole, and the error says which step that is.
+#[derive(Default)]
+struct Saves {
+    /// The step of the last checkpoint this run saved.
+    last: Option<u64>,
+}
+
+impl Saves {
+    fn save<B: Backend>(&mut self, trainer: &mut Trainer<B>, dir: &std::path::Path) -> Result<()> {
+        let step = trainer.step;
+        if let Err(e) = trainer.save(dir) {
+            let kept = match self.last {
+                Some(last) => format!("the checkpoint of step {last} there is whole"),
+                None => "whatever checkpoint was there before the run is left as it was".to_string(),
+            };
+            return Err(e.context(format!(
+                "step {step}: saving the checkpoint to {} failed, so the run stops; {kept} \
+                 (continue with --resume {0})",
+                dir.display()
+            )));
+        }
+        self.last = Some(step);
+        Ok(())
+    }
 }
 
 /// Communication over a run, for the summary line.
@@ -280,10 +328,8 @@ impl CommTotals {
         self.exposed_ms += m.exposed_comm_ms;
     }
 
-    /// `, communication 12.3 ms/step, 3.1 ms/step exposed (4% of the step)`; empty for one rank. The exposed
-    /// time is given in ms, not as a share of the communication: it also counts the read-backs and uploads
-    /// around the collectives that the step waited for, so on a fast link it can exceed the collectives' own
-    /// time (a share over 100% would read as a bug).
+    /// `, communication 12.3 ms/step, 3.1 ms/step of it exposed (4% of the step)`; empty for one rank. The
+    /// exposed part is the time the step waited within its collectives, so it never exceeds them.
     fn summary(&self, world: usize) -> String {
         if world < 2 || self.steps == 0 {
             return String::new();
@@ -295,7 +341,7 @@ impl CommTotals {
             0.0
         };
         format!(
-            ", communication {:.1} ms/step, {:.1} ms/step exposed ({of_step:.0}% of the step)",
+            ", communication {:.1} ms/step, {:.1} ms/step of it exposed ({of_step:.0}% of the step)",
             self.comm_ms / steps,
             self.exposed_ms / steps,
         )
@@ -352,17 +398,17 @@ mod tests {
     use super::CommTotals;
 
     #[test]
-    fn the_summary_gives_exposed_time_in_ms_even_when_it_exceeds_the_collectives() {
-        // Two steps of 10 ms, with 2 ms of collectives and 2.5 ms waited for (read-backs included).
+    fn the_summary_gives_communication_and_the_exposed_part_of_it() {
+        // Two steps of 10 ms, with 4 ms of collectives of which the step waited 2.5 ms.
         let totals = CommTotals {
             steps: 2,
             step_ms: 20.0,
-            comm_ms: 4.0,
+            comm_ms: 8.0,
             exposed_ms: 5.0,
         };
         assert_eq!(
             totals.summary(2),
-            ", communication 2.0 ms/step, 2.5 ms/step exposed (25% of the step)"
+            ", communication 4.0 ms/step, 2.5 ms/step of it exposed (25% of the step)"
         );
         assert_eq!(totals.summary(1), "");
     }

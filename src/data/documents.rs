@@ -38,6 +38,13 @@ pub const TEXT_CHUNK_BYTES: usize = 1 << 20;
 pub const MAX_PIECE_BYTES: usize = 64 << 20;
 /// Read buffer of a JSONL file.
 const READ_BUFFER_BYTES: usize = 1 << 20;
+/// Read buffer of a text file: its blocks are read straight into the pending text, so this serves only the
+/// short reads at the end of a file.
+const TEXT_READ_BUFFER_BYTES: usize = 64 << 10;
+/// A piece's buffer may exceed its length by this fraction (plus [`PIECE_SLACK_BYTES`]) before it is cut to
+/// size, so that what a piece holds stays proportional to its text, whatever the reads that built it.
+const PIECE_SLACK_DIVISOR: usize = 8;
+const PIECE_SLACK_BYTES: usize = 64;
 
 /// How a corpus file is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +66,9 @@ impl InputFormat {
     }
 }
 
-/// Raw bytes of one document, or of one part of a text document, with where they came from.
+/// Raw bytes of one document, or of one part of a text document, with where they came from. Its buffer
+/// holds little more than its bytes ([`Piece::held_bytes`]), so that batches counted by what they hold stay
+/// small whatever the number of files.
 #[derive(Debug)]
 pub struct Piece {
     /// 1-based line of the file where the piece starts.
@@ -74,6 +83,11 @@ pub struct Piece {
 }
 
 impl Piece {
+    /// Memory this piece holds: its buffer and the piece itself.
+    pub fn held_bytes(&self) -> usize {
+        self.bytes.capacity() + std::mem::size_of::<Piece>()
+    }
+
     /// The document text in this piece: the bytes as UTF-8, or for a JSONL line the string under `field`.
     /// Errors name `path` (the file the piece came from) and the line.
     pub fn text(&self, path: &Path, field: &str) -> Result<Cow<'_, str>> {
@@ -127,6 +141,14 @@ fn json_kind(value: &serde_json::Value) -> &'static str {
     }
 }
 
+/// `bytes` with its spare capacity given back when it exceeds the allowed slack.
+fn trimmed(mut bytes: Vec<u8>) -> Vec<u8> {
+    if bytes.capacity() - bytes.len() > bytes.len() / PIECE_SLACK_DIVISOR + PIECE_SLACK_BYTES {
+        bytes.shrink_to_fit();
+    }
+    bytes
+}
+
 fn count_newlines(bytes: &[u8]) -> u64 {
     bytes.iter().filter(|&&b| b == b'\n').count() as u64
 }
@@ -155,6 +177,9 @@ pub struct PieceReader {
     path: PathBuf,
     format: InputFormat,
     reader: BufReader<File>,
+    /// Bytes of the file not read yet, by its size when opened: the next read asks for no more than this
+    /// (plus one, to see the end), so a small file is not read into a chunk-sized buffer.
+    unread_hint: u64,
     /// Line and byte offset of the next piece.
     line: u64,
     offset: u64,
@@ -188,10 +213,16 @@ impl PieceReader {
                 path: path.to_path_buf(),
             });
         }
+        let format = InputFormat::of(path);
+        let buffer = match format {
+            InputFormat::Jsonl => READ_BUFFER_BYTES,
+            InputFormat::Text => TEXT_READ_BUFFER_BYTES,
+        };
         Ok(PieceReader {
             path: path.to_path_buf(),
-            format: InputFormat::of(path),
-            reader: BufReader::with_capacity(READ_BUFFER_BYTES, file),
+            format,
+            reader: BufReader::with_capacity(buffer, file),
+            unread_hint: meta.len(),
             line: 1,
             offset: 0,
             pending: Vec::new(),
@@ -251,7 +282,7 @@ impl PieceReader {
                 offset,
                 starts_document: true,
                 format: InputFormat::Jsonl,
-                bytes,
+                bytes: trimmed(bytes),
             }));
         }
     }
@@ -280,10 +311,12 @@ impl PieceReader {
         }
     }
 
-    /// Appends up to one chunk's worth of the file to `pending`; sets `eof` at the end.
+    /// Appends up to one chunk's worth of the file to `pending` (no more than the file has left, by its size
+    /// when opened, plus one byte to see the end); sets `eof` at the end.
     fn read_block(&mut self) -> Result<()> {
         let start = self.pending.len();
-        self.pending.resize(start + self.chunk_bytes, 0);
+        let want = (self.chunk_bytes as u64).min(self.unread_hint + 1) as usize;
+        self.pending.resize(start + want, 0);
         let n = loop {
             match self.reader.read(&mut self.pending[start..]) {
                 Ok(n) => break n,
@@ -295,6 +328,7 @@ impl PieceReader {
             }
         };
         self.pending.truncate(start + n);
+        self.unread_hint = self.unread_hint.saturating_sub(n as u64);
         self.eof = n == 0;
         Ok(())
     }
@@ -315,7 +349,7 @@ impl PieceReader {
             offset: self.offset,
             starts_document: std::mem::replace(&mut self.at_document_start, false),
             format: InputFormat::Text,
-            bytes,
+            bytes: trimmed(bytes),
         };
         self.line += count_newlines(&piece.bytes);
         self.offset += piece.bytes.len() as u64;
@@ -359,6 +393,33 @@ mod tests {
         for p in &got {
             let before = &text.as_bytes()[..p.offset as usize];
             assert_eq!(p.line, 1 + count_newlines(before));
+        }
+    }
+
+    /// A piece holds about its own bytes: a small file is not read into a chunk-sized buffer, and the last
+    /// piece of a large file does not keep the capacity of the reads before it.
+    #[test]
+    fn pieces_hold_about_their_own_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let small = write(&dir, "small.txt", &b"a few words\n".repeat(80));
+        let large = write(&dir, "large.txt", &b"many more words here\n".repeat(200_000));
+        let json = write(&dir, "d.jsonl", "{\"text\": \"hi there\"}\n".repeat(100).as_bytes());
+        for path in [&small, &large, &json] {
+            let mut reader = PieceReader::open(path).unwrap();
+            let mut n = 0;
+            while let Some(p) = reader.next_piece().unwrap() {
+                let slack = p.bytes.len() / PIECE_SLACK_DIVISOR + PIECE_SLACK_BYTES;
+                assert!(
+                    p.bytes.capacity() <= p.bytes.len() + slack,
+                    "{}: piece {n} of {} bytes holds {}",
+                    path.display(),
+                    p.bytes.len(),
+                    p.bytes.capacity()
+                );
+                assert!(p.held_bytes() < p.bytes.len() + slack + 256);
+                n += 1;
+            }
+            assert!(n > 0);
         }
     }
 

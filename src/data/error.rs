@@ -65,7 +65,10 @@ pub enum DataError {
     #[error("{source_name}: contains no tokens")]
     NoTokens { source_name: String },
 
-    #[error("token {token} at position {position} of {location} is out of range for a vocabulary of {vocab_size}")]
+    #[error(
+        "token {token} at position {position} of {location} is out of range for a vocabulary of {vocab_size}{hint}",
+        hint = vocab_hint(*.token, *.vocab_size)
+    )]
     TokenOutOfVocab {
         token: u32,
         position: u64,
@@ -100,5 +103,18 @@ impl DataError {
             path: path.into(),
             error,
         }
+    }
+}
+
+/// What to do about a token past the model's vocabulary: name the flag that sets the vocabulary.
+fn vocab_hint(token: u32, vocab_size: usize) -> String {
+    let gpt2 = super::GPT2_VOCAB_SIZE;
+    if vocab_size < gpt2 && (token as usize) < gpt2 {
+        format!(
+            " (the data holds GPT-2 BPE tokens but the model has {vocab_size}: train with --tokenizer gpt2, \
+             which gives the model GPT-2's {gpt2}-token vocabulary)"
+        )
+    } else {
+        " (the data was tokenized with a larger vocabulary than the model's: pick the matching --tokenizer)".into()
     }
 }

@@ -142,6 +142,66 @@ pub fn load_tokens(spec: &str, tokenizer: TokenizerKind) -> Result<TokenStream> 
     load_source(spec, &resolve(spec)?, tokenizer)
 }
 
+/// llm.c's naming: when some shards are named `*_train_*` and others `*_val_*`, those two sets; otherwise
+/// `None` (every shard is training data).
+fn split_shards(paths: &[PathBuf]) -> Option<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let named = |tag: &str| -> Vec<PathBuf> {
+        let has_tag = |p: &&PathBuf| p.file_name().is_some_and(|n| n.to_string_lossy().contains(tag));
+        paths.iter().filter(has_tag).cloned().collect()
+    };
+    let (train, val) = (named("_train_"), named("_val_"));
+    (!train.is_empty() && !val.is_empty()).then_some((train, val))
+}
+
+/// What `ringtrain eval --data SPEC` scores, and a line saying so.
+#[derive(Debug, Clone)]
+pub struct EvalData {
+    pub stream: TokenStream,
+    /// Which files (or text) were read, for the user.
+    pub description: String,
+}
+
+/// The tokens `eval --data SPEC` scores: what `train --data SPEC` validates on when SPEC has a validation
+/// part of its own (the `_val_` shards of a shard set named in llm.c's way, the synthetic corpus's
+/// validation text), otherwise everything SPEC names (a text file is read whole: it is not split).
+pub fn load_eval_tokens(spec: &str, tokenizer: TokenizerKind) -> Result<EvalData> {
+    let source = resolve(spec)?;
+    let file_names = |paths: &[PathBuf]| {
+        let names: Vec<String> = paths
+            .iter()
+            .map(|p| {
+                p.file_name()
+                    .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
+            })
+            .collect();
+        names.join(", ")
+    };
+    let (stream, description) = match &source {
+        Source::Synthetic => (
+            synthetic_stream(&synthetic::val_text(), "synthetic (val)", tokenizer)?,
+            "the synthetic corpus's validation text (what train validates on)".to_string(),
+        ),
+        Source::Shards(paths) => match split_shards(paths) {
+            Some((_, val)) => (
+                open_shards(&format!("{spec} (_val_ shards)"), &val)?,
+                format!(
+                    "the _val_ shards of {spec}: {} (a glob such as '{spec}/*_train_*.bin' scores the training shards)",
+                    file_names(&val)
+                ),
+            ),
+            None => (
+                open_shards(spec, paths)?,
+                format!("every shard of {spec}: {}", file_names(paths)),
+            ),
+        },
+        Source::Text(path) => (
+            load_source(spec, &source, tokenizer)?,
+            format!("all of {} (a text file is read whole)", path.display()),
+        ),
+    };
+    Ok(EvalData { stream, description })
+}
+
 /// Where the validation stream came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ValSource {
@@ -210,12 +270,7 @@ pub fn load_splits(data: &str, val_data: Option<&str>, tokenizer: TokenizerKind)
             }
         }
         Source::Shards(paths) => {
-            let named = |tag: &str| -> Vec<PathBuf> {
-                let has_tag = |p: &&PathBuf| p.file_name().is_some_and(|n| n.to_string_lossy().contains(tag));
-                paths.iter().filter(has_tag).cloned().collect()
-            };
-            let (train_paths, val_paths) = (named("_train_"), named("_val_"));
-            if !train_paths.is_empty() && !val_paths.is_empty() {
+            if let Some((train_paths, val_paths)) = split_shards(paths) {
                 let train = open_shards(&format!("{data} (_train_ shards)"), &train_paths)?;
                 let default = match explicit {
                     Some(_) => None,

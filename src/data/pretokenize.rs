@@ -1,8 +1,9 @@
 //! Turns corpus files into llm.c shards: the pipeline behind `ringtrain tokenize`.
 //!
 //! Three stages, so that memory stays flat whatever the input size and every core tokenizes:
-//! 1. a reader thread reads the files in order ([`PieceReader`]) and groups their pieces into batches of
-//!    about [`BATCH_BYTES`], sent over a channel that holds at most [`BATCHES_IN_FLIGHT`];
+//! 1. a reader thread reads the files in order ([`PieceReader`]) and groups their pieces into batches that
+//!    hold about [`BATCH_BYTES`] of memory ([`Piece::held_bytes`], so thousands of small files make a
+//!    batch no larger than one big file), sent over a channel that holds at most [`BATCHES_IN_FLIGHT`];
 //! 2. the calling thread hands each batch to the rayon pool, which checks UTF-8, parses JSON and encodes
 //!    the pieces in parallel, collecting the results in input order;
 //! 3. the calling thread then writes the batch's tokens ([`ShardWriter`]): the separator token before each
@@ -25,7 +26,7 @@ use super::tokenizer::{Tokenizer, TokenizerKind};
 /// Default `--shard-tokens`: 10M tokens (20 MB files). Shard 0 is the validation set, so this is smaller
 /// than llm.c's 100M to keep the held-out share small for corpora of a few hundred million tokens.
 pub const DEFAULT_SHARD_TOKENS: u64 = 10_000_000;
-/// Text per batch handed to the tokenizing threads.
+/// Memory per batch handed to the tokenizing threads (piece buffers and bookkeeping).
 pub const BATCH_BYTES: usize = 4 << 20;
 /// Batches read ahead of the tokenizer.
 pub const BATCHES_IN_FLIGHT: usize = 2;
@@ -147,7 +148,7 @@ fn read_batches(inputs: &[PathBuf], tx: &SyncSender<Result<Batch>>) {
         pieces: Vec::new(),
         bytes: 0,
     };
-    let mut batch_text = 0usize;
+    let mut batch_held = 0usize;
     for (input, path) in inputs.iter().enumerate() {
         let mut reader = match PieceReader::open(path) {
             Ok(r) => r,
@@ -170,9 +171,9 @@ fn read_batches(inputs: &[PathBuf], tx: &SyncSender<Result<Batch>>) {
             let end = piece.offset + piece.bytes.len() as u64;
             batch.bytes += end - consumed;
             consumed = end;
-            batch_text += piece.bytes.len();
+            batch_held += piece.held_bytes();
             batch.pieces.push((input, piece));
-            if batch_text >= BATCH_BYTES {
+            if batch_held >= BATCH_BYTES {
                 let full = std::mem::replace(
                     &mut batch,
                     Batch {
@@ -180,7 +181,7 @@ fn read_batches(inputs: &[PathBuf], tx: &SyncSender<Result<Batch>>) {
                         bytes: 0,
                     },
                 );
-                batch_text = 0;
+                batch_held = 0;
                 if tx.send(Ok(full)).is_err() {
                     return;
                 }

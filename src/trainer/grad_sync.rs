@@ -7,6 +7,7 @@
 //! whether communication overlapped backward (`--overlap on|off` give the same bits).
 
 use super::buckets::BucketPlan;
+use super::comm_ledger::CommLedger;
 use super::UpdateMode;
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::{Backend, Download, View};
@@ -14,7 +15,7 @@ use crate::collective::comm_thread::{CommThread, Pending};
 use anyhow::Result;
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// When a step's gradient collectives started, against the end of its backward (for tests and tracing).
 #[derive(Clone, Debug, Default)]
@@ -25,10 +26,8 @@ pub struct SyncTrace {
     pub bucket_started: Vec<Instant>,
 }
 
-/// What the gradient sync of one step measured and left.
+/// What the gradient sync of one step left.
 pub struct SyncOutcome {
-    /// Time the communication thread spent in this step's bucket collectives.
-    pub busy: Duration,
     /// Sharded: the sum of squares of the owned, reduced gradient elements (this rank's share of the norm).
     pub owned_sum_squares: Option<f64>,
 }
@@ -48,8 +47,8 @@ pub struct GradSync {
     /// Sharded: parameter all-gathers started after the last update and not yet put on the device, in
     /// forward order (ascending flat ranges): (bucket range, handle).
     gathering: VecDeque<(Range<usize>, Pending<Vec<f32>>)>,
-    /// Time the communication thread spent in gathers waited for since the last [`GradSync::take_gather_busy`].
-    gather_busy: Duration,
+    /// The collectives waited for in this step, and the waits (see [`CommLedger`]).
+    pub ledger: CommLedger,
     /// Host buffers for reuse, so a step does not allocate a gradient's worth of memory.
     spare: Vec<Vec<f32>>,
     pub trace: SyncTrace,
@@ -66,7 +65,7 @@ impl GradSync {
             reading: VecDeque::new(),
             in_flight: Vec::new(),
             gathering: VecDeque::new(),
-            gather_busy: Duration::ZERO,
+            ledger: CommLedger::default(),
             spare: Vec::new(),
             trace: SyncTrace::default(),
         }
@@ -118,11 +117,9 @@ impl GradSync {
     pub fn finish<B: Backend>(&mut self, be: &mut B, comm: &CommThread, grads: View) -> Result<SyncOutcome> {
         self.finished(be, comm, grads, 0)?;
         self.hand_over(be, comm, true)?;
-        let mut busy = Duration::ZERO;
         let mut owned_sq = 0.0;
         for (bucket, pending) in std::mem::take(&mut self.in_flight) {
-            let (host, times) = pending.wait_timed()?;
-            busy += times.took;
+            let (host, times) = self.ledger.wait(pending)?;
             self.trace.bucket_started.push(times.started);
             let range = self.plan.buckets[bucket].clone();
             match self.update {
@@ -136,7 +133,6 @@ impl GradSync {
             self.spare.push(host);
         }
         Ok(SyncOutcome {
-            busy,
             owned_sum_squares: (self.update == UpdateMode::Sharded).then_some(owned_sq),
         })
     }
@@ -162,8 +158,7 @@ impl GradSync {
     pub fn await_params<B: Backend>(&mut self, be: &mut B, params: View, upto: usize) -> Result<()> {
         while self.gathering.front().is_some_and(|(range, _)| range.start < upto) {
             let (range, pending) = self.gathering.pop_front().expect("front exists");
-            let (host, times) = pending.wait_timed()?;
-            self.gather_busy += times.took;
+            let (host, _) = self.ledger.wait(pending)?;
             be.upload(params.sub(range.start, range.len()), &host)?;
             self.spare.push(host);
         }
@@ -173,10 +168,5 @@ impl GradSync {
     /// Puts every gathered bucket on the device.
     pub fn settle_params<B: Backend>(&mut self, be: &mut B, params: View) -> Result<()> {
         self.await_params(be, params, usize::MAX)
-    }
-
-    /// The communication thread's time in the gathers waited for since the last call.
-    pub fn take_gather_busy(&mut self) -> Duration {
-        std::mem::take(&mut self.gather_busy)
     }
 }

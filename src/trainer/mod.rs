@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 pub mod buckets;
+pub mod comm_ledger;
 pub mod fault_injection;
 pub mod grad_sync;
 pub mod loss_spike;
@@ -289,6 +290,8 @@ impl<B: Backend> Trainer<B> {
         // gradient of this rank's mean loss; the mean over ranks in the sync makes it the global batch's.
         self.model.zero_grads(&mut self.be);
         self.sync.begin_step(&mut self.be);
+        // Only what this step waits for counts in its communication time.
+        self.sync.ledger.clear();
         if self.world > 1 {
             let step = self.step;
             let _ = self.comm.submit(move |c| {
@@ -299,8 +302,7 @@ impl<B: Backend> Trainer<B> {
         let dloss = 1.0 / (b * t * k) as f32;
         let mut loss_sum = 0.0;
         // Sharded: the last update's parameter gathers arrive while forward runs; what forward waits for
-        // them is exposed communication.
-        let mut gather_wait = std::time::Duration::ZERO;
+        // them is exposed communication (the ledger records it).
         // Fault injection: written once the last micro-batch's backward has finished its element.
         let mut inject = (self.fault)
             .filter(|f| f.fires(self.rank, self.step))
@@ -315,12 +317,7 @@ impl<B: Backend> Trainer<B> {
                 b,
                 t,
                 Some(dloss),
-                &mut |be, upto| {
-                    let waited = Instant::now();
-                    sync.await_params(be, params, upto)?;
-                    gather_wait += waited.elapsed();
-                    Ok(())
-                },
+                &mut |be, upto| sync.await_params(be, params, upto),
             )?;
             // Only the last micro-batch's backward finishes gradients (DDP's no_sync before it).
             let overlap = self.world > 1 && self.opts.overlap && i + 1 == micro.len();
@@ -341,14 +338,14 @@ impl<B: Backend> Trainer<B> {
         }
         // Without overlap the local gradients are final here, before any of them is read back.
         write_if_final(&mut inject, &mut self.be, self.model.grads, 0)?;
-        let backward_ended = Instant::now();
-        self.sync.trace.backward_ended = Some(backward_ended);
+        self.sync.trace.backward_ended = Some(Instant::now());
         // Synchronise: average gradients (and the loss) over ranks.
-        let (owned_sq, mut comm_busy) = match self.world {
-            1 => (None, std::time::Duration::ZERO),
+        let owned_sq = match self.world {
+            1 => None,
             _ => {
-                let outcome = self.sync.finish(&mut self.be, &self.comm, self.model.grads)?;
-                (outcome.owned_sum_squares, outcome.busy)
+                self.sync
+                    .finish(&mut self.be, &self.comm, self.model.grads)?
+                    .owned_sum_squares
             }
         };
         let local_loss = loss_sum / k as f64;
@@ -356,10 +353,7 @@ impl<B: Backend> Trainer<B> {
             Some(sq) => sq,
             None => self.be.sum_squares(self.model.grads)?,
         };
-        let scalars_started = Instant::now();
         let (loss, grad_sq) = self.reduce_scalars(local_loss, local_sq)?;
-        comm_busy += scalars_started.elapsed();
-        let mut exposed = gather_wait + (scalars_started - backward_ended) + scalars_started.elapsed();
         // Update: decisions come from reduced values, so every rank decides alike.
         let grad_norm = grad_sq.sqrt();
         let lr = self.opts.schedule.lr_at(self.step);
@@ -384,16 +378,15 @@ impl<B: Backend> Trainer<B> {
                 // The gather needs every rank's update, which needs the global norm, so it cannot overlap
                 // this step's backward: it overlaps the next step's forward instead (as FSDP prefetches),
                 // or with `--overlap off` completes here, exposed.
-                let gather_started = Instant::now();
                 self.sync.start_gather(&mut self.be, &self.comm, params)?;
                 if !self.opts.overlap {
                     self.sync.settle_params(&mut self.be, params)?;
                 }
-                exposed += gather_started.elapsed();
             }
         }
-        // The gathers waited for in this step (the last step's, when they overlap).
-        comm_busy += self.sync.take_gather_busy();
+        // The collectives waited for in this step: its buckets, the scalars, and the gathers (the last
+        // step's, when they overlap this forward).
+        let comm_time = self.sync.ledger.take();
         let mut param_hash = None;
         let verify = self.opts.verify_every;
         if verify > 0 && (self.step + 1) % verify == 0 {
@@ -413,12 +406,12 @@ impl<B: Backend> Trainer<B> {
             step_ms,
             // One rank communicates nothing; what the timers saw there is bookkeeping.
             comm_ms: if self.world > 1 {
-                comm_busy.as_secs_f64() * 1e3
+                comm_time.busy.as_secs_f64() * 1e3
             } else {
                 0.0
             },
             exposed_comm_ms: if self.world > 1 {
-                exposed.as_secs_f64() * 1e3
+                comm_time.exposed.as_secs_f64() * 1e3
             } else {
                 0.0
             },
@@ -457,10 +450,11 @@ impl<B: Backend> Trainer<B> {
             UpdateMode::Replicated if self.rank == 0 => local_sq,
             UpdateMode::Replicated => 0.0,
         };
-        let vals = self.comm.run(move |c| {
+        let pending = self.comm.submit(move |c| {
             let mut vals = [local_loss, sq];
             c.all_reduce_scalars(&mut vals).map(|()| vals)
-        })?;
+        });
+        let (vals, _) = self.sync.ledger.wait(pending)?;
         Ok((vals[0] / self.world as f64, vals[1]))
     }
 

@@ -4,13 +4,12 @@
 //! wait. When a link breaks, [`QuicCollective::blame`] works out which rank to name.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::framing::{data_frame_chunks, LinkEvent};
-use super::{local, QuicCollective};
+use super::{local, QuicCollective, Shared};
 use crate::collective::buffer_pool::BufferPool;
 use crate::collective::frame::{self, Header, SequenceGuard};
 use crate::collective::le_pieces::LePieces;
@@ -133,26 +132,14 @@ impl QuicCollective {
     }
 
     /// A link broke: give rank 0's verdict time to arrive, so the error names the rank that really died
-    /// (the neighbour may just have left after seeing the failure first). If rank 0 itself died, its close
-    /// may never arrive and only the keep-alive idle timeout reveals it, so the wait covers that timeout.
-    /// Otherwise blame the neighbour.
+    /// (the neighbour may just have left after seeing the failure first); otherwise blame the neighbour.
     async fn blame(&self, peer: usize, reason: &str, deadline: Instant) -> CollectiveError {
         let fallback = CollectiveError::PeerDead {
             rank: peer,
             reason: format!("link lost: {reason}"),
         };
-        let wait = Duration::from_millis(1500).max(self.cfg.idle_timeout + Duration::from_millis(500));
-        let grace = (Instant::now() + wait).min(deadline);
-        let mut poison_rx = self.poison_rx.clone();
-        loop {
-            if let Some(e) = self.current_poison() {
-                return e;
-            }
-            tokio::select! {
-                r = poison_rx.changed() => if r.is_err() { return fallback },
-                _ = tokio::time::sleep_until(grace) => return fallback,
-            }
-        }
+        let grace = (Instant::now() + Shared::verdict_grace(self.cfg.idle_timeout)).min(deadline);
+        self.shared.verdict_or(fallback, grace).await
     }
 }
 

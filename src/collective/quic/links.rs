@@ -74,16 +74,26 @@ pub(super) async fn connect(
     let refusals = listener.refusals.clone();
     let open_right = open_right(cfg, endpoint, key, right, &refusals, deadline);
     let accept_left = accept_left(cfg.job_id, left_rank, &ring.certs[left_rank], listener, deadline);
-    // A rank that dies while the ring forms is reported by rank 0: stop waiting then.
+    // A rank that dies or aborts while the ring forms is reported by rank 0: stop waiting then. The verdict
+    // is checked first, so that a link that failed because of it never hides it.
     let mut prx = shared.poison.subscribe();
     let (r, l) = tokio::select! {
-        rl = async { tokio::join!(open_right, accept_left) } => rl,
+        biased;
         p = prx.wait_for(|p| p.is_some()) => {
             return Err(p.ok().and_then(|p| p.clone()).unwrap_or_else(|| local("control plane failed")));
         }
+        rl = async { tokio::join!(open_right, accept_left) } => rl,
     };
-    let right = r?;
-    let (conn, send, recv) = l?;
+    let links = r.and_then(|right| l.map(|left| (right, left)));
+    let (right, (conn, send, recv)) = match links {
+        Ok(links) => links,
+        // A neighbour that closed its endpoint has usually left because of a failure elsewhere (it heard of
+        // an abort before this rank did): report that failure, not the closed link.
+        Err(e) => {
+            let grace = (Instant::now() + Shared::verdict_grace(cfg.idle_timeout)).min(deadline);
+            return Err(shared.verdict_or(e, grace).await);
+        }
+    };
     let rx = spawn_reader(recv, (cfg.sub_chunk * 4).max(MAX_GATHER_BLOB));
     Ok(RingLinks {
         right: Some(right),

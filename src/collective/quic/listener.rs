@@ -11,6 +11,7 @@ use quinn::{Connection, Endpoint, RecvStream, SendStream};
 use tokio::sync::mpsc;
 
 use super::auth::{self, AcceptFail};
+use super::close_reason;
 use super::framing::{control_frame, read_control};
 use super::messages::Control;
 
@@ -177,7 +178,7 @@ async fn serve_incoming(
             Err(e) => {
                 // E.g. another protocol version: say why in the close reason, the one thing any version reads.
                 let reason = format!("refused: {e}");
-                conn.close(4u32.into(), &reason.as_bytes()[..reason.len().min(512)]);
+                conn.close(4u32.into(), &close_reason(&reason));
                 return Err(e);
             }
         };

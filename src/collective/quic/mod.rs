@@ -153,6 +153,22 @@ impl QuicConfig {
     }
 }
 
+/// QUIC application close codes, as a peer reads them: a goodbye after a clean run, and a goodbye after a
+/// failure, whose reason names the failure.
+const CLOSE_BYE: u32 = 0;
+const CLOSE_FAILED: u32 = 6;
+/// Longest close reason sent: a close frame must fit in one datagram.
+const MAX_CLOSE_REASON: usize = 512;
+
+/// `reason` cut to [`MAX_CLOSE_REASON`] bytes at a character boundary.
+fn close_reason(reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(MAX_CLOSE_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason.as_bytes()[..end].to_vec()
+}
+
 fn local(msg: impl Into<String>) -> CollectiveError {
     CollectiveError::Local(msg.into())
 }
@@ -172,6 +188,26 @@ struct Shared {
 }
 
 impl Shared {
+    /// A link failed with `fallback`: gives the control plane until `until` to deliver its verdict (rank 0's
+    /// relay of the abort or death that made the link fail) and returns that verdict, else `fallback`. A link
+    /// usually breaks because its peer left after hearing of a failure elsewhere, and the peer's goodbye can
+    /// overtake rank 0's notice of the cause; the cause is what every rank must report.
+    async fn verdict_or(&self, fallback: CollectiveError, until: Instant) -> CollectiveError {
+        let mut rx = self.poison.subscribe();
+        let verdict = tokio::time::timeout_at(until, rx.wait_for(|p| p.is_some())).await;
+        match verdict {
+            Ok(Ok(p)) => p.clone().unwrap_or(fallback),
+            _ => fallback,
+        }
+    }
+
+    /// How long a rank whose link broke waits for the control plane's verdict: long enough for rank 0's
+    /// relay, and, when rank 0 itself died and its close may never arrive, for the keep-alive idle timeout
+    /// that reveals it.
+    fn verdict_grace(idle_timeout: Duration) -> Duration {
+        Duration::from_millis(1500).max(idle_timeout + Duration::from_millis(500))
+    }
+
     fn poison(&self, e: CollectiveError) {
         if self.closing.load(Ordering::SeqCst) {
             return;
@@ -259,10 +295,34 @@ impl QuicCollective {
             _keep: s.links.keep,
         };
         match ring_error {
-            // Dropping says goodbye: rank 0 stays up until the others have heard why.
-            Some(e) => Err(e),
+            // Tell everyone why this rank cannot go on (unless the control plane told it), then drop, which
+            // says goodbye: rank 0 stays up until the others have heard why.
+            Some(e) => {
+                let mut q = q;
+                q.report_failure(&e);
+                Err(e)
+            }
             None => Ok(q),
         }
+    }
+
+    /// Reports a failure this rank found itself to rank 0, which relays it to everyone, so that they fail
+    /// now with its cause rather than at their own deadline or with a link error. A failure the control
+    /// plane delivered is everyone's already.
+    fn report_failure(&mut self, e: &CollectiveError) {
+        if self.crashed || self.current_poison().as_ref() == Some(e) {
+            return;
+        }
+        let me = self.cfg.rank;
+        let (rank, dead, reason) = match e {
+            CollectiveError::PeerDead { rank, reason } => {
+                (*rank, true, format!("rank {me} lost its link to it: {reason}"))
+            }
+            other => (me, false, other.to_string()),
+        };
+        let rt = self.rt.take().expect("runtime present until drop");
+        rt.block_on(self.control.send_abort(self.cfg.job_id, rank, dead, &reason));
+        self.rt = Some(rt);
     }
 
     /// This rank's endpoint address.
@@ -316,7 +376,14 @@ impl QuicCollective {
         let control_wait = if failed { wait.min(Duration::from_secs(2)) } else { wait };
         self.shared.closing.store(true, Ordering::SeqCst);
         self.control.leave(self.cfg.job_id, wait, control_wait).await;
-        self.endpoint.close(0u32.into(), b"bye");
+        // After a failure the close carries its cause, so that a peer still dialling this rank reads why it
+        // left rather than a plain goodbye.
+        match &self.failed {
+            None => self.endpoint.close(CLOSE_BYE.into(), b"bye"),
+            Some(e) => self
+                .endpoint
+                .close(CLOSE_FAILED.into(), &close_reason(&format!("left after: {e}"))),
+        }
         let _ = tokio::time::timeout(Duration::from_millis(200), self.endpoint.wait_idle()).await;
     }
 }
@@ -437,20 +504,7 @@ impl Collective for QuicCollective {
         self.rt = Some(rt);
         self.seq += 1;
         if let Err(e) = &res {
-            // Tell everyone what this rank found (unless it came from the control plane already), so they fail
-            // now rather than at their own deadline.
-            if !self.crashed && self.current_poison().as_ref() != Some(e) {
-                let me = self.cfg.rank;
-                let (rank, dead, reason) = match e {
-                    CollectiveError::PeerDead { rank, reason } => {
-                        (*rank, true, format!("rank {me} lost its link to it: {reason}"))
-                    }
-                    other => (me, false, other.to_string()),
-                };
-                let rt = self.rt.take().expect("runtime");
-                rt.block_on(self.control.send_abort(self.cfg.job_id, rank, dead, &reason));
-                self.rt = Some(rt);
-            }
+            self.report_failure(e);
             self.failed = Some(e.clone());
         }
         res

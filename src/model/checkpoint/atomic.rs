@@ -112,6 +112,25 @@ pub fn save_checkpoint_with_hook(
     result.with_context(|| format!("saving checkpoint to {}", dir.display()))
 }
 
+/// Checks, before a run trains, that a save to `dir` can succeed: its parent directory exists or can be
+/// created, a file can be written there, and `dir` is absent, empty or a checkpoint that may be replaced
+/// (see the module documentation). Creates the parent directories; writes and removes one probe file.
+pub fn check_save_target(dir: &Path) -> Result<()> {
+    let paths = Siblings::of(dir)?;
+    fs::create_dir_all(&paths.parent).with_context(|| {
+        format!(
+            "cannot create {}, the directory the checkpoint goes in",
+            paths.parent.display()
+        )
+    })?;
+    check_replaceable(dir)?;
+    let mut name = OsString::from(dir.file_name().expect("Siblings::of checked the name"));
+    name.push(format!(".ringtrain-probe-{}", std::process::id()));
+    let probe = paths.parent.join(name);
+    fs::write(&probe, b"probe").with_context(|| format!("cannot write in {}", paths.parent.display()))?;
+    fs::remove_file(&probe).with_context(|| format!("removing {}", probe.display()))
+}
+
 /// Where a checkpoint may live: at `dir`, or at the last moment of a save interrupted between the two
 /// renames, at its `.ringtrain-old` sibling (whole, fsynced). Loaders call this so that such a crash never
 /// loses the checkpoint.

@@ -19,7 +19,7 @@ mod model_files;
 mod tensor_io;
 mod trainer_state;
 
-pub use atomic::{resolve_checkpoint_dir, save_checkpoint, save_checkpoint_with_hook, SaveStage};
+pub use atomic::{check_save_target, resolve_checkpoint_dir, save_checkpoint, save_checkpoint_with_hook, SaveStage};
 pub use hf_config::{config_from_hf_json, hf_config_json};
 pub use model_files::{load_model, load_model_bytes, save_model_files};
 pub use trainer_state::{load_trainer_state, load_trainer_state_bytes, save_trainer_state, TrainerState};
