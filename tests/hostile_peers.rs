@@ -268,7 +268,11 @@ fn a_right_neighbour_answering_with_another_certificate_is_refused() {
     // closed link or its rendezvous deadline.
     let e0 = e0.expect("rank 0 cannot form the ring either");
     assert_eq!(e0.peer(), Some(1), "{e0}");
-    assert!(e0.to_string().contains("certificate other than the one rank 2 presented"), "{e0}");
+    assert!(
+        e0.to_string()
+            .contains("certificate other than the one rank 2 presented"),
+        "{e0}"
+    );
     let lines = wait_for_refusals(rogue_addr, 1);
     assert_eq!(lines.len(), 1, "{lines:#?}");
 }

@@ -18,8 +18,9 @@ use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::collective::quic::{QuicCollective, QuicConfig};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::metrics::StepMetrics;
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{ModelSource, TrainOptions, Trainer, UpdateMode};
+use ringtrain::trainer::{ModelSource, RunObserver, TrainOptions, Trainer, UpdateMode};
 
 const WORLD: usize = 3;
 
@@ -71,14 +72,17 @@ fn train_rank(comm: Box<dyn Collective>, model: &ModelConfig, options: &TrainOpt
         hashes: Vec::new(),
     };
     let start = Instant::now();
-    while t.step < t.opts.steps {
-        let m = t
-            .train_step()
-            .unwrap_or_else(|e| panic!("rank {rank}, step {}: {e:#}", t.step + 1));
-        run.losses.push(m.loss);
-        run.hashes.push(t.param_hash().unwrap());
-    }
+    t.run(&mut run)
+        .unwrap_or_else(|e| panic!("rank {rank}, step {}: {e:#}", t.step() + 1));
     (run, start.elapsed())
+}
+
+impl<B: Backend> RunObserver<B> for RankRun {
+    fn step(&mut self, t: &mut Trainer<B>, m: &StepMetrics) -> anyhow::Result<()> {
+        self.losses.push(m.loss);
+        self.hashes.push(t.param_hash()?);
+        Ok(())
+    }
 }
 
 /// The job over the in-memory ring.

@@ -8,9 +8,10 @@ use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::Backend;
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::metrics::StepMetrics;
 use ringtrain::model::{ModelConfig, ParamLayout};
 use ringtrain::trainer::grad_sync::SyncTrace;
-use ringtrain::trainer::{ModelSource, TrainOptions, Trainer, UpdateMode};
+use ringtrain::trainer::{ModelSource, RunObserver, TrainOptions, Trainer, UpdateMode};
 
 /// What one rank saw in each step.
 struct RankRun {
@@ -18,6 +19,16 @@ struct RankRun {
     hashes: Vec<String>,
     traces: Vec<SyncTrace>,
     buckets: usize,
+}
+
+impl<B: Backend> RunObserver<B> for RankRun {
+    fn step(&mut self, t: &mut Trainer<B>, m: &StepMetrics) -> anyhow::Result<()> {
+        self.losses.push(m.loss);
+        self.hashes.push(t.param_hash()?);
+        self.traces
+            .push(t.last_sync_trace().expect("the bucketed sync traces").clone());
+        Ok(())
+    }
 }
 
 /// Trains `options.steps` steps of `model` on `world` CPU ranks over the in-memory ring.
@@ -43,11 +54,7 @@ fn train_on(choice: BackendChoice, world: usize, model: &ModelConfig, options: &
                         traces: Vec::new(),
                         buckets: t.bucket_plan().buckets.len(),
                     };
-                    while t.step < t.opts.steps {
-                        run.losses.push(t.train_step().unwrap().loss);
-                        run.hashes.push(t.param_hash().unwrap());
-                        run.traces.push(t.last_sync_trace().clone());
-                    }
+                    t.run(&mut run).unwrap();
                     run
                 })
             })

@@ -33,10 +33,13 @@ fn options(update: UpdateMode) -> TrainOptions {
 
 /// The moments a trainer holds, downloaded: `([owned.len()], [owned.len()])`.
 fn moments(t: &mut Trainer<Box<dyn Backend>>) -> (Vec<f32>, Vec<f32>) {
-    let (mut m, mut v) = (vec![0f32; t.opt.m.len], vec![0f32; t.opt.v.len]);
-    t.be.download(t.opt.m, &mut m).unwrap();
-    t.be.download(t.opt.v, &mut v).unwrap();
-    (m, v)
+    let moments = t.moments().unwrap();
+    (moments.m, moments.v)
+}
+
+/// The flat-layout ranges whose moments a trainer keeps.
+fn owned(t: &mut Trainer<Box<dyn Backend>>) -> Vec<Range<usize>> {
+    t.moments().unwrap().owned
 }
 
 /// Runs `world` ranks over the in-memory ring; each builds a trainer from `source` and hands it to `body`.
@@ -68,10 +71,11 @@ fn sharded_ranks_keep_a_nth_of_the_moments() {
     let total = ringtrain::model::ParamLayout::new(&model()).total;
     let fresh = || ModelSource::Fresh(model());
     let lens = on_ranks(3, UpdateMode::Sharded, fresh, |t| {
+        let moments = t.moments().unwrap();
         (
             t.rank(),
-            t.opt.owned.clone(),
-            t.opt.m.len,
+            moments.owned,
+            moments.m.len(),
             t.bucket_plan().buckets.clone(),
         )
     });
@@ -94,7 +98,7 @@ fn sharded_ranks_keep_a_nth_of_the_moments() {
         );
     }
     assert_eq!(lens.iter().map(|l| l.2).sum::<usize>(), total);
-    for len in on_ranks(3, UpdateMode::Replicated, fresh, |t| t.opt.m.len) {
+    for len in on_ranks(3, UpdateMode::Replicated, fresh, |t| t.moments().unwrap().m.len()) {
         assert_eq!(len, total);
     }
 }
@@ -115,7 +119,7 @@ fn checkpoints_gather_sharded_moments_and_resume_recuts_them() {
                 t.train_step().unwrap();
             }
             t.save(&ckpt).unwrap();
-            (t.opt.owned.clone(), moments(t))
+            (owned(t), moments(t))
         },
     );
     let (mut full_m, mut full_v) = (vec![f32::NAN; total], vec![f32::NAN; total]);
@@ -130,12 +134,7 @@ fn checkpoints_gather_sharded_moments_and_resume_recuts_them() {
     let single = on_ranks(1, UpdateMode::Sharded, || resume(&ckpt), moments);
     assert!(bits_equal(&single[0].0, &full_m) && bits_equal(&single[0].1, &full_v));
     // Two sharded ranks resuming each hold their chunk of them.
-    for (owned, (m, v)) in on_ranks(
-        2,
-        UpdateMode::Sharded,
-        || resume(&ckpt),
-        |t| (t.opt.owned.clone(), moments(t)),
-    ) {
+    for (owned, (m, v)) in on_ranks(2, UpdateMode::Sharded, || resume(&ckpt), |t| (owned(t), moments(t))) {
         assert_eq!(owned.iter().map(|r| r.len()).sum::<usize>(), m.len());
         assert!(bits_equal(&m, &cut(&owned, &full_m)) && bits_equal(&v, &cut(&owned, &full_v)));
     }

@@ -3,8 +3,8 @@
 //! parameter fingerprint, whether the step was skipped, the single-worker loss on the same global batch,
 //! and, with [`Cluster::network`], the network model's prediction of the step's time on that fabric.
 //!
-//! README.md's section "Testing your training setup in CI" has an example test; `sim/tests/cluster_api.rs`
-//! runs it and checks that the two still match.
+//! `docs/sim-and-ci.md`'s section "Testing your training setup in CI" has an example test;
+//! `sim/tests/cluster_api.rs` runs it and checks that the two still match.
 //!
 //! What the design guarantees, and so what [`ClusterRun::identity_guaranteed`] says: replicas hold
 //! identical bits at every step whatever the world size, transport, overlap or network perturbation, and

@@ -5,12 +5,12 @@
 //! gradient or state and do not depend on the transport.
 
 use anyhow::{bail, ensure, Context, Result};
-use ringtrain::backend::Backend;
 use ringtrain::collective::mem::Faults;
 use ringtrain::model::{ModelConfig, ParamLayout};
 use ringtrain::trainer::buckets::BucketPlan;
+pub use ringtrain::trainer::fault_injection::{flip_offset, BitFlip, FlipTarget, FLIP_BIT};
 use ringtrain::trainer::fault_injection::{BadValue, NonFiniteFault};
-use ringtrain::trainer::{TrainOptions, Trainer};
+use ringtrain::trainer::TrainOptions;
 use std::time::Duration;
 
 /// `--fault` in `--help`: every kind, the transports it applies to, and its outcome.
@@ -32,29 +32,6 @@ Inject a fault (repeatable, each kind at most once). RANK counts from 0, STEP fr
                     a moment, fails RANK's shard checksum at the next step, naming RANK (the checksum is
                     on with --verify-every, which the sim sets to 1)
 Under --transport quic the mem-only kinds are refused, never ignored.";
-
-/// The bit [`BitFlip`] flips: the top mantissa bit, so the value changes by up to half its magnitude and
-/// stays finite with its sign (a flip of the exponent would turn into the non-finite fault's path).
-pub const FLIP_BIT: u32 = 22;
-
-/// Which state of the rank a [`BitFlip`] corrupts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FlipTarget {
-    Param,
-    /// AdamW's first moment (`exp_avg`).
-    Moment,
-}
-
-/// One bit of one element of one rank's state flipped after one step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BitFlip {
-    pub rank: usize,
-    /// After this step (counted from 1).
-    pub step: u64,
-    pub target: FlipTarget,
-    /// Flat-layout element; `None`: the first element of the rank's shard (0 in replicated mode).
-    pub element: Option<usize>,
-}
 
 /// Faults on one rank's gradient or state, applied whatever the transport.
 #[derive(Clone, Debug, Default)]
@@ -238,49 +215,6 @@ pub fn validate(
         flip_offset(&f, layout.total, &owned)?;
     }
     Ok(())
-}
-
-/// The flat element a flip corrupts, and its offset in the buffer it lives in (the flat parameters, or the
-/// moment of the owned ranges laid range after range).
-fn flip_offset(flip: &BitFlip, total: usize, owned: &[std::ops::Range<usize>]) -> Result<(usize, usize)> {
-    let first = owned.first().map_or(0, |r| r.start);
-    let element = flip.element.unwrap_or(first);
-    ensure!(
-        element < total,
-        "--fault flip: element {element} is outside the model's {total} parameters"
-    );
-    match flip.target {
-        FlipTarget::Param => Ok((element, element)),
-        FlipTarget::Moment => {
-            let mut at = 0;
-            for r in owned {
-                if r.contains(&element) {
-                    return Ok((element, at + element - r.start));
-                }
-                at += r.len();
-            }
-            bail!(
-                "--fault flip: rank {} keeps no moment of element {element} (sharded, it keeps those of its shard {owned:?})",
-                flip.rank
-            )
-        }
-    }
-}
-
-/// Flips [`FLIP_BIT`] of the element `flip` names in `trainer`'s state; returns the flat element.
-pub fn apply_flip<B: Backend>(trainer: &mut Trainer<B>, flip: &BitFlip) -> Result<usize> {
-    trainer.settle_params()?;
-    let (element, offset) = flip_offset(flip, trainer.model.layout.total, &trainer.opt.owned)?;
-    let view = match flip.target {
-        FlipTarget::Param => trainer.model.params,
-        FlipTarget::Moment => trainer.opt.m,
-    };
-    let one = view.sub(offset, 1);
-    let mut value = [0f32];
-    trainer.be.download(one, &mut value)?;
-    value[0] = f32::from_bits(value[0].to_bits() ^ (1 << FLIP_BIT));
-    trainer.be.upload(one, &value)?;
-    Ok(element)
 }
 
 #[cfg(test)]

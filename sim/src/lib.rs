@@ -19,14 +19,15 @@ use ringtrain::collective::mem::{mem_cluster, Faults, MemOptions};
 use ringtrain::collective::quic::{QuicCollective, QuicConfig};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::metrics::StepMetrics;
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{ModelSource, TrainOptions, Trainer};
+use ringtrain::trainer::{ModelSource, RunObserver, TrainOptions, Trainer};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 pub mod faults;
 
-use faults::{apply_flip, quic_crash, QuicCrash, TrainerFaults};
+use faults::{quic_crash, BitFlip, QuicCrash, TrainerFaults};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
@@ -101,7 +102,13 @@ fn build_trainer<B: Backend>(
     comm: Box<dyn Collective>,
 ) -> Result<Trainer<B>> {
     let data = load_splits("synthetic", None, TokenizerKind::Byte)?;
-    Trainer::new(be, ModelSource::Fresh(cfg.model.clone()), data, options.clone(), comm)
+    // The sim compares training, not validation: it evaluates and saves nothing.
+    let options = TrainOptions {
+        eval_batches: 0,
+        save: None,
+        ..options.clone()
+    };
+    Trainer::new(be, ModelSource::Fresh(cfg.model.clone()), data, options, comm)
 }
 
 fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
@@ -116,33 +123,40 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
     if let Some(fault) = cfg.trainer_faults.nonfinite {
         trainer.arm_fault(fault);
     }
-    let flip = cfg.trainer_faults.flip.filter(|f| f.rank == rank);
-    let mut trace = RankTrace {
-        losses: Vec::new(),
-        hashes: Vec::new(),
-        skipped: Vec::new(),
-        hash_after_flip: None,
+    let mut recorder = Recorder {
+        flip: cfg.trainer_faults.flip.filter(|f| f.rank == rank),
+        trace: RankTrace {
+            losses: Vec::new(),
+            hashes: Vec::new(),
+            skipped: Vec::new(),
+            hash_after_flip: None,
+        },
     };
-    while trainer.step < trainer.opts.steps {
-        match trainer.train_step() {
-            Ok(m) => {
-                trace.losses.push(m.loss);
-                trace.hashes.push(trainer.param_hash()?);
-                if m.skipped {
-                    trace.skipped.push(m.step);
-                }
-                if let Some(f) = flip.filter(|f| f.step == m.step) {
-                    apply_flip(&mut trainer, &f).with_context(|| format!("rank {rank}: --fault flip"))?;
-                    trace.hash_after_flip = Some(trainer.param_hash()?);
-                }
-            }
-            Err(e) => {
-                trainer.abort(&format!("{e:#}"));
-                return Err(e.context(format!("rank {rank}, step {}", trainer.step + 1)));
-            }
+    let run = trainer.run(&mut recorder);
+    run.with_context(|| format!("rank {rank}, step {}", trainer.step() + 1))?;
+    Ok(recorder.trace)
+}
+
+/// What the sim records of one rank after every step: the loss, the replica fingerprint and the skips; and
+/// where the rank's `flip` fault is due, the flip and the fingerprint right after it.
+struct Recorder {
+    flip: Option<BitFlip>,
+    trace: RankTrace,
+}
+
+impl<B: Backend> RunObserver<B> for Recorder {
+    fn step(&mut self, trainer: &mut Trainer<B>, m: &StepMetrics) -> Result<()> {
+        self.trace.losses.push(m.loss);
+        self.trace.hashes.push(trainer.param_hash()?);
+        if m.skipped {
+            self.trace.skipped.push(m.step);
         }
+        if let Some(f) = self.flip.filter(|f| f.step == m.step) {
+            trainer.apply_flip(&f).context("--fault flip")?;
+            self.trace.hash_after_flip = Some(trainer.param_hash()?);
+        }
+        Ok(())
     }
-    Ok(trace)
 }
 
 /// Rank `rank` joining the QUIC ring on loopback, as a launched process would (with the job id its config
@@ -225,12 +239,22 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     };
     let (cpu, _) = factory::open(BackendChoice::Cpu, 0)?;
     let mut trainer = build_trainer(cpu, cfg, &single, single_rank())?;
-    let mut single_worker_losses = Vec::new();
-    while trainer.step < trainer.opts.steps {
-        single_worker_losses.push(trainer.train_step()?.loss);
-    }
+    let mut losses = Losses::default();
+    trainer.run(&mut losses)?;
+    let single_worker_losses = losses.0;
     Ok(SimReport {
         ranks,
         single_worker_losses,
     })
+}
+
+/// The losses of a run, step by step.
+#[derive(Default)]
+struct Losses(Vec<f64>);
+
+impl<B: Backend> RunObserver<B> for Losses {
+    fn step(&mut self, _trainer: &mut Trainer<B>, m: &StepMetrics) -> Result<()> {
+        self.0.push(m.loss);
+        Ok(())
+    }
 }

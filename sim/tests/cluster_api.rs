@@ -1,5 +1,6 @@
-//! The README's example of `ringtrain_sim::Cluster` (section "Testing your training setup in CI"), kept
-//! verbatim below and checked against the README, plus the builder's errors, faults and predictions.
+//! The example of `ringtrain_sim::Cluster` in `docs/sim-and-ci.md` (section "Testing your training setup
+//! in CI"), kept verbatim below and checked against the guide, plus the builder's errors, faults and
+//! predictions.
 
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::trainer::UpdateMode;
@@ -36,14 +37,14 @@ fn four_workers_train_like_one() -> anyhow::Result<()> {
 use ringtrain::model::ModelConfig;
 use ringtrain_sim::netmodel::StepPrediction;
 
-/// The README's example must be this file's, character for character (imports and test included).
+/// The guide's example must be this file's, character for character (imports and test included).
 #[test]
-fn readme_example_is_this_file() {
-    let readme = include_str!("../../README.md");
-    let section = readme
+fn guide_example_is_this_file() {
+    let guide = include_str!("../../docs/sim-and-ci.md");
+    let section = guide
         .split("## Testing your training setup in CI\n")
         .nth(1)
-        .expect("README.md has the section \"Testing your training setup in CI\"");
+        .expect("docs/sim-and-ci.md has the section \"Testing your training setup in CI\"");
     let example = section
         .split("```rust\n")
         .nth(1)
@@ -52,7 +53,7 @@ fn readme_example_is_this_file() {
     let this_file = include_str!("cluster_api.rs");
     assert!(
         this_file.contains(example),
-        "README.md's example differs from sim/tests/cluster_api.rs: copy one onto the other"
+        "docs/sim-and-ci.md's example differs from sim/tests/cluster_api.rs: copy one onto the other"
     );
 }
 

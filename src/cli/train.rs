@@ -14,7 +14,7 @@ use ringtrain::dist::{
 };
 use ringtrain::metrics::{set_aside_earlier_run, MetricsWriter, StepMetrics};
 use ringtrain::trainer::fault_injection::{NonFiniteFault, INJECT_FAULT_VAR};
-use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, TrainOptions, Trainer};
+use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, RunObserver, TrainOptions, Trainer};
 use std::time::Duration;
 
 /// Everything a run needs, resolved from flags, the TOML file and the launch environment.
@@ -159,118 +159,20 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let is_rank0 = s.launch.rank == 0;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_fault(&mut trainer, s.fault);
-    let result = run_steps(
-        &mut trainer,
-        s.metrics_path.as_deref(),
+    let mut observer = CliObserver {
+        progress: match is_rank0 {
+            true => Progress::new(trainer.options().steps, trainer.step()),
+            false => Progress::hidden(),
+        },
+        metrics_path: s.metrics_path.filter(|_| is_rank0),
         resuming,
+        metrics: None,
         is_rank0,
-        &format!("{}; {}", selection.reason, s.threads),
-    );
-    if let Err(e) = &result {
-        trainer.abort(&format!("{e:#}"));
-    }
-    result
-}
-
-fn run_steps<B: Backend>(
-    trainer: &mut Trainer<B>,
-    metrics_path: Option<&std::path::Path>,
-    resuming: bool,
-    is_rank0: bool,
-    backend_reason: &str,
-) -> Result<()> {
-    let opts = trainer.opts.clone();
-    // Rank 0 writes the checkpoints: find out now, not after the run, when the path cannot take one.
-    if let (Some(dir), true) = (&opts.save, is_rank0) {
-        ringtrain::model::checkpoint::check_save_target(dir).with_context(|| {
-            format!(
-                "--save {}: the run's checkpoints could not be written there, so it was not started",
-                dir.display()
-            )
-        })?;
-    }
-    let mut saves = Saves::default();
-    let mut metrics = match metrics_path {
-        Some(p) if is_rank0 => {
-            if !resuming {
-                if let Some(aside) = set_aside_earlier_run(p)? {
-                    eprintln!(
-                        "metrics: {} held an earlier run's records; moved them to {}",
-                        p.display(),
-                        aside.display()
-                    );
-                }
-            }
-            Some(MetricsWriter::open(p, resuming)?)
-        }
-        _ => None,
+        backend_reason: format!("{}; {}", selection.reason, s.threads),
+        comm: CommTotals::default(),
     };
-    let mut progress = if is_rank0 {
-        Progress::new(opts.steps, trainer.step)
-    } else {
-        Progress::hidden()
-    };
-    progress.message(&format!(
-        "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {} x {} tokens, {} steps from step {}",
-        trainer.model.layout.total,
-        trainer.model.config.n_layer,
-        trainer.model.config.n_embd,
-        trainer.be.name(),
-        backend_reason,
-        trainer.world(),
-        opts.update.as_str(),
-        trainer.world() * opts.batch_size * opts.grad_accum,
-        opts.seq_len,
-        opts.steps,
-        trainer.step
-    ));
-    if trainer.step >= opts.steps {
-        progress.message(&format!(
-            "already at step {} of {}: nothing to train",
-            trainer.step, opts.steps
-        ));
-    }
-    let mut last: Option<StepMetrics> = None;
-    let mut comm = CommTotals::default();
-    while trainer.step < opts.steps {
-        let mut m = trainer.train_step().map_err(with_flag_hints)?;
-        comm.add(&m);
-        // Every rank says it skipped (each decides on its own, from the same reduced values); the loss is
-        // global, so rank 0 alone reports a spike.
-        if m.skipped {
-            progress.warn(&format_skip_line(&m, trainer.rank()));
-        }
-        if let Some(line) = format_spike_line(&m, opts.loss_spike) {
-            progress.message(&line);
-        }
-        let at_end = trainer.step == opts.steps;
-        if (opts.eval_every > 0 && trainer.step % opts.eval_every == 0) || at_end {
-            m.val_loss = trainer.evaluate()?;
-            if let Some(v) = m.val_loss {
-                progress.message(&format!("step {}: val loss {v:.4}", m.step));
-            }
-        }
-        if let Some(w) = metrics.as_mut() {
-            w.write(&m)?;
-        }
-        progress.update(&m);
-        if let Some(dir) = &opts.save {
-            if opts.save_every > 0 && trainer.step % opts.save_every == 0 && !at_end {
-                saves.save(trainer, dir)?;
-                if is_rank0 {
-                    progress.message(&format!("step {}: saved {}", m.step, dir.display()));
-                }
-            }
-        }
-        last = Some(m);
-    }
-    progress.finish();
-    if let Some(dir) = &opts.save {
-        saves.save(trainer, dir)?;
-        if is_rank0 {
-            eprintln!("saved checkpoint {}", dir.display());
-        }
-    }
+    let last = trainer.run(&mut observer).map_err(with_flag_hints)?;
+    observer.progress.finish();
     if let (Some(m), true) = (last, is_rank0) {
         let val = m.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
         eprintln!(
@@ -278,36 +180,96 @@ fn run_steps<B: Backend>(
             m.step,
             m.loss,
             m.tokens_per_s,
-            comm.summary(trainer.world())
+            observer.comm.summary(trainer.world())
         );
     }
     Ok(())
 }
 
-/// The run's checkpoints so far. A save that fails stops the run (after every rank hears why): the save is
-/// atomic, so the checkpoint before it stays whole, and the error says which step that is.
-#[derive(Default)]
-struct Saves {
-    /// The step of the last checkpoint this run saved.
-    last: Option<u64>,
+/// Opens rank 0's metrics file: a resumed run appends; a fresh one first moves an earlier run's records
+/// aside, and says where.
+fn open_metrics(path: &std::path::Path, resuming: bool) -> Result<MetricsWriter> {
+    if !resuming {
+        if let Some(aside) = set_aside_earlier_run(path)? {
+            eprintln!(
+                "metrics: {} held an earlier run's records; moved them to {}",
+                path.display(),
+                aside.display()
+            );
+        }
+    }
+    MetricsWriter::open(path, resuming)
 }
 
-impl Saves {
-    fn save<B: Backend>(&mut self, trainer: &mut Trainer<B>, dir: &std::path::Path) -> Result<()> {
-        let step = trainer.step;
-        if let Err(e) = trainer.save(dir) {
-            let kept = match self.last {
-                Some(last) => format!("the checkpoint of step {last} there is whole"),
-                None => "whatever checkpoint was there before the run is left as it was".to_string(),
-            };
-            return Err(e.context(format!(
-                "step {step}: saving the checkpoint to {} failed, so the run stops; {kept} \
-                 (continue with --resume {0})",
-                dir.display()
-            )));
+/// What a `train` run shows and writes: rank 0's progress and metrics file, every rank's skip warnings.
+struct CliObserver {
+    progress: Progress,
+    /// Rank 0's `--metrics` file, opened once the run has started (nothing is written for a run refused
+    /// at its start), appended to when resuming.
+    metrics_path: Option<std::path::PathBuf>,
+    resuming: bool,
+    metrics: Option<MetricsWriter>,
+    is_rank0: bool,
+    /// Why this backend, and the thread budget, for the start line.
+    backend_reason: String,
+    comm: CommTotals,
+}
+
+impl<B: Backend> RunObserver<B> for CliObserver {
+    fn started(&mut self, trainer: &Trainer<B>) -> Result<()> {
+        if let Some(path) = &self.metrics_path {
+            self.metrics = Some(open_metrics(path, self.resuming)?);
         }
-        self.last = Some(step);
+        let (opts, cfg) = (trainer.options(), trainer.model_config());
+        self.progress.message(&format!(
+            "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {} x {} tokens, {} steps from step {}",
+            trainer.param_count(),
+            cfg.n_layer,
+            cfg.n_embd,
+            trainer.backend_name(),
+            self.backend_reason,
+            trainer.world(),
+            opts.update.as_str(),
+            trainer.world() * opts.batch_size * opts.grad_accum,
+            opts.seq_len,
+            opts.steps,
+            trainer.step()
+        ));
+        if trainer.step() >= opts.steps {
+            self.progress.message(&format!(
+                "already at step {} of {}: nothing to train",
+                trainer.step(),
+                opts.steps
+            ));
+        }
         Ok(())
+    }
+
+    fn step(&mut self, trainer: &mut Trainer<B>, m: &StepMetrics) -> Result<()> {
+        self.comm.add(m);
+        // Every rank says it skipped (each decides on its own, from the same reduced values); the loss is
+        // global, so rank 0 alone reports a spike.
+        if m.skipped {
+            self.progress.warn(&format_skip_line(m, trainer.rank()));
+        }
+        if let Some(line) = format_spike_line(m, trainer.options().loss_spike) {
+            self.progress.message(&line);
+        }
+        if let Some(v) = m.val_loss {
+            self.progress.message(&format!("step {}: val loss {v:.4}", m.step));
+        }
+        if let Some(w) = self.metrics.as_mut() {
+            w.write(m)?;
+        }
+        self.progress.update(m);
+        Ok(())
+    }
+
+    fn saved(&mut self, step: u64, dir: &std::path::Path) {
+        if self.is_rank0 {
+            self.progress
+                .message(&format!("step {step}: saved checkpoint {}", dir.display()));
+        }
     }
 }
 
@@ -372,13 +334,13 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     let secs = started.elapsed().as_secs_f64();
     let tokens = trainer.tokens_per_step() as f64 * timed as f64;
     // Forward + backward = 3x the forward FLOPs.
-    let flops = 3.0 * trainer.model.flops_per_token(trainer.opts.seq_len) * tokens;
+    let flops = 3.0 * trainer.flops_per_token() * tokens;
     let line = serde_json::json!({
         "impl": "ringtrain",
-        "backend": trainer.be.name(),
-        "params": trainer.model.layout.total,
-        "batch": trainer.opts.batch_size * trainer.opts.grad_accum,
-        "seq": trainer.opts.seq_len,
+        "backend": trainer.backend_name(),
+        "params": trainer.param_count(),
+        "batch": trainer.options().batch_size * trainer.options().grad_accum,
+        "seq": trainer.options().seq_len,
         "steps": timed,
         "ms_per_step": secs * 1e3 / timed as f64,
         "tokens_per_s": tokens / secs,

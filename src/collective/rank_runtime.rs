@@ -7,7 +7,8 @@
 //! idle thread drives it instead, so keep-alives, acknowledgements and control-plane messages are still
 //! answered. With a multi-thread runtime every sub-chunk crossed threads several times (endpoint driver →
 //! connection driver → reader → collective loop), which cost futex wake-ups and scheduler switches on a
-//! machine whose cores are busy with the data itself (BENCHMARKS.md, all-reduce).
+//! machine whose cores are busy with the data itself. The current-thread runtime made 4 KiB all-reduces
+//! faster (twice as fast at N=4) and cut the system time of 64 MiB ones (BENCHMARKS.md, "Transport settings").
 //!
 //! Hand-over: the caller raises `foreground` and wakes the idle thread, which leaves its `block_on` and
 //! waits; tokio then gives the runtime's driver to the caller's `block_on`. When the caller is done, the idle

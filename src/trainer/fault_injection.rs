@@ -10,6 +10,7 @@
 //! The CLI reads the variable and arms the trainer ([`super::Trainer::arm_fault`]); the library never
 //! reads the environment.
 
+use super::Trainer;
 use crate::backend::{Backend, View};
 use anyhow::{bail, ensure, Context, Result};
 use std::fmt;
@@ -145,6 +146,75 @@ pub fn write_if_final<B: Backend>(
         be.upload(grads.sub(p.element, 1), &[p.value.value()])?;
     }
     Ok(())
+}
+
+/// The bit [`BitFlip`] flips: the top mantissa bit, so the value changes by up to half its magnitude and
+/// stays finite with its sign (a flip of the exponent would turn into the non-finite fault's path).
+pub const FLIP_BIT: u32 = 22;
+
+/// Which state of the rank a [`BitFlip`] corrupts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlipTarget {
+    Param,
+    /// AdamW's first moment (`exp_avg`).
+    Moment,
+}
+
+/// One bit of one element of one rank's state flipped after one step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BitFlip {
+    pub rank: usize,
+    /// After this step (counted from 1).
+    pub step: u64,
+    pub target: FlipTarget,
+    /// Flat-layout element; `None`: the first element of the rank's shard (0 in replicated mode).
+    pub element: Option<usize>,
+}
+
+/// The flat element a flip corrupts, and its offset in the buffer it lives in (the flat parameters, or the
+/// moment of the owned ranges laid range after range).
+pub fn flip_offset(flip: &BitFlip, total: usize, owned: &[std::ops::Range<usize>]) -> Result<(usize, usize)> {
+    let first = owned.first().map_or(0, |r| r.start);
+    let element = flip.element.unwrap_or(first);
+    ensure!(
+        element < total,
+        "flip: element {element} is outside the model's {total} parameters"
+    );
+    match flip.target {
+        FlipTarget::Param => Ok((element, element)),
+        FlipTarget::Moment => {
+            let mut at = 0;
+            for r in owned {
+                if r.contains(&element) {
+                    return Ok((element, at + element - r.start));
+                }
+                at += r.len();
+            }
+            bail!(
+                "flip: rank {} keeps no moment of element {element} (sharded, it keeps those of its shard {owned:?})",
+                flip.rank
+            )
+        }
+    }
+}
+
+impl<B: Backend> Trainer<B> {
+    /// Flips [`FLIP_BIT`] of the element `flip` names in this rank's state (the sim's `flip` fault);
+    /// returns the flat element.
+    pub fn apply_flip(&mut self, flip: &BitFlip) -> Result<usize> {
+        self.settle_params()?;
+        let (element, offset) = flip_offset(flip, self.model.layout.total, &self.opt.owned)?;
+        let view = match flip.target {
+            FlipTarget::Param => self.model.params,
+            FlipTarget::Moment => self.opt.m,
+        };
+        let one = view.sub(offset, 1);
+        let mut value = [0f32];
+        self.be.download(one, &mut value)?;
+        value[0] = f32::from_bits(value[0].to_bits() ^ (1 << FLIP_BIT));
+        self.be.upload(one, &value)?;
+        Ok(element)
+    }
 }
 
 #[cfg(test)]

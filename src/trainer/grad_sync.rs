@@ -1,4 +1,4 @@
-//! Stage 4 of a step, bucket by bucket: each gradient bucket is read back as soon as backward has finished
+//! Today's synchronisation ([`GradientSync`]), bucket by bucket: each gradient bucket is read back as soon as backward has finished
 //! it and handed to the communication thread, which all-reduces it (`replicated`) or reduce-scatters it
 //! (`sharded`) while backward goes on; after backward the trainer waits only for what is still in flight.
 //!
@@ -7,7 +7,8 @@
 //! whether communication overlapped backward (`--overlap on|off` give the same bits).
 
 use super::buckets::BucketPlan;
-use super::comm_ledger::CommLedger;
+use super::comm_ledger::{CommLedger, CommTime};
+use super::sync::{AgreedStep, GradientSync, LocalStep};
 use super::UpdateMode;
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::{Backend, Download, View};
@@ -26,16 +27,11 @@ pub struct SyncTrace {
     pub bucket_started: Vec<Instant>,
 }
 
-/// What the gradient sync of one step left.
-pub struct SyncOutcome {
-    /// Sharded: the sum of squares of the owned, reduced gradient elements (this rank's share of the norm).
-    pub owned_sum_squares: Option<f64>,
-}
-
-/// The gradient sync of one rank.
-pub struct GradSync {
-    pub plan: BucketPlan,
+/// The bucketed per-step gradient sync of one rank: today's synchronisation ([`GradientSync`]).
+pub struct BucketedSync {
+    plan: BucketPlan,
     update: UpdateMode,
+    overlap: bool,
     world: usize,
     rank: usize,
     /// Index in `plan.buckets` of the next bucket to read back.
@@ -48,17 +44,20 @@ pub struct GradSync {
     /// forward order (ascending flat ranges): (bucket range, handle).
     gathering: VecDeque<(Range<usize>, Pending<Vec<f32>>)>,
     /// The collectives waited for in this step, and the waits (see [`CommLedger`]).
-    pub ledger: CommLedger,
+    ledger: CommLedger,
     /// Host buffers for reuse, so a step does not allocate a gradient's worth of memory.
     spare: Vec<Vec<f32>>,
-    pub trace: SyncTrace,
+    trace: SyncTrace,
 }
 
-impl GradSync {
-    pub fn new(plan: BucketPlan, update: UpdateMode, world: usize, rank: usize) -> Self {
-        GradSync {
+impl BucketedSync {
+    /// The sync of rank `rank` of `world` over `plan`'s buckets; `overlap` starts each bucket's collective
+    /// while backward goes on.
+    pub fn new(plan: BucketPlan, update: UpdateMode, overlap: bool, world: usize, rank: usize) -> Self {
+        BucketedSync {
             plan,
             update,
+            overlap,
             world,
             rank,
             next: 0,
@@ -71,10 +70,15 @@ impl GradSync {
         }
     }
 
+    /// The gradient buckets, in the order backward finishes them.
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
     /// Forgets the last step (a step that failed half way leaves nothing behind): read-backs still in
     /// flight are finished and dropped, so the backend releases what they hold (its errors were the failed
     /// step's, already reported).
-    pub fn begin_step<B: Backend>(&mut self, be: &mut B) {
+    fn forget_step<B: Backend>(&mut self, be: &mut B) {
         self.next = 0;
         for (_, read) in self.reading.drain(..) {
             let _ = be.finish_download(read);
@@ -85,7 +89,7 @@ impl GradSync {
 
     /// Backward has finished the gradient elements `from..`: reads back every bucket now complete, and
     /// hands every read that has arrived to the communication thread.
-    pub fn finished<B: Backend>(&mut self, be: &mut B, comm: &CommThread, grads: View, from: usize) -> Result<()> {
+    fn finished<B: Backend>(&mut self, be: &mut B, comm: &CommThread, grads: View, from: usize) -> Result<()> {
         while let Some(bucket) = self.plan.buckets.get(self.next).filter(|b| b.start >= from).cloned() {
             let host = self.spare.pop().unwrap_or_default();
             let read = be.begin_download(grads.sub(bucket.start, bucket.len()), host)?;
@@ -113,8 +117,9 @@ impl GradSync {
     }
 
     /// After backward: starts what is left, waits for every bucket, and puts the mean gradient back on the
-    /// device (all of it when replicated, the owned chunk of each bucket when sharded).
-    pub fn finish<B: Backend>(&mut self, be: &mut B, comm: &CommThread, grads: View) -> Result<SyncOutcome> {
+    /// device (all of it when replicated, the owned chunk of each bucket when sharded). Sharded, returns the
+    /// sum of squares of the owned, reduced elements (this rank's share of the norm).
+    fn finish<B: Backend>(&mut self, be: &mut B, comm: &CommThread, grads: View) -> Result<Option<f64>> {
         self.finished(be, comm, grads, 0)?;
         self.hand_over(be, comm, true)?;
         let mut owned_sq = 0.0;
@@ -132,16 +137,14 @@ impl GradSync {
             }
             self.spare.push(host);
         }
-        Ok(SyncOutcome {
-            owned_sum_squares: (self.update == UpdateMode::Sharded).then_some(owned_sq),
-        })
+        Ok((self.update == UpdateMode::Sharded).then_some(owned_sq))
     }
 
     /// Sharded, after the update: every rank contributes its updated chunk of each bucket's parameters and
     /// will receive the others'. The gathers start in forward order (the embeddings' bucket first) and are
-    /// not waited for here: [`GradSync::await_params`] puts each bucket on the device when the next forward
-    /// reaches it (or [`GradSync::settle_params`] all of them, before anything else reads the parameters).
-    pub fn start_gather<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
+    /// not waited for here: [`BucketedSync::gathered_upto`] puts each bucket on the device when the next
+    /// forward reaches it (or all of them, before anything else reads the parameters).
+    fn start_gather<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
         for bucket in (0..self.plan.buckets.len()).rev() {
             let range = self.plan.buckets[bucket].clone();
             let local = self.plan.owned_within(bucket, self.world, self.rank);
@@ -155,7 +158,7 @@ impl GradSync {
 
     /// Waits for the gathers of every bucket that starts before `upto` and uploads them: the parameters
     /// `..upto` are then current on the device.
-    pub fn await_params<B: Backend>(&mut self, be: &mut B, params: View, upto: usize) -> Result<()> {
+    fn gathered_upto<B: Backend>(&mut self, be: &mut B, params: View, upto: usize) -> Result<()> {
         while self.gathering.front().is_some_and(|(range, _)| range.start < upto) {
             let (range, pending) = self.gathering.pop_front().expect("front exists");
             let (host, _) = self.ledger.wait(pending)?;
@@ -165,8 +168,106 @@ impl GradSync {
         Ok(())
     }
 
-    /// Puts every gathered bucket on the device.
-    pub fn settle_params<B: Backend>(&mut self, be: &mut B, params: View) -> Result<()> {
-        self.await_params(be, params, usize::MAX)
+    /// The loss and the squared gradient norm over the ranks. Sharded ranks contribute the squares of their
+    /// chunks; replicated ranks all hold the same full gradient, so rank 0's square alone is summed.
+    fn agree<B: Backend>(
+        &mut self,
+        be: &mut B,
+        comm: &CommThread,
+        grads: View,
+        local_loss: f64,
+        owned_sq: Option<f64>,
+    ) -> Result<AgreedStep> {
+        let local_sq = match owned_sq {
+            Some(sq) => sq,
+            None => be.sum_squares(grads)?,
+        };
+        if self.world == 1 {
+            return Ok(AgreedStep {
+                loss: local_loss,
+                grad_sq: local_sq,
+            });
+        }
+        let sq = match self.update {
+            UpdateMode::Sharded => local_sq,
+            UpdateMode::Replicated if self.rank == 0 => local_sq,
+            UpdateMode::Replicated => 0.0,
+        };
+        let pending = comm.submit(move |c| {
+            let mut vals = [local_loss, sq];
+            c.all_reduce_scalars(&mut vals).map(|()| vals)
+        });
+        let (vals, _) = self.ledger.wait(pending)?;
+        Ok(AgreedStep {
+            loss: vals[0] / self.world as f64,
+            grad_sq: vals[1],
+        })
+    }
+}
+
+impl<B: Backend> GradientSync<B> for BucketedSync {
+    /// Every rank holds an equal share and the ring averages: the mean over this rank's tokens.
+    fn loss_scale(&self, local_tokens: usize) -> f32 {
+        1.0 / local_tokens as f32
+    }
+
+    fn begin_step(&mut self, be: &mut B, _step: u64) {
+        self.forget_step(be);
+    }
+
+    fn await_params(&mut self, be: &mut B, params: View, upto: usize) -> Result<()> {
+        self.gathered_upto(be, params, upto)
+    }
+
+    fn overlaps_backward(&self) -> bool {
+        self.world > 1 && self.overlap
+    }
+
+    /// The buckets travel while the rank computes: the transport may batch its reads meanwhile.
+    fn backward_starting(&mut self, comm: &CommThread) {
+        comm.set_compute_busy(true);
+    }
+
+    fn gradients_final(&mut self, be: &mut B, comm: &CommThread, grads: View, from: usize) -> Result<()> {
+        self.finished(be, comm, grads, from)
+    }
+
+    fn synchronise(&mut self, be: &mut B, comm: &CommThread, grads: View, local: LocalStep) -> Result<AgreedStep> {
+        comm.set_compute_busy(false);
+        self.trace.backward_ended = Some(Instant::now());
+        let owned_sq = match self.world {
+            1 => None,
+            _ => self.finish(be, comm, grads)?,
+        };
+        self.agree(be, comm, grads, local.loss, owned_sq)
+    }
+
+    /// Sharded over several ranks: the gathers need every rank's update, which needs the global norm, so they
+    /// cannot overlap this step's backward; they overlap the next step's forward instead (as FSDP
+    /// prefetches), or with `--overlap off` complete here, exposed.
+    fn after_update(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
+        if self.update == UpdateMode::Sharded && self.world > 1 {
+            self.start_gather(be, comm, params)?;
+            if !self.overlap {
+                self.gathered_upto(be, params, usize::MAX)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn settle_params(&mut self, be: &mut B, params: View) -> Result<()> {
+        self.gathered_upto(be, params, usize::MAX)
+    }
+
+    fn take_comm_time(&mut self) -> CommTime {
+        self.ledger.take()
+    }
+
+    fn clear_comm_time(&mut self) {
+        self.ledger.clear();
+    }
+
+    fn trace(&self) -> Option<&SyncTrace> {
+        Some(&self.trace)
     }
 }

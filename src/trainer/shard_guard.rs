@@ -16,7 +16,7 @@
 //! backend (under 1% of the step), but on a GPU a read-back of 3/world of the model state per check (for
 //! GPT-2 124M at 4 ranks, about 370 MB), too much to impose on runs that did not ask for checks.
 
-use super::hash_into;
+use super::replicas::hash_into;
 use crate::backend::{Backend, View};
 use crate::optim::AdamW;
 use anyhow::{bail, Result};

@@ -85,8 +85,9 @@ fn bind_addr(cfg: &QuicConfig) -> SocketAddr {
 ///   wait on the congestion controller forever; the window has to grow with the datagram size;
 /// - the ceiling stays below IPv4's largest UDP payload (65507 bytes), so discovery's probes are sendable.
 ///
-/// The 65000-byte ceiling took 5-20% less CPU per 64 MiB all-reduce than the 32000 used before, in
-/// alternating runs (BENCHMARKS.md): half the datagrams, so half the per-packet work in quinn and the kernel.
+/// Against the 32000 used before, in alternating runs, the 65000-byte ceiling lowered the top of the range of
+/// CPU per 64 MiB all-reduce (the ranges overlap) and raised the median busbw (BENCHMARKS.md, "Transport
+/// settings"): half the datagrams, so half the per-packet work in quinn and the kernel.
 ///
 /// Segmentation offload stays off: it gave no gain at any datagram size we measured, and without a cap on
 /// the batch (quinn offers none) batches over 64 KiB are refused by the kernel.
@@ -127,16 +128,17 @@ struct Tuning {
 /// raise it where the system allows.
 const LOOPBACK_START_MTU: u16 = if cfg!(target_os = "macos") { 8000 } else { 16000 };
 
-/// MTU discovery's ceiling off loopback. Per-datagram work (a syscall share, a packet header, a kernel
-/// buffer, quinn's packet assembly) dominates QUIC's CPU cost at 1452-byte datagrams (BENCHMARKS.md,
-/// emulated hosts), so jumbo frames should be used where the path has them. Segmentation offload stays on
-/// there, and quinn hands the kernel up to 10 datagrams per send, which it refuses past 64 KiB: so not a
-/// full jumbo payload (8952 bytes), but 6500, which keeps every batch sendable.
+/// MTU discovery's ceiling off loopback. QUIC pays for every datagram (a syscall share, a packet header, a
+/// kernel buffer, quinn's packet assembly), so fewer, larger ones cost less: at 200 Mbit/s, 9000-byte frames
+/// nearly halved what 2 emulated hosts added to a step (BENCHMARKS.md, "Overlapped gradient sync"), so jumbo
+/// frames should be used where the path has them. Segmentation offload stays on there, and quinn hands the
+/// kernel up to 10 datagrams per send, which it refuses past 64 KiB: so not a full jumbo payload (8952
+/// bytes), but 6500, which keeps every batch sendable.
 const DISCOVERY_CEILING: u16 = 6500;
 
 /// Read interval of a streaming link while the rank computes, off loopback. Tokio's timers tick in
-/// milliseconds, so this is the shortest pause there is; on a 200 Mbit/s link it gathers about 15
-/// Ethernet-size datagrams per read instead of about 4 (BENCHMARKS.md, emulated hosts).
+/// milliseconds, so this is the shortest pause there is; on a 200 Mbit/s link it gathers several
+/// Ethernet-size datagrams per read (how many was not measured).
 const RECV_COALESCE: Duration = Duration::from_millis(1);
 
 impl Tuning {
@@ -169,13 +171,15 @@ impl Tuning {
 
 /// Flow-control window (per stream and per connection) for a link whose receive socket buffer is reported
 /// as `reported_rcvbuf` bytes. A sender may have a whole window in flight; when that exceeds what the
-/// receiving socket can queue while its rank is off the CPU, the kernel drops datagrams (1-2% of them in
-/// a 64 MiB all-reduce here with the 16 MiB window and 4 MiB buffers, 7-9% with Linux's default 208 KiB
-/// `rmem_max`; BENCHMARKS.md), and every drop costs a retransmission and a congestion-window cut. The kernel charges each
-/// queued datagram's full buffer size (payload plus a few percent of bookkeeping) against the limit it
-/// reports (on Linux twice the size asked for), so three quarters of the reported size leaves room for the
-/// bookkeeping and for the acknowledgements of the other direction. On loopback the round trip is tens of
-/// microseconds, so even the smallest window here keeps the link busy (measured in BENCHMARKS.md).
+/// receiving socket can queue while its rank is off the CPU, the kernel drops datagrams (per 10-iteration
+/// 64 MiB run at N=2 here: 473-1039, 1-2%, with the 16 MiB window and 4 MiB buffers, 3298-3898 with
+/// Linux's default 208 KiB `rmem_max`, none with this window: BENCHMARKS.md, "Transport settings"),
+/// and every drop costs a retransmission and a congestion-window cut. The kernel charges each queued
+/// datagram's full buffer size (payload plus a few percent of bookkeeping) against the limit it reports (on
+/// Linux twice the size asked for), so three quarters of the reported size leaves room for the bookkeeping
+/// and for the acknowledgements of the other direction. On loopback the round trip is tens of microseconds,
+/// so a small window keeps the link busy: the one a 208 KiB `rmem_max` gives left busbw within noise of the
+/// fixed 16 MiB window (same section).
 fn flow_window_for(reported_rcvbuf: usize) -> u32 {
     (reported_rcvbuf / 4 * 3).clamp(128 << 10, 16 << 20) as u32
 }
@@ -251,8 +255,8 @@ pub(super) fn present_another_certificate(ep: &Endpoint, idle: Duration) -> std:
 }
 
 /// AES-128-GCM only: QUIC's mandatory suite, with 10 AES rounds instead of AES-256's 14 (packet protection
-/// was 12-20% of a large all-reduce's CPU time in the profiles in BENCHMARKS.md). aws-lc-rs rather than
-/// ring: its AVX-512 AES-GCM took about 30% less of the profile than ring's AVX2 code.
+/// was 12-19% of the samples in profiles of a 64 MiB all-reduce). aws-lc-rs rather than ring: its AES-GCM
+/// took about 30% less of the busy time than ring's (BENCHMARKS.md, "Transport settings").
 fn crypto_provider() -> Arc<CryptoProvider> {
     Arc::new(CryptoProvider {
         cipher_suites: vec![rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_128_GCM_SHA256],

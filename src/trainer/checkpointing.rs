@@ -1,0 +1,65 @@
+//! Checkpoints of a run: the model and the trainer state, with the sharded moments gathered from their
+//! owners; rank 0 writes ([`crate::model::checkpoint`] makes the write atomic).
+
+use super::Trainer;
+use crate::backend::Backend;
+use crate::model::checkpoint::{self, TrainerState};
+use anyhow::Result;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+impl<B: Backend> Trainer<B> {
+    /// Writes a checkpoint (model + trainer state) atomically to `dir`. Collective: every rank must call
+    /// it (sharded moments are gathered first); rank 0 writes.
+    pub fn save(&mut self, dir: &Path) -> Result<()> {
+        self.settle_params()?;
+        let params = self.model.download_params(&mut self.be)?;
+        let total = self.model.layout.total;
+        let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
+        for (moment, view) in [(&mut m, self.opt.m), (&mut v, self.opt.v)] {
+            let mut owned = vec![0f32; view.len];
+            self.be.download(view, &mut owned)?;
+            self.opt.place(&owned, moment);
+            if !self.moments_are_replicated() {
+                // Sharded: each rank holds its chunk of every bucket; gather the full tensors.
+                self.gather_moment(moment)?;
+            }
+        }
+        if self.rank != 0 {
+            return Ok(());
+        }
+        let mut extra = BTreeMap::new();
+        extra.insert("optimizer_step".to_string(), self.opt.step.to_string());
+        extra.insert("train_args".to_string(), self.opts.args_json.clone());
+        extra.insert("update".to_string(), self.opts.update.as_str().to_string());
+        extra.insert(
+            "sampler".to_string(),
+            "order is a pure function of (seed, epoch); no RNG state to save".into(),
+        );
+        let state = TrainerState {
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            data_cursor: self.step * self.sampler.global_batch() as u64,
+            world_size: self.world,
+            config_hash: self.model.config.hash_hex(),
+            seed: self.opts.seed,
+            m,
+            v,
+            extra,
+        };
+        checkpoint::save_checkpoint(dir, &self.model.config, &self.model.layout, &params, Some(&state))
+    }
+
+    /// All-gathers a sharded moment, bucket by bucket (rank r holds chunk r of each).
+    fn gather_moment(&mut self, moment: &mut [f32]) -> Result<()> {
+        for range in self.plan.buckets.clone() {
+            let part = moment[range.clone()].to_vec();
+            let part = self.comm.run(move |c| {
+                let mut part = part;
+                c.all_gather(&mut part).map(|()| part)
+            })?;
+            moment[range].copy_from_slice(&part);
+        }
+        Ok(())
+    }
+}

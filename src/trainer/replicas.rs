@@ -1,0 +1,122 @@
+//! Replicas that agree: the start of a run (every rank takes rank 0's state when they differ), the
+//! fingerprints `--verify-every` compares, and the resync that `--on-divergence resync` asks for.
+
+use super::{OnDivergence, Trainer, UpdateMode};
+use crate::backend::{Backend, View};
+use crate::collective::diverged_ranks;
+use anyhow::{bail, Result};
+
+impl<B: Backend> Trainer<B> {
+    /// Stage 1: every rank must start from the same parameters (and moments). Hashes are compared; on a
+    /// mismatch rank 0's state is broadcast. Returns whether a broadcast happened.
+    pub fn replicate(&mut self) -> Result<bool> {
+        if self.world == 1 {
+            return Ok(false);
+        }
+        let hash = self.state_hash(self.moments_are_replicated())?;
+        let hashes = self.comm.run(move |c| c.gather_hashes(hash))?;
+        if diverged_ranks(&hashes).is_empty() {
+            return Ok(false);
+        }
+        self.broadcast_state()?;
+        Ok(true)
+    }
+
+    /// Whether every rank holds the whole optimizer state (replicated update, or one rank), so that the
+    /// moments are part of what replicas must agree on.
+    pub(super) fn moments_are_replicated(&self) -> bool {
+        self.opt.owned_len() == self.model.layout.total
+    }
+
+    /// The views every replica must hold bit for bit: the parameters, plus the moments when replicated.
+    fn replicated_views(&self) -> Vec<View> {
+        match self.moments_are_replicated() {
+            true => vec![self.model.params, self.opt.m, self.opt.v],
+            false => vec![self.model.params],
+        }
+    }
+
+    /// blake3 over the parameters (and, when asked, both moments): the replica fingerprint.
+    fn state_hash(&mut self, with_moments: bool) -> Result<[u8; 32]> {
+        self.settle_params()?;
+        let mut hasher = blake3::Hasher::new();
+        let views = if with_moments {
+            vec![self.model.params, self.opt.m, self.opt.v]
+        } else {
+            vec![self.model.params]
+        };
+        for view in views {
+            let mut host = vec![0f32; view.len];
+            self.be.download(view, &mut host)?;
+            hash_into(&mut hasher, &host);
+        }
+        Ok(*hasher.finalize().as_bytes())
+    }
+
+    /// Copies rank 0's replicated state (parameters, and moments when every rank holds them all) to every
+    /// rank.
+    fn broadcast_state(&mut self) -> Result<()> {
+        self.settle_params()?;
+        for view in self.replicated_views() {
+            let mut host = vec![0f32; view.len];
+            self.be.download(view, &mut host)?;
+            let host = self.comm.run(move |c| c.broadcast(&mut host, 0).map(|()| host))?;
+            self.be.upload(view, &host)?;
+        }
+        Ok(())
+    }
+
+    /// Compares replica fingerprints (parameters; plus moments in replicated mode, where each rank keeps
+    /// the whole optimizer state). On a mismatch: abort naming the ranks, or resync from rank 0.
+    pub(super) fn verify_replicas(&mut self) -> Result<String> {
+        let with_moments = self.opts.update == UpdateMode::Replicated;
+        let hash = self.state_hash(with_moments)?;
+        if self.world > 1 {
+            let hashes = self.comm.run(move |c| c.gather_hashes(hash))?;
+            let diverged = diverged_ranks(&hashes);
+            if !diverged.is_empty() {
+                match self.opts.on_divergence {
+                    OnDivergence::Abort => bail!(
+                        "step {}: replicas diverged: rank(s) {diverged:?} differ from the others \
+                         (--on-divergence resync would copy rank 0's state)",
+                        self.step + 1
+                    ),
+                    OnDivergence::Resync => {
+                        tracing::warn!(
+                            "step {}: rank(s) {diverged:?} diverged; resyncing from rank 0",
+                            self.step + 1
+                        );
+                        // Sharded moments belong to their rank; only what is replicated is copied.
+                        self.broadcast_state()?;
+                        // The copy rewrote this rank's parameter chunks too.
+                        self.guard
+                            .record(&mut self.be, self.model.params, &self.opt, self.step + 1)?;
+                        return Ok(blake3::Hash::from(self.state_hash(with_moments)?).to_hex().to_string());
+                    }
+                }
+            }
+        }
+        Ok(blake3::Hash::from(hash).to_hex().to_string())
+    }
+
+    /// blake3 of the parameter bytes (little-endian f32), hex.
+    pub fn param_hash(&mut self) -> Result<String> {
+        self.settle_params()?;
+        let params = self.model.download_params(&mut self.be)?;
+        Ok(hash_f32(&params))
+    }
+}
+
+pub(super) fn hash_into(hasher: &mut blake3::Hasher, values: &[f32]) {
+    for chunk in values.chunks(1 << 16) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+        hasher.update(&bytes);
+    }
+}
+
+/// blake3 of f32s as little-endian bytes, hex: the replica fingerprint.
+pub fn hash_f32(values: &[f32]) -> String {
+    let mut hasher = blake3::Hasher::new();
+    hash_into(&mut hasher, values);
+    hasher.finalize().to_hex().to_string()
+}

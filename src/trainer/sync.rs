@@ -1,0 +1,107 @@
+//! The synchronisation seam of a step: how a rank's local gradient becomes the gradient every rank updates
+//! with, and what the ranks agree on besides (the loss and the gradient norm).
+//!
+//! The step ([`super::Trainer::train_step`]) calls a [`GradientSync`] at fixed points and knows nothing of
+//! how it communicates: today's per-step bucketed sync ([`super::grad_sync::BucketedSync`]) is one
+//! implementation; a sync that does not communicate on some steps, that sums uneven shares, or that keeps
+//! state of its own in checkpoints plugs in at the same points. The sync owns the step's communication
+//! clock ([`CommTime`]), so the step's metrics need no timers of their own.
+
+use super::comm_ledger::CommTime;
+use super::grad_sync::SyncTrace;
+use crate::backend::{Backend, View};
+use crate::collective::comm_thread::CommThread;
+use anyhow::{bail, Result};
+
+/// What this rank computed in a step, besides its gradient.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LocalStep {
+    /// The mean loss over this rank's share of the global batch.
+    pub loss: f64,
+    /// Tokens in this rank's share.
+    pub tokens: usize,
+}
+
+/// What the ranks agreed on in a step: the same bits on every rank, since every decision of the update (skip,
+/// clip) is taken from them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AgreedStep {
+    /// The mean loss over the global batch (this rank's own loss when the step did not communicate).
+    pub loss: f64,
+    /// The squared L2 norm of the gradient the update uses.
+    pub grad_sq: f64,
+}
+
+/// A rank's synchronisation of one step, called by the step in this order: [`begin_step`], then for each
+/// micro-batch forward (which calls [`await_params`] before reading parameters) and backward (the last one
+/// bracketed by [`backward_starting`] and reporting finished gradients through [`gradients_final`] when
+/// [`overlaps_backward`]), then [`synchronise`], the update, and [`after_update`].
+///
+/// [`begin_step`]: GradientSync::begin_step
+/// [`await_params`]: GradientSync::await_params
+/// [`backward_starting`]: GradientSync::backward_starting
+/// [`gradients_final`]: GradientSync::gradients_final
+/// [`overlaps_backward`]: GradientSync::overlaps_backward
+/// [`synchronise`]: GradientSync::synchronise
+/// [`after_update`]: GradientSync::after_update
+pub trait GradientSync<B: Backend>: Send {
+    /// The factor on each token's loss gradient that makes the gradient after [`GradientSync::synchronise`]
+    /// the gradient of the loss the ranks agree on. A ring that averages equal shares scales by
+    /// `1 / local_tokens`; one that sums uneven shares would scale by `1 / global tokens`.
+    fn loss_scale(&self, local_tokens: usize) -> f32;
+
+    /// A step begins (0-based `step`); whatever a failed earlier step left is dropped.
+    fn begin_step(&mut self, be: &mut B, step: u64);
+
+    /// Forward is about to read the parameters `..upto`: they must be current on the device.
+    fn await_params(&mut self, be: &mut B, params: View, upto: usize) -> Result<()>;
+
+    /// Whether the last micro-batch's backward should report finished gradients while it runs.
+    fn overlaps_backward(&self) -> bool;
+
+    /// The last micro-batch's backward is about to run (with [`GradientSync::overlaps_backward`]).
+    fn backward_starting(&mut self, _comm: &CommThread) {}
+
+    /// The last micro-batch's backward has finished the gradient elements `from..`.
+    fn gradients_final(&mut self, be: &mut B, comm: &CommThread, grads: View, from: usize) -> Result<()>;
+
+    /// After backward: makes `grads` the gradient the update uses (for the elements this rank updates) and
+    /// agrees with the other ranks on the loss and the gradient norm.
+    fn synchronise(&mut self, be: &mut B, comm: &CommThread, grads: View, local: LocalStep) -> Result<AgreedStep>;
+
+    /// After the update of `params` (not called for a skipped step).
+    fn after_update(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()>;
+
+    /// Puts every parameter still in flight on the device, before anything reads them.
+    fn settle_params(&mut self, be: &mut B, params: View) -> Result<()>;
+
+    /// The communication the current step waited for; resets the clock.
+    fn take_comm_time(&mut self) -> CommTime;
+
+    /// Forgets waits recorded outside a step (a save or an evaluation settling the parameters).
+    fn clear_comm_time(&mut self);
+
+    /// When the last step's collectives started against the end of its backward, for syncs that trace it.
+    fn trace(&self) -> Option<&SyncTrace> {
+        None
+    }
+
+    /// The sync's own state, for checkpoints: named f32 tensors (none for a per-step sync).
+    fn checkpoint_state(&self) -> Vec<(String, Vec<f32>)> {
+        Vec::new()
+    }
+
+    /// Restores what [`GradientSync::checkpoint_state`] saved.
+    fn restore_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
+        if let Some((name, _)) = state.first() {
+            bail!("this synchronisation keeps no state, but the checkpoint holds {name:?}");
+        }
+        Ok(())
+    }
+
+    /// The membership changed between steps: this rank is now `rank` of `world`, and owns the chunks the
+    /// trainer's ownership map gives it then. Syncs that cannot re-form say so.
+    fn reform(&mut self, world: usize, rank: usize) -> Result<()> {
+        bail!("this synchronisation cannot change its membership (now rank {rank} of {world})")
+    }
+}
