@@ -33,6 +33,7 @@ fn job_with_rank_0_bound_to(bind: &str, wildcard: &str, world: usize) -> Vec<Vec
         // Listening beyond loopback requires a secret.
         secret: Some(b"bind address test".to_vec()),
         timeout: Duration::from_secs(15),
+        faults: Default::default(),
     };
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -104,6 +105,7 @@ fn an_invalid_bind_address_is_refused_naming_the_variable() {
         config_hash: 1,
         secret: None,
         timeout: Duration::from_secs(2),
+        faults: Default::default(),
     };
     let e = format!("{:#}", join_with(&launch, &opts, &network).err().unwrap());
     assert!(e.contains("RINGTRAIN_BIND_ADDR=127.0.0.1 is a loopback address"), "{e}");

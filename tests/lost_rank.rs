@@ -143,3 +143,48 @@ fn a_frozen_rank_is_named_by_every_survivor_and_ended_by_launch() {
 fn a_killed_rank_is_named_by_every_survivor() {
     lose_rank_two("-KILL");
 }
+
+/// The fault plan armed in real processes through `RINGTRAIN_INJECT_FAULT`: a rank crashed at the start of
+/// a step (its connections closed without a goodbye, as a killed process's are) is named dead by both
+/// survivors, and `launch` ends non-zero.
+#[test]
+fn a_rank_crashed_by_the_fault_plan_is_named_by_every_survivor() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+        .args([
+            "launch",
+            "--nproc",
+            "3",
+            "--",
+            "train",
+            "--model",
+            "tiny",
+            "--n-layer",
+            "1",
+        ])
+        .args([
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--steps",
+            "8",
+            "--eval-every",
+            "0",
+        ])
+        .args(["--timeout", &TIMEOUT_S.to_string()])
+        .env("RINGTRAIN_INJECT_FAULT", "kill=2:3")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("FAULT INJECTION ARMED (RINGTRAIN_INJECT_FAULT=kill=2:3)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("error: rank 2: injected crash at step 3"), "{stderr}");
+    let named = stderr
+        .lines()
+        .filter(|l| l.starts_with("error: rank 2 is dead"))
+        .count();
+    assert_eq!(named, 2, "both survivors name rank 2:\n{stderr}");
+}

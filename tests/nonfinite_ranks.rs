@@ -250,8 +250,10 @@ fn a_bad_fault_spec_is_refused_naming_the_variable() {
     for (spec, needle) in [
         ("nonfinite=1", "expected nonfinite=RANK:STEP[:nan|inf]"),
         ("nonfinite=1:3:zero", "is not nan or inf"),
-        ("nonfinite=0:9", "after the last step"),
+        ("nonfinite=0:9", "step 9 is not among the run's steps 1..=2"),
         ("nonfinite=1:1", "rank 1 does not exist in a job of 1 rank(s)"),
+        ("kill=0:1", "acts on the ring, and a job of one rank has none"),
+        ("delay=5,delay=6", "given twice"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_ringtrain"))
             .args([

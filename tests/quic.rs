@@ -1,5 +1,6 @@
 //! QUIC transport on 127.0.0.1: correctness, authentication, rendezvous refusals, dead peers.
 
+use ringtrain::fault_plan::FaultPlan;
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
@@ -205,14 +206,13 @@ fn dead_rank_is_named_within_deadline() {
                 let mut c = cfg(r, world, master);
                 c.timeout = deadline;
                 c.idle_timeout = Duration::from_secs(2);
-                if r == dead {
-                    c.crash_after_msgs = Some(30);
-                }
                 c
             })
             .collect();
+        let plan = FaultPlan::parse(&[format!("drop={dead}:30")]).unwrap();
         let t0 = Instant::now();
         let res = run_ranks(cfgs, sock, |c| {
+            c.inject_faults(&plan).unwrap();
             let t1 = Instant::now();
             let mut b = input(c.rank(), 4099);
             let r = (|| {
@@ -285,6 +285,7 @@ fn join_from_launch_env() {
         config_hash: 5,
         secret: None,
         timeout: Duration::from_secs(10),
+        faults: Default::default(),
     };
     // World size 1: no network at all.
     let solo = LaunchEnv {
@@ -343,17 +344,11 @@ fn allreduce_bench_large() {
 #[test]
 fn duplicated_frame_is_a_protocol_error() {
     let (sock, master) = master_socket();
-    let cfgs = (0..3)
-        .map(|r| {
-            let mut c = cfg(r, 3, master);
-            if r == 1 {
-                c.duplicate_msg = Some(3);
-            }
-            c
-        })
-        .collect();
+    let cfgs = (0..3).map(|r| cfg(r, 3, master)).collect();
+    let plan = FaultPlan::parse(&["duplicate=1:3"]).unwrap();
     let t0 = Instant::now();
     let res = run_ranks(cfgs, sock, |c| {
+        c.inject_faults(&plan).unwrap();
         let mut b = input(c.rank(), 1000);
         c.all_reduce_mean(&mut b)
     });

@@ -2,8 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use ringtrain::collective::mem::{run_cluster, Faults, MemOptions};
+use ringtrain::collective::mem::{run_cluster, MemOptions};
 use ringtrain::collective::{chunk_range, Collective, CollectiveError};
+use ringtrain::fault_plan::{Fault, FaultPlan};
 
 const LENS: [usize; 8] = [0, 1, 2, 7, 13, 97, 1000, 4099];
 
@@ -18,22 +19,25 @@ fn exact_sum(world: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
-fn opts(seed: u64, sub_chunk: usize) -> MemOptions {
+/// Seeded reordering, plus `faults`.
+fn opts_with(seed: u64, sub_chunk: usize, faults: &[Fault]) -> MemOptions {
+    let mut all = vec![Fault::Reorder(seed)];
+    all.extend_from_slice(faults);
     MemOptions {
         deadline: Duration::from_secs(20),
         sub_chunk,
-        faults: Faults {
-            reorder_seed: Some(seed),
-            ..Faults::default()
-        },
+        faults: FaultPlan::new(all).unwrap(),
     }
+}
+
+fn opts(seed: u64, sub_chunk: usize) -> MemOptions {
+    opts_with(seed, sub_chunk, &[])
 }
 
 #[test]
 fn all_reduce_exact_and_identical_all_sizes() {
     for world in 1..=8 {
-        let mut o = opts(world as u64, 5);
-        o.faults.delay = Some(Duration::from_micros(20));
+        let o = opts_with(world as u64, 5, &[Fault::Delay(Duration::from_micros(20))]);
         let results = run_cluster(world, o, |c| {
             let mut out = Vec::new();
             for &len in &LENS {
@@ -72,8 +76,7 @@ fn all_reduce_exact_and_identical_all_sizes() {
 fn all_reduce_from_split_byte_pieces_is_exact_and_identical() {
     // The form QUIC delivers: each f32 payload in little-endian pieces that cut values apart.
     for world in 1..=8 {
-        let mut o = opts(world as u64 + 100, 5);
-        o.faults.split_seed = Some(world as u64);
+        let o = opts_with(world as u64 + 100, 5, &[Fault::Split(world as u64)]);
         let results = run_cluster(world, o, |c| {
             let mut out = Vec::new();
             for &len in &LENS {
@@ -110,10 +113,10 @@ fn bits_independent_of_schedule_and_sub_chunk() {
     let len = 1000;
     let mut reference: Option<Vec<u32>> = None;
     for (seed, sub, delay) in [(1u64, 7usize, 0u64), (2, 64, 50), (3, 1000, 0), (4, 3, 20)] {
-        let mut o = opts(seed, sub);
-        o.faults.delay = Some(Duration::from_micros(delay));
         // Half of the runs receive their payloads as split byte pieces, as over QUIC.
-        o.faults.split_seed = (seed % 2 == 0).then_some(seed);
+        let mut faults = vec![Fault::Delay(Duration::from_micros(delay))];
+        faults.extend((seed % 2 == 0).then_some(Fault::Split(seed)));
+        let o = opts_with(seed, sub, &faults);
         let res = run_cluster(5, o, |c| {
             let mut b = data(c.rank(), len);
             c.all_reduce_mean(&mut b).unwrap();
@@ -187,8 +190,11 @@ fn broadcast_scalars_and_hashes() {
 
 #[test]
 fn slow_peer_still_correct() {
-    let mut o = opts(3, 50);
-    o.faults.slow_rank = Some((2, Duration::from_millis(2)));
+    let slow = Fault::SlowMessages {
+        rank: 2,
+        delay: Duration::from_millis(2),
+    };
+    let o = opts_with(3, 50, &[slow]);
     let res = run_cluster(4, o, |c| {
         let mut b = input(c.rank(), 1000);
         c.all_reduce_sum(&mut b).unwrap();
@@ -202,9 +208,15 @@ fn slow_peer_still_correct() {
 #[test]
 fn dropped_peer_is_named_within_deadline() {
     for (world, dead, after) in [(2, 1, 0), (3, 1, 2), (4, 0, 5), (5, 3, 1), (8, 6, 3)] {
-        let mut o = opts(5, 10);
+        let mut o = opts_with(
+            5,
+            10,
+            &[Fault::Drop {
+                rank: dead,
+                msgs: after,
+            }],
+        );
         o.deadline = Duration::from_secs(3);
-        o.faults.die_after = Some((dead, after));
         let t0 = Instant::now();
         let res = run_cluster(world, o, |c| {
             // Several collectives, so the death lands mid-way through one of them.

@@ -186,7 +186,7 @@ impl Cluster {
         if self.backends.is_empty() {
             bail!("Cluster::backends: at least one backend is needed");
         }
-        let (faults, trainer_faults) = parse_faults(&self.faults)?;
+        let faults = parse_faults(&self.faults)?;
         let options = TrainOptions {
             // The trainer's own replica check aborts on a mismatch, so it runs where identity is promised.
             verify_every: u64::from(self.identity_guaranteed()),
@@ -199,7 +199,6 @@ impl Cluster {
             options,
             transport: self.transport,
             faults,
-            trainer_faults,
             deadline: self.deadline,
         })
     }

@@ -15,19 +15,18 @@ use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
 use ringtrain::collective::mem::single_rank;
-use ringtrain::collective::mem::{mem_cluster, Faults, MemOptions};
-use ringtrain::collective::quic::{QuicCollective, QuicConfig};
+use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::dist::{self, JoinOptions, LaunchEnv, LaunchSource, NetworkEnv};
+use ringtrain::fault_plan::{Fault, FaultPlan};
 use ringtrain::metrics::StepMetrics;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{ModelSource, RunObserver, TrainOptions, Trainer};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::time::Duration;
 
 pub mod faults;
-
-use faults::{quic_crash, BitFlip, QuicCrash, TrainerFaults};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
@@ -45,10 +44,9 @@ pub struct SimConfig {
     /// reference runs them with `workers` times the batch.
     pub options: TrainOptions,
     pub transport: Transport,
-    /// Network faults (the in-memory transport; QUIC applies `drop` and `kill`, refuses the rest).
-    pub faults: Faults,
-    /// Faults of one rank's gradient or state, under any transport.
-    pub trainer_faults: TrainerFaults,
+    /// Injected faults: each applied by the transport or the trainer that owns its kind
+    /// ([`faults::validate`] refuses what the chosen transport cannot apply).
+    pub faults: FaultPlan,
     pub deadline: Duration,
 }
 
@@ -120,11 +118,8 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
         .unwrap_or(BackendChoice::Cpu);
     let (be, _) = factory::open(choice, 0).with_context(|| format!("rank {rank}: {choice}"))?;
     let mut trainer = build_trainer(be, cfg, &cfg.options, comm).with_context(|| format!("rank {rank}"))?;
-    if let Some(fault) = cfg.trainer_faults.nonfinite {
-        trainer.arm_fault(fault);
-    }
+    trainer.arm_faults(cfg.faults.clone());
     let mut recorder = Recorder {
-        flip: cfg.trainer_faults.flip.filter(|f| f.rank == rank),
         trace: RankTrace {
             losses: Vec::new(),
             hashes: Vec::new(),
@@ -138,9 +133,8 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
 }
 
 /// What the sim records of one rank after every step: the loss, the replica fingerprint and the skips; and
-/// where the rank's `flip` fault is due, the flip and the fingerprint right after it.
+/// after the rank's `flip` fault, the fingerprint right after it.
 struct Recorder {
-    flip: Option<BitFlip>,
     trace: RankTrace,
 }
 
@@ -151,34 +145,34 @@ impl<B: Backend> RunObserver<B> for Recorder {
         if m.skipped {
             self.trace.skipped.push(m.step);
         }
-        if let Some(f) = self.flip.filter(|f| f.step == m.step) {
-            trainer.apply_flip(&f).context("--fault flip")?;
-            self.trace.hash_after_flip = Some(trainer.param_hash()?);
-        }
+        Ok(())
+    }
+
+    fn state_corrupted(&mut self, trainer: &mut Trainer<B>, _fault: &Fault) -> Result<()> {
+        self.trace.hash_after_flip = Some(trainer.param_hash()?);
         Ok(())
     }
 }
 
-/// Rank `rank` joining the QUIC ring on loopback, as a launched process would (with the job id its config
-/// hash), crashing where `crash` says.
-fn join_quic(cfg: &SimConfig, rank: usize, port: u16, crash: Option<QuicCrash>) -> Result<Box<dyn Collective>> {
-    if cfg.workers == 1 {
-        return Ok(single_rank());
-    }
-    let master = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let mut q = QuicConfig::new(rank, cfg.workers, master);
-    q.config_hash = cfg.options.job_hash(&cfg.model, cfg.workers);
-    q.job_id = q.config_hash;
-    q.secret = Some(b"ringtrain-sim".to_vec());
-    q.timeout = cfg.deadline;
-    q.rendezvous_timeout = cfg.deadline;
-    if let Some(c) = crash.filter(|c| c.rank == rank) {
-        q.crash_after_msgs = c.after_msgs;
-        q.crash_at_step = c.at_step;
-    }
-    let comm = QuicCollective::connect(q)
-        .with_context(|| format!("rank {rank} of {}: joining the ring at {master}", cfg.workers))?;
-    Ok(Box::new(comm))
+/// Rank `rank` joining the QUIC ring on loopback through the one join path a launched process takes
+/// ([`dist::join_with`]), with the job's faults armed.
+fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collective>> {
+    let launch = LaunchEnv {
+        rank,
+        world_size: cfg.workers,
+        local_rank: rank,
+        local_world_size: cfg.workers,
+        master_addr: Ipv4Addr::LOCALHOST.to_string(),
+        master_port: port,
+        source: LaunchSource::Flags,
+    };
+    let opts = JoinOptions {
+        config_hash: cfg.options.job_hash(&cfg.model, cfg.workers),
+        secret: Some(b"ringtrain-sim".to_vec()),
+        timeout: cfg.deadline,
+        faults: cfg.faults.clone(),
+    };
+    dist::join_with(&launch, &opts, &NetworkEnv::default())
 }
 
 /// Runs the virtual cluster and the single-worker reference.
@@ -186,7 +180,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     if cfg.workers == 0 || cfg.workers > 64 {
         bail!("--workers {} must be between 1 and 64", cfg.workers);
     }
-    faults::validate(&cfg.faults, &cfg.trainer_faults, cfg.workers, &cfg.model, &cfg.options)?;
+    faults::validate(&cfg.faults, cfg.transport, cfg.workers, &cfg.model, &cfg.options)?;
     let results: Vec<Result<RankTrace>> = match cfg.transport {
         Transport::Mem => {
             let opts = MemOptions {
@@ -207,11 +201,10 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
             })
         }
         Transport::Quic => {
-            let crash = quic_crash(&cfg.faults)?;
             let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
             std::thread::scope(|s| {
                 let handles: Vec<_> = (0..cfg.workers)
-                    .map(|rank| s.spawn(move || run_rank(cfg, join_quic(cfg, rank, port, crash)?)))
+                    .map(|rank| s.spawn(move || run_rank(cfg, join_quic(cfg, rank, port)?)))
                     .collect();
                 handles
                     .into_iter()

@@ -123,7 +123,7 @@ fn real_main() -> Result<ExitCode> {
     if cli.timing_only || cli.network.is_some() || cli.compute_ms.is_some() || cli.bucket_mb.is_some() {
         return timing::run(&cli, &model, &options, &backends);
     }
-    let (faults, trainer_faults) = parse_faults(&cli.fault)?;
+    let faults = parse_faults(&cli.fault)?;
     let cfg = SimConfig {
         workers: cli.workers,
         backends,
@@ -131,7 +131,6 @@ fn real_main() -> Result<ExitCode> {
         options,
         transport,
         faults,
-        trainer_faults,
         deadline: Duration::from_secs_f64(cli.timeout),
     };
     let report = run(&cfg)?;

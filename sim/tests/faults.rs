@@ -3,11 +3,10 @@
 //! the transports that support it.
 
 use ringtrain::backend::factory::BackendChoice;
-use ringtrain::collective::mem::Faults;
 use ringtrain::model::{ModelConfig, ParamLayout};
 use ringtrain::trainer::buckets::BucketPlan;
 use ringtrain::trainer::{OnNonFinite, TrainOptions, UpdateMode};
-use ringtrain_sim::faults::{parse_faults, TrainerFaults};
+use ringtrain_sim::faults::parse_faults;
 use ringtrain_sim::{run, SimConfig, SimReport, Transport};
 use std::time::{Duration, Instant};
 
@@ -34,7 +33,7 @@ fn config(update: UpdateMode, transport: Transport, specs: &[&str]) -> SimConfig
         ..TrainOptions::for_model(&model).with_steps(4)
     };
     let specs: Vec<String> = specs.iter().map(|s| s.to_string()).collect();
-    let (faults, trainer_faults): (Faults, TrainerFaults) = parse_faults(&specs).unwrap();
+    let faults = parse_faults(&specs).unwrap();
     SimConfig {
         workers: WORKERS,
         backends: vec![BackendChoice::Cpu],
@@ -42,7 +41,6 @@ fn config(update: UpdateMode, transport: Transport, specs: &[&str]) -> SimConfig
         options,
         transport,
         faults,
-        trainer_faults,
         deadline: DEADLINE,
     }
 }
@@ -75,6 +73,37 @@ fn a_slow_worker_finishes_with_the_same_bits() {
     assert_eq!(calm.ranks, slow.ranks);
 }
 
+/// A rank that computes slowly (not one that handles messages slowly) and one frozen for a while both
+/// finish with the calm run's bits, under either transport, and each costs at least the time injected.
+#[test]
+fn a_slow_computing_or_briefly_frozen_rank_changes_no_bit() {
+    for transport in [Transport::Mem, Transport::Quic] {
+        let calm = run_ok(&config(UpdateMode::Sharded, transport, &[]));
+        // Four steps of one micro-batch each: at least 4 x 30 ms on the slow rank.
+        for (spec, at_least) in [("compute=1:30", 120), ("freeze=2:2:400", 400)] {
+            let started = Instant::now();
+            let faulty = run_ok(&config(UpdateMode::Sharded, transport, &[spec]));
+            let took = started.elapsed();
+            assert!(
+                took >= Duration::from_millis(at_least),
+                "{spec} {transport:?}: took {took:?}"
+            );
+            assert_eq!(calm.ranks, faulty.ranks, "{spec} {transport:?}");
+        }
+    }
+}
+
+/// A rank frozen past the collective deadline fails the job, which stops soon after the deadline: the
+/// ranks waiting on it time out and tell the others, and the frozen rank hears it when it wakes.
+#[test]
+fn a_rank_frozen_past_the_deadline_fails_the_job_without_hanging() {
+    let mut cfg = config(UpdateMode::Sharded, Transport::Mem, &["freeze=1:2:4000"]);
+    cfg.deadline = Duration::from_secs(1);
+    let (lines, took) = run_err(&cfg);
+    assert!(!lines.is_empty());
+    assert!(took < Duration::from_secs(8), "took {took:?}: {lines:#?}");
+}
+
 /// Every rank fails, each naming `rank`, well within the collective deadline.
 fn assert_all_name(lines: &[String], took: Duration, rank: usize) {
     assert_eq!(lines.len(), WORKERS, "every rank fails: {lines:#?}");
@@ -105,7 +134,7 @@ fn quic_drop_and_kill_crash_the_rank_and_every_rank_names_it() {
 
 #[test]
 fn quic_refuses_the_faults_only_the_memory_transport_injects() {
-    for spec in ["delay=1", "reorder=3", "slow=1:5"] {
+    for spec in ["delay=1", "reorder=3", "slow=1:5", "split=2"] {
         let err = run(&config(UpdateMode::Sharded, Transport::Quic, &[spec]))
             .unwrap_err()
             .to_string();

@@ -5,13 +5,13 @@
 
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::testing::wgpu_available;
-use ringtrain::collective::mem::Faults;
+use ringtrain::fault_plan::FaultPlan;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
 use ringtrain_sim::{run, SimConfig, Transport};
 use std::time::Duration;
 
-fn config(workers: usize, update: UpdateMode, grad_accum: usize, faults: Faults) -> SimConfig {
+fn config(workers: usize, update: UpdateMode, grad_accum: usize, faults: FaultPlan) -> SimConfig {
     let model = ModelConfig {
         n_layer: 1,
         ..ModelConfig::tiny()
@@ -32,7 +32,6 @@ fn config(workers: usize, update: UpdateMode, grad_accum: usize, faults: Faults)
         options,
         transport: Transport::Mem,
         faults,
-        trainer_faults: Default::default(),
         deadline: Duration::from_secs(20),
     }
 }
@@ -42,7 +41,7 @@ fn replicas_identical_and_loss_matches_single_worker() {
     for workers in 1..=4 {
         for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
             for grad_accum in [1, 2] {
-                let report = run(&config(workers, update, grad_accum, Faults::default())).unwrap();
+                let report = run(&config(workers, update, grad_accum, FaultPlan::default())).unwrap();
                 assert_eq!(
                     report.first_divergence(),
                     None,
@@ -61,12 +60,8 @@ fn replicas_identical_and_loss_matches_single_worker() {
 
 #[test]
 fn perturbed_network_changes_nothing() {
-    let calm = run(&config(3, UpdateMode::Sharded, 1, Faults::default())).unwrap();
-    let faults = Faults {
-        delay: Some(Duration::from_millis(1)),
-        reorder_seed: Some(42),
-        ..Faults::default()
-    };
+    let calm = run(&config(3, UpdateMode::Sharded, 1, FaultPlan::default())).unwrap();
+    let faults = FaultPlan::parse(&["delay=1", "reorder=42"]).unwrap();
     let noisy = run(&config(3, UpdateMode::Sharded, 1, faults)).unwrap();
     assert_eq!(
         calm.ranks, noisy.ranks,
@@ -76,10 +71,7 @@ fn perturbed_network_changes_nothing() {
 
 #[test]
 fn dropped_worker_is_named() {
-    let faults = Faults {
-        die_after: Some((1, 5)),
-        ..Faults::default()
-    };
+    let faults = FaultPlan::parse(&["drop=1:5"]).unwrap();
     let err = run(&config(3, UpdateMode::Sharded, 1, faults)).unwrap_err();
     let msg = format!("{err:#}");
     assert!(msg.contains("rank 1"), "error should name rank 1: {msg}");
@@ -87,7 +79,7 @@ fn dropped_worker_is_named() {
 
 #[test]
 fn quic_transport_keeps_replicas_identical() {
-    let mut cfg = config(3, UpdateMode::Sharded, 1, Faults::default());
+    let mut cfg = config(3, UpdateMode::Sharded, 1, FaultPlan::default());
     cfg.transport = Transport::Quic;
     let report = run(&cfg).unwrap();
     assert_eq!(report.first_divergence(), None);
@@ -99,7 +91,7 @@ fn mixed_cpu_and_wgpu_ranks_stay_bit_identical_with_sharded_update() {
     if !wgpu_available() {
         return;
     }
-    let mut cfg = config(2, UpdateMode::Sharded, 1, Faults::default());
+    let mut cfg = config(2, UpdateMode::Sharded, 1, FaultPlan::default());
     cfg.backends = vec![BackendChoice::Cpu, BackendChoice::Wgpu];
     let report = run(&cfg).unwrap();
     assert_eq!(

@@ -12,8 +12,8 @@ use ringtrain::data::{load_splits, DataSplits};
 use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
 };
+use ringtrain::fault_plan::{FaultPlan, INJECT_FAULT_VAR};
 use ringtrain::metrics::{set_aside_earlier_run, MetricsWriter, StepMetrics};
-use ringtrain::trainer::fault_injection::{NonFiniteFault, INJECT_FAULT_VAR};
 use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, RunObserver, TrainOptions, Trainer};
 use std::time::Duration;
 
@@ -34,8 +34,8 @@ struct RunSetup {
     threads: ThreadBudget,
     /// What this rank will allocate, checked against the room it has once the backend is open.
     plan: MemoryPlan,
-    /// A test hook armed by [`INJECT_FAULT_VAR`].
-    fault: Option<NonFiniteFault>,
+    /// Injected faults ([`INJECT_FAULT_VAR`]; empty in a real run).
+    faults: FaultPlan,
 }
 
 /// Default deadline of one collective: generous, since it also covers waiting for the slowest rank's
@@ -86,15 +86,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let job_hash = opts.job_hash(&model, launch.world_size);
     let resume = matches!(source, ModelSource::Resume(_));
     let plan = MemoryPlan::new(&model, &opts, launch.world_size, launch.rank, resume);
-    let fault = match std::env::var_os(INJECT_FAULT_VAR) {
-        None => None,
-        Some(v) => {
-            let v = v
-                .to_str()
-                .with_context(|| format!("{INJECT_FAULT_VAR} is not valid UTF-8"))?;
-            NonFiniteFault::from_env(Some(v), launch.world_size, opts.steps)?
-        }
-    };
+    let faults = fault_plan_from_env(launch.world_size, opts.steps)?;
     Ok(RunSetup {
         source,
         data,
@@ -107,21 +99,46 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         job_hash,
         threads,
         plan,
-        fault,
+        faults,
     })
 }
 
-/// Arms the fault of [`INJECT_FAULT_VAR`], if any, saying so loudly: a run with it is not a real run.
-fn arm_fault<B: Backend>(trainer: &mut Trainer<B>, fault: Option<NonFiniteFault>) {
-    let Some(fault) = fault else { return };
+/// The fault plan of [`INJECT_FAULT_VAR`] (empty when unset), checked against the job: a fault that could
+/// never fire, or one that needs the ring of a job of several ranks, is refused.
+fn fault_plan_from_env(world: usize, steps: u64) -> Result<FaultPlan> {
+    let value = match std::env::var_os(INJECT_FAULT_VAR) {
+        None => None,
+        Some(v) => Some(
+            v.into_string()
+                .map_err(|_| anyhow::anyhow!("{INJECT_FAULT_VAR} is not valid UTF-8"))?,
+        ),
+    };
+    let plan = FaultPlan::from_env_value(value.as_deref())?;
+    plan.validate(world, steps)
+        .with_context(|| format!("{INJECT_FAULT_VAR}={}", value.as_deref().unwrap_or_default()))?;
+    if let Some(f) = plan
+        .faults()
+        .iter()
+        .find(|f| matches!(f.kind(), "drop" | "kill" | "duplicate"))
+    {
+        ensure!(
+            world > 1,
+            "{INJECT_FAULT_VAR}={plan}: fault {f} acts on the ring, and a job of one rank has none"
+        );
+    }
+    Ok(plan)
+}
+
+/// Arms the plan of [`INJECT_FAULT_VAR`], if any, saying so loudly: a run with it is not a real run.
+fn arm_faults<B: Backend>(trainer: &mut Trainer<B>, faults: &FaultPlan) {
+    if faults.is_empty() {
+        return;
+    }
     eprint_line(&format!(
-        "rank {}: WARNING: FAULT INJECTION ARMED ({INJECT_FAULT_VAR}={fault}): rank {}'s gradient will be made {} at step {}",
-        trainer.rank(),
-        fault.rank,
-        fault.value,
-        fault.step
+        "rank {}: WARNING: FAULT INJECTION ARMED ({INJECT_FAULT_VAR}={faults})",
+        trainer.rank()
     ));
-    trainer.arm_fault(fault);
+    trainer.arm_faults(faults.clone());
 }
 
 /// Prints this rank's memory plan and refuses to go on when it does not fit the backend's memory.
@@ -146,6 +163,7 @@ fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
         config_hash: s.job_hash,
         secret,
         timeout: s.timeout,
+        faults: s.faults.clone(),
     };
     join(&s.launch, &opts)
 }
@@ -158,7 +176,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let comm = connect(&s)?;
     let is_rank0 = s.launch.rank == 0;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
-    arm_fault(&mut trainer, s.fault);
+    arm_faults(&mut trainer, &s.faults);
     let mut observer = CliObserver {
         progress: match is_rank0 {
             true => Progress::new(trainer.options().steps, trainer.step()),
@@ -322,7 +340,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     let comm = connect(&s)?;
     let plan_peak = s.plan.peak();
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
-    arm_fault(&mut trainer, s.fault);
+    arm_faults(&mut trainer, &s.faults);
     for _ in 0..warmup {
         trainer.train_step()?;
     }

@@ -1,19 +1,22 @@
 //! In-memory transport: N ranks in one process (one thread each), linked in a ring by channels.
 //!
 //! It drives the same sans-IO engines as QUIC, so it is the reference transport for tests and the
-//! simulator. Fault injection ([`Faults`]):
+//! simulator. It applies the message kinds of a [`FaultPlan`]:
 //! - `delay`: every message becomes deliverable only `delay` after it was sent;
-//! - `reorder_seed`: the receiver picks uniformly (seeded) among all deliverable messages of the current
+//! - `reorder`: the receiver picks uniformly (seeded) among all deliverable messages of the current
 //!   collective instead of the oldest, so independent messages (different phase/chunk/sub tags) arrive out
 //!   of order; engines reassemble them by tag;
-//! - `slow_rank`: that rank sleeps before handling each message;
-//! - `die_after`: that rank "dies" after sending the given number of messages (counted over its lifetime):
-//!   its call fails and every other rank fails with [`CollectiveError::PeerDead`] naming it, within the
+//! - `slow`: that rank sleeps before handling each message;
+//! - `drop`: that rank "dies" after sending the given number of messages (counted over its lifetime): its
+//!   call fails and every other rank fails with [`CollectiveError::PeerDead`] naming it, within the
 //!   deadline, never hanging;
-//! - `die_at_step`: that rank dies when its step (0-based, [`Collective::set_step`]) reaches the given one,
-//!   before sending anything of that step, with the same outcome for the others as `die_after`;
-//! - `split_seed`: every f32 payload is delivered as little-endian byte pieces cut at seeded offsets,
-//!   the form in which the QUIC transport hands received data to the engines (values split across pieces).
+//! - `kill`: that rank dies when its step reaches the given one, before sending anything of that step,
+//!   with the same outcome for the others as `drop`;
+//! - `split`: every f32 payload is delivered as little-endian byte pieces cut at seeded offsets, the form
+//!   in which the QUIC transport hands received data to the engines (values split across pieces).
+//!
+//! `duplicate` is QUIC's (the in-memory ring has no replay check to exercise), and the rest of the plan
+//! is the trainer's.
 //!
 //! Dropping a [`MemCollective`] between collectives is a clean exit; dropping it during one (a panicking
 //! thread) counts as death.
@@ -29,20 +32,7 @@ use rand_chacha::ChaCha8Rng;
 use super::le_pieces::{le_bytes, LePieces};
 use super::ring::{Engine, Msg, Payload};
 use super::{Collective, CollectiveError, Result};
-
-/// Fault injection for the in-memory transport. `Default` injects nothing.
-#[derive(Clone, Debug, Default)]
-pub struct Faults {
-    pub delay: Option<Duration>,
-    pub reorder_seed: Option<u64>,
-    pub slow_rank: Option<(usize, Duration)>,
-    /// `(rank, n)`: `rank` dies after sending `n` messages.
-    pub die_after: Option<(usize, usize)>,
-    /// `(rank, step)`: `rank` dies at the start of 0-based step `step` (as a killed process would).
-    pub die_at_step: Option<(usize, u64)>,
-    /// Seed of the cuts when f32 payloads are delivered as byte pieces (the QUIC reader's form).
-    pub split_seed: Option<u64>,
-}
+use crate::fault_plan::FaultPlan;
 
 /// Options for [`mem_cluster`].
 #[derive(Clone, Debug)]
@@ -51,7 +41,8 @@ pub struct MemOptions {
     pub deadline: Duration,
     /// Pipelining granularity in f32 elements.
     pub sub_chunk: usize,
-    pub faults: Faults,
+    /// The faults to inject (the kinds this transport applies; see the module documentation).
+    pub faults: FaultPlan,
 }
 
 impl Default for MemOptions {
@@ -59,7 +50,7 @@ impl Default for MemOptions {
         MemOptions {
             deadline: Duration::from_secs(30),
             sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
-            faults: Faults::default(),
+            faults: FaultPlan::default(),
         }
     }
 }
@@ -116,11 +107,11 @@ pub fn mem_cluster(world: usize, opts: MemOptions) -> Vec<MemCollective> {
             shared: shared.clone(),
             rng: opts
                 .faults
-                .reorder_seed
+                .reorder_seed()
                 .map(|s| ChaCha8Rng::seed_from_u64(s ^ (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))),
             split_rng: opts
                 .faults
-                .split_seed
+                .split_seed()
                 .map(|s| ChaCha8Rng::seed_from_u64(s ^ (r as u64).wrapping_mul(0x51_7CC1_B727_220A))),
             opts: opts.clone(),
             seq: 0,
@@ -167,7 +158,7 @@ impl MemCollective {
         Ok(())
     }
 
-    /// With `split_seed`, an f32 payload as byte pieces of 0 to 40 bytes (mostly cutting values apart).
+    /// With `split`, an f32 payload as byte pieces of 0 to 40 bytes (mostly cutting values apart).
     fn maybe_split(&mut self, mut msg: Msg) -> Msg {
         let Some(rng) = &mut self.split_rng else { return msg };
         let bytes = match &msg.payload {
@@ -188,16 +179,17 @@ impl MemCollective {
 
     fn send(&mut self, msg: Msg) -> Result<()> {
         let msg = self.maybe_split(msg);
-        if let Some((r, n)) = self.opts.faults.die_after {
-            if r == self.rank && self.sent >= n {
+        if let Some(n) = self.opts.faults.dies_after_messages(self.rank) {
+            if self.sent >= n {
                 self.die();
                 return Err(CollectiveError::Local(format!(
-                    "rank {r}: injected failure after {n} messages"
+                    "rank {}: injected failure after {n} messages",
+                    self.rank
                 )));
             }
         }
         self.sent += 1;
-        let deliver_at = Instant::now() + self.opts.faults.delay.unwrap_or_default();
+        let deliver_at = Instant::now() + self.opts.faults.message_delay().unwrap_or_default();
         let right = (self.rank + 1) % self.world;
         let tx = self
             .tx
@@ -308,10 +300,8 @@ impl MemCollective {
                 return Ok(());
             }
             let msg = self.recv(deadline)?;
-            if let Some((r, d)) = self.opts.faults.slow_rank {
-                if r == self.rank {
-                    std::thread::sleep(d);
-                }
+            if let Some(d) = self.opts.faults.message_handling_delay(self.rank) {
+                std::thread::sleep(d);
             }
             engine.handle(msg).map_err(|e| CollectiveError::Protocol {
                 rank: left,
@@ -349,7 +339,7 @@ impl Collective for MemCollective {
     }
 
     fn set_step(&mut self, step: u64) {
-        if self.opts.faults.die_at_step == Some((self.rank, step)) && self.failed.is_none() {
+        if self.opts.faults.dies_at_step_index(self.rank) == Some(step) && self.failed.is_none() {
             self.die();
             self.failed = Some(CollectiveError::Local(format!(
                 "rank {}: injected removal at step {}",

@@ -11,6 +11,7 @@ pub use env::{
 };
 pub use threads::{thread_budget, ThreadBudget};
 
+use crate::fault_plan::FaultPlan;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
@@ -34,6 +35,8 @@ pub struct JoinOptions {
     pub secret: Option<Vec<u8>>,
     /// Per-collective deadline, and how long the rendezvous waits for every rank to join.
     pub timeout: Duration,
+    /// Faults to inject: the transport applies the message kinds that name this rank (the trainer the rest).
+    pub faults: FaultPlan,
 }
 
 /// The job id: the value of [`JOB_ID_VAR`] when it is set (`value`), else `config_hash`. A value that is not
@@ -82,7 +85,7 @@ pub fn join_with(launch: &LaunchEnv, opts: &JoinOptions, network: &NetworkEnv) -
     cfg.rendezvous_timeout = opts.timeout;
     cfg.config_hash = opts.config_hash;
     cfg.job_id = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
-    let comm = QuicCollective::connect(cfg).with_context(|| {
+    let mut comm = QuicCollective::connect(cfg).with_context(|| {
         let from = match network.bind_ip {
             Some(ip) => format!(" from {BIND_ADDR_VAR}={ip}"),
             None => String::new(),
@@ -92,6 +95,7 @@ pub fn join_with(launch: &LaunchEnv, opts: &JoinOptions, network: &NetworkEnv) -
             launch.rank, launch.world_size
         )
     })?;
+    comm.inject_faults(&opts.faults)?;
     Ok(Box::new(comm))
 }
 

@@ -38,8 +38,9 @@ mod run;
 mod shard_guard;
 pub mod sync;
 
+use crate::fault_plan::FaultPlan;
 use buckets::BucketPlan;
-use fault_injection::{write_if_final, NonFiniteFault, PendingInjection};
+use fault_injection::{write_if_final, PendingInjection};
 use grad_sync::{BucketedSync, SyncTrace};
 use loss_spike::LossSpikeDetector;
 use shard_guard::ShardGuard;
@@ -93,8 +94,9 @@ pub struct Trainer<B: Backend> {
     targets: Vec<u32>,
     /// `--loss-spike`: the running average each step's loss is compared with.
     spikes: LossSpikeDetector,
-    /// A test hook ([`fault_injection`]): the step at which one rank's gradient is made non-finite.
-    fault: Option<NonFiniteFault>,
+    /// Injected faults ([`fault_injection`]); the trainer applies the kinds that act on its rank's compute
+    /// and state.
+    faults: FaultPlan,
     /// Sharded over several ranks with `--verify-every`: the checksum of this rank's shard between its updates
     /// ([`shard_guard`]).
     guard: ShardGuard,
@@ -217,7 +219,7 @@ impl<B: Backend> Trainer<B> {
             inputs: vec![0; n],
             targets: vec![0; n],
             spikes,
-            fault: None,
+            faults: FaultPlan::default(),
             guard: ShardGuard::new(guard_shard),
         };
         trainer.replicate()?;
@@ -284,10 +286,10 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
-    /// Arms a fault ([`fault_injection`]): when it names this rank, one element of the local gradient is
-    /// made non-finite at its step, before synchronisation.
-    pub fn arm_fault(&mut self, fault: NonFiniteFault) {
-        self.fault = Some(fault);
+    /// Arms a fault plan ([`fault_injection`]): the kinds that name this rank's gradient, compute or state
+    /// fire at their steps. The transports apply the message kinds of the same plan.
+    pub fn arm_faults(&mut self, plan: FaultPlan) {
+        self.faults = plan;
     }
 
     /// Replaces the synchronisation between steps: `wrap` receives the current one (to wrap or drop) and
@@ -370,12 +372,17 @@ impl<B: Backend> Trainer<B> {
         }
         let tokens = b * t * k;
         let dloss = self.sync.loss_scale(tokens);
+        self.freeze_if_due();
         // Fault injection: written once the last micro-batch's backward has finished its element.
-        let mut inject = (self.fault)
-            .filter(|f| f.fires(self.rank, self.step))
-            .map(|f| PendingInjection::new(f, self.model.layout.total));
+        let mut inject = (self.faults)
+            .nonfinite_at(self.rank, self.step + 1)
+            .map(|value| PendingInjection::new(value, self.model.layout.total));
+        let compute_delay = self.faults.compute_delay(self.rank);
         let mut loss_sum = 0.0;
         for (i, windows) in micro.iter().enumerate() {
+            if let Some(delay) = compute_delay {
+                std::thread::sleep(delay);
+            }
             fill_batch(&self.train, windows, t, &mut self.inputs, &mut self.targets)?;
             let (sync, params) = (&mut self.sync, self.model.params);
             let mut await_params = |be: &mut B, upto| sync.await_params(be, params, upto);
@@ -400,6 +407,18 @@ impl<B: Backend> Trainer<B> {
             loss: loss_sum / k as f64,
             tokens,
         })
+    }
+
+    /// The `freeze` fault: this rank's communication thread and compute thread both stop for the time given,
+    /// so that it neither computes nor takes part in collectives.
+    fn freeze_if_due(&mut self) {
+        if let Some(duration) = self.faults.freeze_at(self.rank, self.step + 1) {
+            let _ = self.comm.submit(move |_| {
+                std::thread::sleep(duration);
+                Ok(())
+            });
+            std::thread::sleep(duration);
+        }
     }
 
     /// The update, decided from agreed values so that every rank decides alike: a non-finite loss or norm

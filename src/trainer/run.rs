@@ -3,6 +3,7 @@
 
 use super::Trainer;
 use crate::backend::Backend;
+use crate::fault_plan::Fault;
 use crate::metrics::StepMetrics;
 use crate::model::checkpoint::check_save_target;
 use anyhow::{Context, Result};
@@ -20,6 +21,11 @@ pub trait RunObserver<B: Backend> {
 
     /// After a checkpoint of step `step` was written to `dir` (by rank 0; every rank is told).
     fn saved(&mut self, _step: u64, _dir: &Path) {}
+
+    /// After an injected fault changed this rank's state (a `flip`, after the step's [`RunObserver::step`]).
+    fn state_corrupted(&mut self, _trainer: &mut Trainer<B>, _fault: &Fault) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// An observer that does nothing: [`Trainer::run`] for its own sake (tests, the sim's reference run).
@@ -93,6 +99,16 @@ impl<B: Backend> Trainer<B> {
                 m.val_loss = self.evaluate()?;
             }
             observer.step(self, &m)?;
+            if let Some((target, element)) = self.faults.flip_after(self.rank, m.step) {
+                self.apply_flip(target, element).context("fault flip")?;
+                let fault = Fault::Flip {
+                    rank: self.rank,
+                    step: m.step,
+                    target,
+                    element,
+                };
+                observer.state_corrupted(self, &fault)?;
+            }
             let every = self.opts.save_every;
             if let (Some(dir), false) = (&save, at_end) {
                 if every > 0 && self.step % every == 0 {

@@ -72,7 +72,7 @@ impl QuicCollective {
         }
     }
 
-    /// Sends one engine message to the right neighbour (with the fault injection of [`super::QuicConfig`]).
+    /// Sends one engine message to the right neighbour (with the injected faults, [`QuicCollective::inject_faults`]).
     /// While the write waits for flow-control credit, it keeps taking what the left neighbour sends: the
     /// neighbour may itself be waiting on this rank, and the reader's queue is bounded.
     async fn transmit(
@@ -82,7 +82,7 @@ impl QuicCollective {
         round: &Round,
         poison_rx: &mut watch::Receiver<Option<CollectiveError>>,
     ) -> Result<()> {
-        if let Some(k) = self.cfg.crash_after_msgs {
+        if let Some(k) = self.faults.crash_after_msgs {
             if self.sent_msgs >= k {
                 self.crash();
                 return Err(local(format!(
@@ -92,7 +92,7 @@ impl QuicCollective {
             }
         }
         let mut chunks = data_frame_chunks(self.cfg.job_id, self.step, round.seq, m, &self.shared.pool);
-        if self.cfg.duplicate_msg == Some(self.sent_msgs) {
+        if self.faults.duplicate_msg == Some(self.sent_msgs) {
             chunks.extend_from_within(..);
         }
         self.sent_msgs += 1;

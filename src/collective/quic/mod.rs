@@ -84,6 +84,7 @@ use super::frame::{self, SequenceGuard};
 use super::rank_runtime::RankRuntime;
 use super::ring::Engine;
 use super::{Collective, CollectiveError, ComputeBusy, Result};
+use crate::fault_plan::FaultPlan;
 use control::ControlPlane;
 use links::{LeftLink, RightLink, Ring, RingLinks};
 use listener::Listener;
@@ -121,14 +122,6 @@ pub struct QuicConfig {
     pub idle_timeout: Duration,
     /// Pipelining granularity in f32 elements.
     pub sub_chunk: usize,
-    /// Fault injection for tests: crash (close everything without goodbye) after sending this many data
-    /// messages.
-    pub crash_after_msgs: Option<usize>,
-    /// Fault injection for tests: crash when the step (0-based, [`Collective::set_step`]) reaches this one,
-    /// before sending anything of it.
-    pub crash_at_step: Option<u64>,
-    /// Fault injection for tests: send data message number `k` (0-based, over this rank's lifetime) twice.
-    pub duplicate_msg: Option<usize>,
 }
 
 impl QuicConfig {
@@ -146,9 +139,6 @@ impl QuicConfig {
             rendezvous_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(10),
             sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
-            crash_after_msgs: None,
-            crash_at_step: None,
-            duplicate_msg: None,
         }
     }
 }
@@ -223,6 +213,18 @@ impl Shared {
     }
 }
 
+/// The faults of a [`FaultPlan`] this rank's transport applies.
+#[derive(Clone, Copy, Debug, Default)]
+struct InjectedFaults {
+    /// Crash after sending this many data messages.
+    crash_after_msgs: Option<usize>,
+    /// Crash when the step (0-based, [`Collective::set_step`]) reaches this one, before sending anything of
+    /// it.
+    crash_at_step: Option<u64>,
+    /// Send data message number `k` (0-based, over this rank's lifetime) twice.
+    duplicate_msg: Option<usize>,
+}
+
 /// One rank of a QUIC ring.
 pub struct QuicCollective {
     rt: Option<RankRuntime>,
@@ -237,6 +239,8 @@ pub struct QuicCollective {
     seq: u64,
     step: u64,
     sent_msgs: usize,
+    /// The message kinds of the run's [`FaultPlan`] that name this rank ([`QuicCollective::inject_faults`]).
+    faults: InjectedFaults,
     crashed: bool,
     failed: Option<CollectiveError>,
     _keep: Vec<SendStream>,
@@ -290,6 +294,7 @@ impl QuicCollective {
             seq: 0,
             step: 0,
             sent_msgs: 0,
+            faults: InjectedFaults::default(),
             crashed: false,
             failed: ring_error.clone(),
             _keep: s.links.keep,
@@ -323,6 +328,26 @@ impl QuicCollective {
         let rt = self.rt.take().expect("runtime present until drop");
         rt.block_on(self.control.send_abort(self.cfg.job_id, rank, dead, &reason));
         self.rt = Some(rt);
+    }
+
+    /// Applies the message kinds of `plan` that name this rank: `drop` (crash after N data messages), `kill`
+    /// (crash at the start of a step) and `duplicate` (send one data message twice). A crash closes
+    /// everything without a goodbye, as a killed process would. Kinds only the in-memory transport applies
+    /// are refused, naming it; the trainer applies the rest of the plan.
+    pub fn inject_faults(&mut self, plan: &FaultPlan) -> Result<()> {
+        if let Some(kind) = plan.mem_only_kind() {
+            return Err(local(format!(
+                "fault {kind} is applied by the in-memory transport only (QUIC's streams deliver in order on \
+                 their own schedule)"
+            )));
+        }
+        let rank = self.cfg.rank;
+        self.faults = InjectedFaults {
+            crash_after_msgs: plan.dies_after_messages(rank),
+            crash_at_step: plan.dies_at_step_index(rank),
+            duplicate_msg: plan.duplicated_message(rank),
+        };
+        Ok(())
     }
 
     /// This rank's endpoint address.
@@ -485,7 +510,7 @@ impl Collective for QuicCollective {
 
     fn set_step(&mut self, step: u64) {
         self.step = step;
-        if self.cfg.crash_at_step == Some(step) && !self.crashed {
+        if self.faults.crash_at_step == Some(step) && !self.crashed {
             self.crash();
             self.failed = Some(local(format!(
                 "rank {}: injected crash at step {}",
