@@ -1,12 +1,13 @@
 //! The sim's network model: the ring's virtual time against the α-β(-γ) closed forms, with and without
 //! sub-chunk pipelining; bucket overlap against a hand-built schedule; a 1024-rank gpt2 prediction.
 
+use ringtrain::collective::ring::{Engine, Reduce, RingEngine, RingOp};
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
 use ringtrain_sim::netmodel::network::{Link, Network};
 use ringtrain_sim::netmodel::predict_step;
 use ringtrain_sim::netmodel::profile::{ComputeProfile, Segment};
-use ringtrain_sim::netmodel::ring::{simulate, RingKind, RingShape};
+use ringtrain_sim::netmodel::ring::{simulate, ModelSend, RingKind, RingShape};
 use ringtrain_sim::netmodel::schedule::{predict, StepPlan};
 use std::time::Instant;
 
@@ -458,5 +459,76 @@ fn timing_only_command_prints_a_prediction_for_1024_workers() {
         let out = std::process::Command::new(bin).args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
+/// Every message each rank's real ring engine hands out, in order, run to completion in one thread with
+/// FIFO delivery (as `collective::ring::run_local` drives them): (phase, chunk, sub, bytes) per rank.
+fn engine_sends(op: RingOp, world: usize, elems: usize, sub_chunk: usize) -> Vec<Vec<ModelSend>> {
+    let mut bufs: Vec<Vec<f32>> = (0..world).map(|r| vec![r as f32; elems]).collect();
+    let mut engines: Vec<RingEngine> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(r, b)| RingEngine::new(op, r, world, b, sub_chunk).unwrap())
+        .collect();
+    let mut sent = vec![Vec::new(); world];
+    let mut queues: Vec<std::collections::VecDeque<_>> = vec![Default::default(); world];
+    loop {
+        let mut progressed = false;
+        for r in 0..world {
+            while let Some(m) = engines[r].poll_transmit() {
+                sent[r].push(ModelSend {
+                    phase: m.phase as usize,
+                    chunk: m.chunk as usize,
+                    sub: m.sub as usize,
+                    bytes: m.payload.len_bytes(),
+                });
+                queues[(r + 1) % world].push_back(m);
+                progressed = true;
+            }
+        }
+        for r in 0..world {
+            if let Some(m) = queues[r].pop_front() {
+                engines[r].handle(m).unwrap();
+                progressed = true;
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    assert!(engines.iter().all(|e| e.is_done()));
+    sent
+}
+
+/// The model times the messages the real engine sends: for every collective kind, world size, uneven
+/// chunks and sub-chunk size, each rank's messages (phase, chunk, sub-chunk, bytes) in order are the
+/// model's schedule.
+#[test]
+fn the_model_times_the_messages_the_real_ring_sends() {
+    let kinds = [
+        (RingKind::AllReduce, RingOp::AllReduce(Reduce::Mean)),
+        (RingKind::ReduceScatter, RingOp::ReduceScatter(Reduce::Mean)),
+        (RingKind::AllGather, RingOp::AllGather),
+    ];
+    for (kind, op) in kinds {
+        for world in 2..=5 {
+            for (elems, sub_chunk) in [(1usize, 1usize), (10, 3), (97, 8), (1000, 1000), (4099, 64)] {
+                let shape = RingShape {
+                    kind,
+                    elems,
+                    elem_bytes: 4,
+                    sub_chunk,
+                };
+                let engine = engine_sends(op, world, elems, sub_chunk);
+                for (rank, got) in engine.iter().enumerate() {
+                    assert_eq!(
+                        *got,
+                        shape.sends(world, rank),
+                        "{kind:?}, {world} ranks, {elems} elements in sub-chunks of {sub_chunk}: rank {rank}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -83,6 +83,39 @@ impl RingShape {
     }
 }
 
+/// One message of a rank in the model's schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelSend {
+    pub phase: usize,
+    pub chunk: usize,
+    pub sub: usize,
+    pub bytes: usize,
+}
+
+impl RingShape {
+    /// Rank `rank`'s messages in the order its link carries them, phase by phase and sub-chunk by
+    /// sub-chunk: the schedule [`simulate`] times. `sim/tests/netmodel.rs` checks it against the messages
+    /// the real engine (`ringtrain::collective::ring::RingEngine`) hands out.
+    pub fn sends(&self, world: usize, rank: usize) -> Vec<ModelSend> {
+        if world <= 1 || self.elems == 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for phase in 0..self.phases(world) {
+            let chunk = self.chunk_sent(world, rank, phase);
+            for sub in 0..self.subs(world, chunk) {
+                out.push(ModelSend {
+                    phase,
+                    chunk,
+                    sub,
+                    bytes: self.sub_bytes(world, chunk, sub) as usize,
+                });
+            }
+        }
+        out
+    }
+}
+
 /// Runs `shape` over the ring of `start.len()` ranks, rank `r`'s communication thread beginning it at
 /// `start[r]` seconds; returns when each rank is done with it.
 pub fn simulate(net: &Network, shape: &RingShape, start: &[f64]) -> Vec<f64> {
