@@ -7,7 +7,7 @@ use ringtrain::data::TokenizerKind;
 use ringtrain::model::ModelConfig;
 use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
 use ringtrain::optim::{AdamWConfig, LrSchedule};
-use ringtrain::trainer::{bucket_elems, OnDivergence, OnNonFinite, TrainOptions, UpdateMode};
+use ringtrain::trainer::{bucket_elems, OnDivergence, OnNonFinite, TrainOptions, UpdateMode, MAX_BUCKET_MB};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -159,7 +159,6 @@ pub struct TrainArgs {
 
 /// Most tokens in one micro-batch of one rank (`--batch-size` x `--seq-len`): 2^31, the 32-bit index range
 /// of the GPU kernels.
-const MAX_MICRO_BATCH_TOKENS: usize = 1 << 31;
 
 /// Largest `--config` file read: a run's settings fill a few hundred bytes, and the TOML parser allocates
 /// many times the text it is given, so a huge or wrong file is refused before it is read.
@@ -248,14 +247,6 @@ impl TrainArgs {
         let seq_len = positive("--seq-len", self.seq_len.unwrap_or(d.seq_len))?;
         let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(d.grad_accum))?;
         let overflow = || format!("--batch-size {batch_size} x --grad-accum {grad_accum} x {world} ranks is too large");
-        // Token positions are indexed with 32 bits by the GPU kernels, and the activations scale with them.
-        let micro_tokens = batch_size.checked_mul(seq_len).filter(|&n| n <= MAX_MICRO_BATCH_TOKENS);
-        if micro_tokens.is_none() {
-            bail!(
-                "--batch-size {batch_size} x --seq-len {seq_len} is over {MAX_MICRO_BATCH_TOKENS} tokens per \
-                 micro-batch, more than any backend can index; use --grad-accum for larger batches"
-            );
-        }
         let per_rank = batch_size.checked_mul(grad_accum).with_context(overflow)?;
         let global = per_rank.checked_mul(world).with_context(overflow)?;
         let base_batch = positive("--base-batch", self.base_batch.unwrap_or(per_rank))?;
@@ -263,17 +254,16 @@ impl TrainArgs {
             Some(name) => name.parse()?,
             None => LrScaling::None,
         };
-        let lr = finite_positive("--lr", self.lr.unwrap_or(d.schedule.lr))? * scaling.factor(global, base_batch);
+        let lr = self.lr.unwrap_or(d.schedule.lr);
+        // The value asked for is checked before scaling, so the message names it.
+        ensure!(lr.is_finite() && lr > 0.0, "--lr {lr} must be a positive number");
+        let lr = lr * scaling.factor(global, base_batch);
         let kind: ScheduleKind = match self.lr_schedule.as_deref() {
             Some(name) => name.parse()?,
             None => d.schedule.kind,
         };
         // The default floor follows the (scaled) peak: a tenth of it.
         let min_lr = self.min_lr.unwrap_or(lr / 10.0);
-        ensure!(
-            min_lr.is_finite() && min_lr >= 0.0 && min_lr <= lr,
-            "--min-lr {min_lr} must be between 0 and --lr"
-        );
         let schedule = LrSchedule {
             kind,
             lr,
@@ -282,10 +272,10 @@ impl TrainArgs {
             total_steps: steps,
         };
         let adamw = AdamWConfig {
-            beta1: unit_interval("--beta1", self.beta1.unwrap_or(d.adamw.beta1))?,
-            beta2: unit_interval("--beta2", self.beta2.unwrap_or(d.adamw.beta2))?,
-            eps: finite_positive("--eps", self.eps.unwrap_or(d.adamw.eps))?,
-            weight_decay: non_negative("--weight-decay", self.weight_decay.unwrap_or(d.adamw.weight_decay))?,
+            beta1: self.beta1.unwrap_or(d.adamw.beta1),
+            beta2: self.beta2.unwrap_or(d.adamw.beta2),
+            eps: self.eps.unwrap_or(d.adamw.eps),
+            weight_decay: self.weight_decay.unwrap_or(d.adamw.weight_decay),
         };
         let shuffle = match self.shuffle.as_deref() {
             None => d.shuffle,
@@ -300,10 +290,6 @@ impl TrainArgs {
             Some(other) => bail!("--on-nonfinite {other:?}: expected skip or abort"),
         };
         let loss_spike = self.loss_spike.unwrap_or(d.loss_spike);
-        ensure!(
-            loss_spike == 0.0 || (loss_spike.is_finite() && loss_spike > 1.0),
-            "--loss-spike {loss_spike} must be a factor over 1, or 0 to turn the warning off"
-        );
         let update = match self.update.as_deref() {
             None => d.update,
             Some("sharded") => UpdateMode::Sharded,
@@ -326,20 +312,20 @@ impl TrainArgs {
             None => d.bucket_elems,
             Some(mb) => {
                 ensure!(
-                    mb.is_finite() && mb > 0.0 && mb <= 4096.0,
-                    "--bucket-mb {mb} must be in (0, 4096]"
+                    mb.is_finite() && mb > 0.0 && mb <= MAX_BUCKET_MB,
+                    "--bucket-mb {mb} must be in (0, {MAX_BUCKET_MB}]"
                 );
                 bucket_elems(mb)
             }
         };
-        Ok(TrainOptions {
+        let opts = TrainOptions {
             batch_size,
             seq_len,
             grad_accum,
             steps,
             schedule,
             adamw,
-            grad_clip: non_negative("--grad-clip", self.grad_clip.unwrap_or(d.grad_clip))?,
+            grad_clip: self.grad_clip.unwrap_or(d.grad_clip),
             seed: self.seed.unwrap_or(d.seed),
             shuffle,
             on_nonfinite,
@@ -354,27 +340,15 @@ impl TrainArgs {
             bucket_elems,
             overlap,
             args_json: serde_json::to_string(self)?,
-        })
+        };
+        // The library's checks, before anything is opened or joined.
+        opts.validate(model, world)?;
+        Ok(opts)
     }
 }
 
 fn positive(name: &str, v: usize) -> Result<usize> {
     ensure!(v >= 1, "{name} must be at least 1");
-    Ok(v)
-}
-
-fn finite_positive(name: &str, v: f64) -> Result<f64> {
-    ensure!(v.is_finite() && v > 0.0, "{name} {v} must be a positive number");
-    Ok(v)
-}
-
-fn non_negative(name: &str, v: f64) -> Result<f64> {
-    ensure!(v.is_finite() && v >= 0.0, "{name} {v} must be a non-negative number");
-    Ok(v)
-}
-
-fn unit_interval(name: &str, v: f64) -> Result<f64> {
-    ensure!((0.0..1.0).contains(&v), "{name} {v} must be in [0, 1)");
     Ok(v)
 }
 

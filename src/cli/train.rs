@@ -66,15 +66,17 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         args.init.is_none() || args.resume.is_none(),
         "--init and --resume both given: --resume already restores the parameters"
     );
+    // A checkpoint is read here, once: its shape decides the options and the memory plan, and a damaged file
+    // is refused before anything is opened or joined. (The seed only draws a fresh init's parameters.)
+    let read = |source: ModelSource| -> Result<(ModelSource, ringtrain::model::ModelConfig)> {
+        let read = source.read(0)?;
+        let cfg = read.config.clone();
+        Ok((ModelSource::Read(read), cfg))
+    };
     let (source, model) = if let Some(dir) = &args.resume {
-        let dir = ringtrain::model::checkpoint::resolve_checkpoint_dir(dir)?;
-        let cfg = ringtrain::model::checkpoint::load_model(&dir)?.0;
-        (ringtrain::trainer::ModelSource::Resume(dir), cfg)
+        read(ModelSource::Resume(dir.clone()))?
     } else if let Some(dir) = &args.init {
-        let cfg = ringtrain::model::checkpoint::load_model(dir)
-            .with_context(|| format!("--init {}", dir.display()))?
-            .0;
-        (ModelSource::Init(dir.clone()), cfg)
+        read(ModelSource::Init(dir.clone()))?
     } else {
         let cfg = args.model_config()?;
         (ModelSource::Fresh(cfg.clone()), cfg)
@@ -84,7 +86,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
     let backend = parse_backend(args.backend.as_deref())?;
     let job_hash = opts.job_hash(&model, launch.world_size);
-    let resume = matches!(source, ModelSource::Resume(_));
+    let resume = source.is_resume();
     let plan = MemoryPlan::new(&model, &opts, launch.world_size, launch.rank, resume);
     let faults = fault_plan_from_env(launch.world_size, opts.steps)?;
     Ok(RunSetup {
@@ -172,7 +174,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let s = setup(args)?;
     let (be, selection) = open_backend(s.backend, s.launch.local_rank)?;
     check_memory_plan(&s, &*be)?;
-    let resuming = matches!(s.source, ModelSource::Resume(_));
+    let resuming = s.source.is_resume();
     let comm = connect(&s)?;
     let is_rank0 = s.launch.rank == 0;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;

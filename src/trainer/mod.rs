@@ -17,7 +17,7 @@ use crate::collective::comm_thread::CommThread;
 use crate::collective::Collective;
 use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
-use crate::model::checkpoint;
+use crate::model::checkpoint::{self, TrainerState};
 use crate::model::{init::init_params, Gpt2, ModelConfig, ParamLayout};
 use crate::optim::adamw::clip_coefficient;
 use crate::optim::AdamW;
@@ -53,7 +53,7 @@ pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
 pub use options::{
     bucket_elems, default_batch_size, default_lr, OnDivergence, OnNonFinite, TrainOptions, UpdateMode,
-    DEFAULT_BATCH_SIZE, DEFAULT_BUCKET_MB, DEFAULT_STEPS, SMALL_BATCH_SIZE,
+    DEFAULT_BATCH_SIZE, DEFAULT_BUCKET_MB, DEFAULT_STEPS, MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, SMALL_BATCH_SIZE,
 };
 
 /// Where the parameters of a new run come from.
@@ -64,6 +64,66 @@ pub enum ModelSource {
     Init(PathBuf),
     /// `--resume DIR`: parameters, optimizer state and data cursor of an earlier run.
     Resume(PathBuf),
+    /// A source already read from its files ([`ModelSource::read`]), so that they are read once.
+    Read(ReadModel),
+}
+
+/// A model source read from its files: the config, the flat parameters and, when resuming, the trainer
+/// state.
+pub struct ReadModel {
+    pub config: ModelConfig,
+    pub params: Vec<f32>,
+    pub resume: Option<TrainerState>,
+}
+
+impl ModelSource {
+    /// Reads the files the source names (nothing for a fresh init, which only draws its parameters), so a
+    /// caller can check them and learn the model's shape before the trainer takes them.
+    pub fn read(self, seed: u64) -> Result<ReadModel> {
+        Ok(match self {
+            ModelSource::Fresh(cfg) => {
+                cfg.validate()?;
+                let layout = ParamLayout::new(&cfg);
+                let params = init_params(&cfg, &layout, seed);
+                ReadModel {
+                    config: cfg,
+                    params,
+                    resume: None,
+                }
+            }
+            ModelSource::Init(dir) => {
+                let (config, params) =
+                    checkpoint::load_model(&dir).with_context(|| format!("--init {}", dir.display()))?;
+                ReadModel {
+                    config,
+                    params,
+                    resume: None,
+                }
+            }
+            ModelSource::Resume(dir) => {
+                let dir = checkpoint::resolve_checkpoint_dir(&dir)?;
+                let (config, params) =
+                    checkpoint::load_model(&dir).with_context(|| format!("--resume {}", dir.display()))?;
+                let state = checkpoint::load_trainer_state(&dir, &ParamLayout::new(&config))
+                    .with_context(|| format!("--resume {}: trainer state", dir.display()))?;
+                ReadModel {
+                    config,
+                    params,
+                    resume: Some(state),
+                }
+            }
+            ModelSource::Read(read) => read,
+        })
+    }
+
+    /// Whether the run continues an earlier one (a [`TrainerState`] comes with it).
+    pub fn is_resume(&self) -> bool {
+        match self {
+            ModelSource::Resume(_) => true,
+            ModelSource::Read(read) => read.resume.is_some(),
+            _ => false,
+        }
+    }
 }
 
 /// One rank's trainer: its replica of the model, its optimizer state, its share of the data and its
@@ -124,37 +184,8 @@ impl<B: Backend> Trainer<B> {
         opts: TrainOptions,
         comm: Box<dyn Collective>,
     ) -> Result<Self> {
-        let (config, params, resume) = match source {
-            ModelSource::Fresh(cfg) => {
-                cfg.validate()?;
-                let layout = ParamLayout::new(&cfg);
-                let params = init_params(&cfg, &layout, opts.seed);
-                (cfg, params, None)
-            }
-            ModelSource::Init(dir) => {
-                let (cfg, params) =
-                    checkpoint::load_model(&dir).with_context(|| format!("--init {}", dir.display()))?;
-                (cfg, params, None)
-            }
-            ModelSource::Resume(dir) => {
-                let dir = checkpoint::resolve_checkpoint_dir(&dir)?;
-                let (cfg, params) =
-                    checkpoint::load_model(&dir).with_context(|| format!("--resume {}", dir.display()))?;
-                let state = checkpoint::load_trainer_state(&dir, &ParamLayout::new(&cfg))
-                    .with_context(|| format!("--resume {}: trainer state", dir.display()))?;
-                (cfg, params, Some(state))
-            }
-        };
-        ensure!(
-            opts.seq_len >= 1 && opts.seq_len <= config.n_positions,
-            "--seq-len {} must be between 1 and the model's n_positions ({})",
-            opts.seq_len,
-            config.n_positions
-        );
-        ensure!(
-            opts.batch_size >= 1 && opts.grad_accum >= 1,
-            "--batch-size and --grad-accum must be at least 1"
-        );
+        let ReadModel { config, params, resume } = source.read(opts.seed)?;
+        opts.validate(&config, comm.world())?;
         data.train.validate_vocab(config.vocab_size)?;
         if let Some(val) = &data.val {
             val.validate_vocab(config.vocab_size)?;

@@ -28,6 +28,13 @@ pub fn default_batch_size(model: &ModelConfig) -> usize {
     }
 }
 
+/// The most token positions one micro-batch may hold (`batch_size × seq_len`): the GPU kernels index them
+/// with 32 bits, and the activations scale with them.
+pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 31;
+
+/// The largest gradient bucket, MiB.
+pub const MAX_BUCKET_MB: f64 = 4096.0;
+
 /// Optimizer steps by default.
 pub const DEFAULT_STEPS: u64 = 200;
 
@@ -178,6 +185,63 @@ impl TrainOptions {
         self
     }
 
+    /// Refuses options no run of `model` over `world` ranks can train with, naming the flag that sets each
+    /// value. [`super::Trainer::new`] calls it, so the command line, the sim and the library API get the same
+    /// checks and messages.
+    pub fn validate(&self, model: &ModelConfig, world: usize) -> anyhow::Result<()> {
+        use anyhow::{bail, ensure};
+        let (b, t, k) = (self.batch_size, self.seq_len, self.grad_accum);
+        ensure!(b >= 1, "--batch-size must be at least 1");
+        ensure!(k >= 1, "--grad-accum must be at least 1");
+        ensure!(world >= 1, "a run needs at least one rank");
+        ensure!(
+            t >= 1 && t <= model.n_positions,
+            "--seq-len {t} must be between 1 and the model's n_positions ({})",
+            model.n_positions
+        );
+        if b.checked_mul(t).is_none_or(|n| n > MAX_MICRO_BATCH_TOKENS) {
+            bail!(
+                "--batch-size {b} x --seq-len {t} is over {MAX_MICRO_BATCH_TOKENS} tokens per micro-batch, more \
+                 than any backend can index; use --grad-accum for larger batches"
+            );
+        }
+        ensure!(
+            b.checked_mul(k).and_then(|n| n.checked_mul(world)).is_some(),
+            "--batch-size {b} x --grad-accum {k} x {world} ranks is too large"
+        );
+        let lr = self.schedule.lr;
+        ensure!(lr.is_finite() && lr > 0.0, "--lr {lr} must be a positive number");
+        let min_lr = self.schedule.min_lr;
+        ensure!(
+            min_lr.is_finite() && min_lr >= 0.0 && min_lr <= lr,
+            "--min-lr {min_lr} must be between 0 and --lr"
+        );
+        let a = &self.adamw;
+        for (name, v) in [("--beta1", a.beta1), ("--beta2", a.beta2)] {
+            ensure!((0.0..1.0).contains(&v), "{name} {v} must be in [0, 1)");
+        }
+        ensure!(
+            a.eps.is_finite() && a.eps > 0.0,
+            "--eps {} must be a positive number",
+            a.eps
+        );
+        for (name, v) in [("--weight-decay", a.weight_decay), ("--grad-clip", self.grad_clip)] {
+            ensure!(v.is_finite() && v >= 0.0, "{name} {v} must be a non-negative number");
+        }
+        let spike = self.loss_spike;
+        ensure!(
+            spike == 0.0 || (spike.is_finite() && spike > 1.0),
+            "--loss-spike {spike} must be a factor over 1, or 0 to turn the warning off"
+        );
+        let max_bucket = bucket_elems(MAX_BUCKET_MB);
+        ensure!(
+            self.bucket_elems >= 1 && self.bucket_elems <= max_bucket,
+            "--bucket-mb must be in (0, {MAX_BUCKET_MB}] ({} elements is not)",
+            self.bucket_elems
+        );
+        Ok(())
+    }
+
     /// Digest of everything the ranks of a `world`-rank job on `model` must agree on: the model shape, the
     /// batch layout, and whatever decides which collectives run (verification, checkpoint gathers), so that
     /// a rank started with different settings is refused at rendezvous instead of hanging a collective.
@@ -226,6 +290,44 @@ mod tests {
             0
         );
         assert_eq!(TrainOptions::for_model(&ModelConfig::gpt2()).schedule.lr, 6e-4);
+    }
+
+    #[test]
+    fn the_library_refuses_what_no_run_can_train_with_naming_the_flag() {
+        let tiny = ModelConfig::tiny();
+        let ok = TrainOptions::for_model(&tiny);
+        assert!(ok.validate(&tiny, 4).is_ok());
+        let refused = |opts: TrainOptions, world: usize| opts.validate(&tiny, world).unwrap_err().to_string();
+        let huge = TrainOptions {
+            batch_size: 1 << 30,
+            seq_len: 64,
+            ..ok.clone()
+        };
+        assert!(refused(huge, 1).contains("tokens per micro-batch"));
+        let long = TrainOptions {
+            seq_len: 65,
+            ..ok.clone()
+        };
+        assert!(refused(long, 1).contains("--seq-len 65"));
+        let mut negative = ok.clone();
+        negative.schedule.lr = -1.0;
+        assert!(refused(negative, 1).contains("--lr -1 must be a positive number"));
+        let mut beta = ok.clone();
+        beta.adamw.beta2 = 1.0;
+        assert!(refused(beta, 1).contains("--beta2 1 must be in [0, 1)"));
+        let spike = TrainOptions {
+            loss_spike: 0.5,
+            ..ok.clone()
+        };
+        assert!(refused(spike, 1).contains("--loss-spike"));
+        // Under the micro-batch limit, but not times the ranks and the accumulation.
+        let overflow = TrainOptions {
+            batch_size: 1 << 30,
+            seq_len: 1,
+            grad_accum: usize::MAX / 4,
+            ..ok
+        };
+        assert!(refused(overflow, 4).contains("ranks is too large"));
     }
 
     #[test]
