@@ -157,9 +157,6 @@ pub struct TrainArgs {
     pub threads: Option<usize>,
 }
 
-/// Most tokens in one micro-batch of one rank (`--batch-size` x `--seq-len`): 2^31, the 32-bit index range
-/// of the GPU kernels.
-
 /// Largest `--config` file read: a run's settings fill a few hundred bytes, and the TOML parser allocates
 /// many times the text it is given, so a huge or wrong file is refused before it is read.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;

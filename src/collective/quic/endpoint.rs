@@ -245,8 +245,9 @@ fn make_endpoint(
     Ok((ep, id.fingerprint()))
 }
 
-/// Test support: makes `ep` present a new certificate to the connections it accepts from now on, as an
+/// Tests only: makes `ep` present a new certificate to the connections it accepts from now on, as an
 /// endpoint that took over a rank's address would. Returns the new certificate's fingerprint.
+#[cfg(test)]
 pub(super) fn present_another_certificate(ep: &Endpoint, idle: Duration) -> std::result::Result<Fingerprint, String> {
     let id = Identity::fresh()?;
     let transport = Arc::new(transport_config(idle, Tuning::for_link(true), None)?);

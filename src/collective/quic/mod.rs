@@ -61,12 +61,14 @@ mod control;
 mod driver;
 mod endpoint;
 mod framing;
+#[cfg(test)]
+mod hostile_tests;
 mod links;
 mod listener;
 mod messages;
 mod rendezvous;
-#[doc(hidden)]
-pub mod test_support;
+#[cfg(test)]
+mod test_support;
 
 pub use messages::{Control, Hello};
 
@@ -355,10 +357,10 @@ impl QuicCollective {
         self.endpoint.local_addr().ok()
     }
 
-    /// Test support: writes `bytes` unchanged onto the link to the right neighbour, between collectives, as
-    /// a member holding the secret could (a replayed or forged frame). Nothing in the transport calls it.
-    #[doc(hidden)]
-    pub fn send_raw_to_right(&mut self, bytes: &[u8]) -> Result<()> {
+    /// Tests only: writes `bytes` unchanged onto the link to the right neighbour, between collectives, as a
+    /// member holding the secret could (a replayed or forged frame).
+    #[cfg(test)]
+    fn send_raw_to_right(&mut self, bytes: &[u8]) -> Result<()> {
         let rt = self.rt.take().expect("runtime present until drop");
         let res = rt.block_on(async {
             let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;

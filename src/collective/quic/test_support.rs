@@ -1,4 +1,4 @@
-//! Test support for the hostile-peer tests (`tests/hostile_peers.rs`): a rogue member that holds the
+//! Test support for the hostile-peer tests (`hostile_tests.rs`): a rogue member that holds the
 //! cluster secret but none of the ranks' certificates, and says whatever a test tells it to. Nothing in
 //! the transport uses it.
 

@@ -1,7 +1,9 @@
 //! Hostile peers on the QUIC transport (127.0.0.1 only): a second peer claiming a rank, a member without the
 //! pinned certificate on either end of a ring link, replayed frames, garbage datagrams and failed handshakes
 //! at every port. Each is refused, the job's result is unchanged (or, for a member corrupting its own ring
-//! link, the collective fails naming it), and each refusal is logged once per address.
+//! link, the collective fails naming it), and each refusal is logged once per address. These live inside
+//! the library (`cargo test --lib collective::quic::hostile_tests`) because the rogue member they need
+//! ([`super::test_support::Rogue`]) and the raw writes onto a ring link are not public API.
 
 use std::io::Write;
 use std::net::{SocketAddr, UdpSocket};
@@ -9,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use ringtrain::collective::frame::{encode_msg, Header};
-use ringtrain::collective::quic::test_support::Rogue;
-use ringtrain::collective::quic::{Control, Hello, QuicCollective, QuicConfig};
-use ringtrain::collective::ring::{Msg, Payload};
-use ringtrain::collective::{Collective, CollectiveError};
+use super::test_support::Rogue;
+use super::{Control, Hello, QuicCollective, QuicConfig};
+use crate::collective::frame::{encode_msg, Header};
+use crate::collective::ring::{Msg, Payload};
+use crate::collective::{Collective, CollectiveError};
 
 const JOB: u64 = 0xfeed;
 const SECRET: &[u8] = b"hostile test secret";
@@ -130,7 +132,7 @@ fn a_second_claim_on_a_taken_rank_is_refused() {
     let wait = Duration::from_secs(5);
     let hello = |rank| {
         Control::Hello(Hello {
-            version: ringtrain::collective::frame::PROTOCOL_VERSION,
+            version: crate::collective::frame::PROTOCOL_VERSION,
             job_id: JOB,
             rank,
             world,
