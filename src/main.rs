@@ -219,7 +219,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One write: under `launch` several ranks share this stderr, and a line written in pieces
+            // could interleave with another rank's.
+            cli::progress::eprint_line(&format!("error: {e:#}"));
             ExitCode::FAILURE
         }
     }

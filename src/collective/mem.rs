@@ -30,8 +30,8 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::le_pieces::{le_bytes, LePieces};
-use super::ring::{Engine, Msg, Payload};
-use super::{Collective, CollectiveError, Result};
+use super::ring::{Engine, Msg, Payload, RingOp};
+use super::{run_ring, Collective, CollectiveError, Result};
 use crate::fault_plan::FaultPlan;
 
 /// Options for [`mem_cluster`].
@@ -320,8 +320,9 @@ impl Collective for MemCollective {
         self.world
     }
 
-    fn sub_chunk(&self) -> usize {
-        self.opts.sub_chunk
+    fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {
+        let sub_chunk = self.opts.sub_chunk;
+        run_ring(self, op, buf, sub_chunk, None)
     }
 
     fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()> {

@@ -80,18 +80,12 @@ pub trait Collective: Send {
     /// Records the training step, stamped into frames (and checked) by transports that have frames.
     fn set_step(&mut self, _step: u64) {}
 
-    /// Sub-chunk size in f32 elements used for pipelining.
-    fn sub_chunk(&self) -> usize {
-        ring::DEFAULT_SUB_CHUNK
-    }
+    /// Runs one f32 ring collective. How the buffer is cut into messages and where their storage comes from
+    /// are the transport's own business: [`run_ring`] runs it with the defaults.
+    fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()>;
 
-    /// The pool a transport returns sent payloads' storage to, for engines to take their copies from.
-    fn message_pool(&self) -> Option<Arc<BufferPool>> {
-        None
-    }
-
-    /// The flag through which the caller says its compute runs while collectives do, for transports that
-    /// trade latency for fewer wake-ups of busy cores then.
+    /// The flag through which the caller says its compute runs while collectives do ("the caller is
+    /// computing"), for transports that trade latency for fewer wake-ups of busy cores then.
     fn compute_busy(&self) -> Option<ComputeBusy> {
         None
     }
@@ -166,16 +160,23 @@ pub trait Collective: Send {
         self.run_engine(&mut e)?;
         Ok(e.into_blobs())
     }
+}
 
-    /// Runs one f32 ring collective.
-    fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {
-        let (rank, world, sub) = (self.rank(), self.world(), self.sub_chunk());
-        let mut e = RingEngine::new(op, rank, world, buf, sub).map_err(|e| CollectiveError::Local(e.to_string()))?;
-        if let Some(pool) = self.message_pool() {
-            e = e.recycling(pool);
-        }
-        self.run_engine(&mut e)
+/// Runs the f32 collective `op` over `buf` on `comm` with the ring engine, in sub-chunks of `sub_chunk`
+/// elements, its copies taken from `pool` when the transport recycles message storage.
+pub fn run_ring(
+    comm: &mut (impl Collective + ?Sized),
+    op: RingOp,
+    buf: &mut [f32],
+    sub_chunk: usize,
+    pool: Option<Arc<BufferPool>>,
+) -> Result<()> {
+    let (rank, world) = (comm.rank(), comm.world());
+    let mut e = RingEngine::new(op, rank, world, buf, sub_chunk).map_err(|e| CollectiveError::Local(e.to_string()))?;
+    if let Some(pool) = pool {
+        e = e.recycling(pool);
     }
+    comm.run_engine(&mut e)
 }
 
 /// Set while the rank's compute runs beside its collectives (the trainer sets it for backward with overlap

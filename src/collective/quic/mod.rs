@@ -84,8 +84,8 @@ use tokio::time::Instant;
 use super::buffer_pool::BufferPool;
 use super::frame::{self, SequenceGuard};
 use super::rank_runtime::RankRuntime;
-use super::ring::Engine;
-use super::{Collective, CollectiveError, ComputeBusy, Result};
+use super::ring::{Engine, RingOp};
+use super::{run_ring, Collective, CollectiveError, ComputeBusy, Result};
 use crate::fault_plan::FaultPlan;
 use control::ControlPlane;
 use links::{LeftLink, RightLink, Ring, RingLinks};
@@ -498,12 +498,11 @@ impl Collective for QuicCollective {
         self.cfg.world
     }
 
-    fn sub_chunk(&self) -> usize {
-        self.cfg.sub_chunk
-    }
-
-    fn message_pool(&self) -> Option<Arc<BufferPool>> {
-        Some(self.shared.pool.clone())
+    /// In sub-chunks of `QuicConfig::sub_chunk` (one frame each), the engine's copies taken from the pool that
+    /// received payloads return their storage to.
+    fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {
+        let (sub_chunk, pool) = (self.cfg.sub_chunk, self.shared.pool.clone());
+        run_ring(self, op, buf, sub_chunk, Some(pool))
     }
 
     fn compute_busy(&self) -> Option<ComputeBusy> {
