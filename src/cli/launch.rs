@@ -5,6 +5,7 @@
 //! exit on their own; any still running after the grace period are killed, and a stopped one (SIGSTOP,
 //! which leaves a SIGTERM pending forever) at once.
 
+use super::progress::eprint_line;
 use anyhow::{bail, ensure, Context, Result};
 use ringtrain::dist::{generate_secret, JOB_ID_VAR};
 use std::process::{Child, Command, ExitStatus};
@@ -78,7 +79,9 @@ pub(crate) fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
             for (rank, slot) in children.iter_mut().enumerate() {
                 if slot.as_ref().is_some_and(|child| is_stopped(child.id())) {
                     let mut child = slot.take().expect("checked above");
-                    eprintln!("launch: rank {rank} is stopped (SIGSTOP or a debugger); killing it");
+                    eprint_line(&format!(
+                        "launch: rank {rank} is stopped (SIGSTOP or a debugger); killing it"
+                    ));
                     let _ = child.kill();
                     let status = child.wait().with_context(|| format!("waiting for rank {rank}"))?;
                     failures.push((rank, status));
@@ -88,7 +91,9 @@ pub(crate) fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
         if first_failure.is_some_and(|t| t.elapsed() > GRACE) {
             for (rank, slot) in children.iter_mut().enumerate() {
                 if let Some(mut child) = slot.take() {
-                    eprintln!("launch: rank {rank} still running {GRACE:?} after a failure; killing it");
+                    eprint_line(&format!(
+                        "launch: rank {rank} still running {GRACE:?} after a failure; killing it"
+                    ));
                     let _ = child.kill();
                     let _ = child.wait();
                 }

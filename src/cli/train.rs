@@ -149,7 +149,8 @@ fn check_memory_plan(s: &RunSetup, be: &dyn Backend) -> Result<()> {
         1 => String::new(),
         _ => format!("rank {}: ", s.launch.rank),
     };
-    eprintln!("{who}{}", s.plan);
+    // Each line in one write: the ranks of a `launch` share its stderr.
+    eprint_line(&format!("{who}{}", s.plan));
     s.plan
         .check(be.memory(), host_available())
         .map_err(|e| anyhow::anyhow!("{who}{e}"))
@@ -195,13 +196,13 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     observer.progress.finish();
     if let (Some(m), true) = (last, is_rank0) {
         let val = m.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
-        eprintln!(
+        eprint_line(&format!(
             "done: step {}, loss {:.4}{val}, {:.0} tokens/s{}",
             m.step,
             m.loss,
             m.tokens_per_s,
             observer.comm.summary(trainer.world())
-        );
+        ));
     }
     Ok(())
 }
@@ -211,11 +212,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
 fn open_metrics(path: &std::path::Path, resuming: bool) -> Result<MetricsWriter> {
     if !resuming {
         if let Some(aside) = set_aside_earlier_run(path)? {
-            eprintln!(
+            eprint_line(&format!(
                 "metrics: {} held an earlier run's records; moved them to {}",
                 path.display(),
                 aside.display()
-            );
+            ));
         }
     }
     MetricsWriter::open(path, resuming)
