@@ -166,6 +166,20 @@ impl Fault {
         }
     }
 
+    /// Whether it acts on the ring's messages or on a rank's place in it, which a job of one rank has none of.
+    pub fn acts_on_ring(&self) -> bool {
+        matches!(
+            self,
+            Fault::Delay(_)
+                | Fault::Reorder(_)
+                | Fault::Split(_)
+                | Fault::SlowMessages { .. }
+                | Fault::Duplicate { .. }
+                | Fault::Drop { .. }
+                | Fault::Kill { .. }
+        )
+    }
+
     /// Whether only the in-memory transport can apply it.
     pub fn mem_only(&self) -> bool {
         matches!(
@@ -386,9 +400,13 @@ impl FaultPlan {
     }
 
     /// Refuses a fault that could never fire in a job of `world` ranks and `steps` steps: a rank the job
-    /// does not have, a step after the last.
+    /// does not have, a step after the last, a fault on the ring in a job of one rank.
     pub fn validate(&self, world: usize, steps: u64) -> Result<()> {
         for f in &self.faults {
+            ensure!(
+                world > 1 || !f.acts_on_ring(),
+                "fault {f} acts on the ring, and a job of one rank has none"
+            );
             if let Some(rank) = f.rank() {
                 ensure!(
                     rank < world,
@@ -598,5 +616,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("not among the run's steps 1..=5"), "{err}");
+        let err = FaultPlan::parse(&["kill=0:2"])
+            .unwrap()
+            .validate(1, 5)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("acts on the ring, and a job of one rank has none"),
+            "{err}"
+        );
+        assert!(FaultPlan::parse(&["nan=0:2", "compute=0:5"])
+            .unwrap()
+            .validate(1, 5)
+            .is_ok());
     }
 }

@@ -106,7 +106,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
 }
 
 /// The fault plan of [`INJECT_FAULT_VAR`] (empty when unset), checked against the job: a fault that could
-/// never fire, or one that needs the ring of a job of several ranks, is refused.
+/// never fire is refused ([`FaultPlan::validate`]).
 fn fault_plan_from_env(world: usize, steps: u64) -> Result<FaultPlan> {
     let value = match std::env::var_os(INJECT_FAULT_VAR) {
         None => None,
@@ -118,16 +118,6 @@ fn fault_plan_from_env(world: usize, steps: u64) -> Result<FaultPlan> {
     let plan = FaultPlan::from_env_value(value.as_deref())?;
     plan.validate(world, steps)
         .with_context(|| format!("{INJECT_FAULT_VAR}={}", value.as_deref().unwrap_or_default()))?;
-    if let Some(f) = plan
-        .faults()
-        .iter()
-        .find(|f| matches!(f.kind(), "drop" | "kill" | "duplicate"))
-    {
-        ensure!(
-            world > 1,
-            "{INJECT_FAULT_VAR}={plan}: fault {f} acts on the ring, and a job of one rank has none"
-        );
-    }
     Ok(plan)
 }
 

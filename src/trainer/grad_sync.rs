@@ -70,11 +70,6 @@ impl BucketedSync {
         }
     }
 
-    /// The gradient buckets, in the order backward finishes them.
-    pub fn plan(&self) -> &BucketPlan {
-        &self.plan
-    }
-
     /// Forgets the last step (a step that failed half way leaves nothing behind): read-backs still in
     /// flight are finished and dropped, so the backend releases what they hold (its errors were the failed
     /// step's, already reported).

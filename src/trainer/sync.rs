@@ -3,15 +3,16 @@
 //!
 //! The step ([`super::Trainer::train_step`]) calls a [`GradientSync`] at fixed points and knows nothing of
 //! how it communicates: today's per-step bucketed sync ([`super::grad_sync::BucketedSync`]) is one
-//! implementation; a sync that does not communicate on some steps, that sums uneven shares, or that keeps
-//! state of its own in checkpoints plugs in at the same points. The sync owns the step's communication
+//! implementation; a sync that does not communicate on some steps or that sums uneven shares plugs in at
+//! the same points. The seam does not yet carry a sync's own state in checkpoints, nor a change of
+//! membership between steps: the syncs that need them add them. The sync owns the step's communication
 //! clock ([`CommTime`]), so the step's metrics need no timers of their own.
 
 use super::comm_ledger::CommTime;
 use super::grad_sync::SyncTrace;
 use crate::backend::{Backend, View};
 use crate::collective::comm_thread::CommThread;
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 /// What this rank computed in a step, besides its gradient.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -84,24 +85,5 @@ pub trait GradientSync<B: Backend>: Send {
     /// When the last step's collectives started against the end of its backward, for syncs that trace it.
     fn trace(&self) -> Option<&SyncTrace> {
         None
-    }
-
-    /// The sync's own state, for checkpoints: named f32 tensors (none for a per-step sync).
-    fn checkpoint_state(&self) -> Vec<(String, Vec<f32>)> {
-        Vec::new()
-    }
-
-    /// Restores what [`GradientSync::checkpoint_state`] saved.
-    fn restore_state(&mut self, state: &[(String, Vec<f32>)]) -> Result<()> {
-        if let Some((name, _)) = state.first() {
-            bail!("this synchronisation keeps no state, but the checkpoint holds {name:?}");
-        }
-        Ok(())
-    }
-
-    /// The membership changed between steps: this rank is now `rank` of `world`, and owns the chunks the
-    /// trainer's ownership map gives it then. Syncs that cannot re-form say so.
-    fn reform(&mut self, world: usize, rank: usize) -> Result<()> {
-        bail!("this synchronisation cannot change its membership (now rank {rank} of {world})")
     }
 }
