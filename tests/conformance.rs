@@ -18,6 +18,10 @@ use ringtrain::backend::matmul_bench::MatmulBench;
 use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::wgpu::{list_adapters, AdapterSelection, WgpuBackend};
 use ringtrain::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, WeightLayout};
+use ringtrain::backend::{
+    AdamWUpdate, AttentionForward, CrossEntropyBackward, CrossEntropyForward, EncoderBackward, EncoderForward,
+    EncoderShape, LogitsShape, MatmulBackward, MatmulForward,
+};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// Prints every result, then fails listing the cases that did not pass.
@@ -198,7 +202,16 @@ fn split_cases(r: &mut Runner) {
             .rand(&mut rng, c * v, 1.0)
             .rand(&mut rng, v, 1.0);
         r.check("matmul_forward", &shape, &case, tolerance::matmul(c), &|be, f, _| {
-            be.matmul_forward(f[0], f[1], f[2], Some(f[3]), s)
+            be.matmul_forward(
+                MatmulForward {
+                    out: f[0],
+                    inp: f[1],
+                    weight: f[2],
+                    bias: Some(f[3]),
+                    shape: s,
+                }
+                .checked(),
+            )
         });
         // dinp [n, c], dweight [c*v], dbias [v], dout [n, v], inp [n, c], weight [c*v]
         let case = Operands::default()
@@ -209,7 +222,18 @@ fn split_cases(r: &mut Runner) {
             .rand(&mut rng, n * c, 1.0)
             .rand(&mut rng, c * v, 1.0);
         r.check("matmul_backward", &shape, &case, tolerance::matmul(v), &|be, f, _| {
-            be.matmul_backward(f[0], f[1], Some(f[2]), f[3], f[4], f[5], s)
+            be.matmul_backward(
+                MatmulBackward {
+                    dinp: f[0],
+                    dweight: f[1],
+                    dbias: Some(f[2]),
+                    dout: f[3],
+                    inp: f[4],
+                    weight: f[5],
+                    shape: s,
+                }
+                .checked(),
+            )
         });
     }
     let s = MatmulShape {
@@ -228,7 +252,18 @@ fn split_cases(r: &mut Runner) {
         .rand(&mut rng, 99, 1.0);
     let tol = tolerance::matmul(20000);
     r.check("matmul_backward", "split long k 20000x9x11", &case, tol, &|be, f, _| {
-        be.matmul_backward(f[0], f[1], Some(f[2]), f[3], f[4], f[5], s)
+        be.matmul_backward(
+            MatmulBackward {
+                dinp: f[0],
+                dweight: f[1],
+                dbias: Some(f[2]),
+                dout: f[3],
+                inp: f[4],
+                weight: f[5],
+                shape: s,
+            }
+            .checked(),
+        )
     });
     let (b, t) = (2, 3);
     let shape = format!("split b{b} t{t} c{c} v{v}");
@@ -239,7 +274,16 @@ fn split_cases(r: &mut Runner) {
         .rand(&mut rng, t * c, 1.0)
         .tokens(&mut rng, b * t, v);
     r.check("encoder_forward", &shape, &case, EXACTISH, &|be, f, tk| {
-        be.encoder_forward(f[0], tk[0], f[1], f[2], b, t, c)
+        be.encoder_forward(
+            EncoderForward {
+                out: f[0],
+                tokens: tk[0],
+                wte: f[1],
+                wpe: f[2],
+                shape: EncoderShape { b, t, c },
+            }
+            .checked(),
+        )
     });
     // dwte [v, c], dwpe [t, c], dout [b*t, c]; tokens [b*t]
     let case = Operands::default()
@@ -248,7 +292,16 @@ fn split_cases(r: &mut Runner) {
         .rand(&mut rng, b * t * c, 1.0)
         .tokens(&mut rng, b * t, v);
     r.check("encoder_backward", &shape, &case, EXACTISH, &|be, f, tk| {
-        be.encoder_backward(f[0], f[1], f[2], tk[0], b, t, c)
+        be.encoder_backward(
+            EncoderBackward {
+                dwte: f[0],
+                dwpe: f[1],
+                dout: f[2],
+                tokens: tk[0],
+                shape: EncoderShape { b, t, c },
+            }
+            .checked(),
+        )
     });
     let (rows, vocab) = (4, 50257);
     let shape = format!("split n{rows} v{vocab}");
@@ -262,7 +315,17 @@ fn split_cases(r: &mut Runner) {
         &shape,
         &case,
         CROSSENTROPY_LOSS,
-        &|be, f, tk| be.crossentropy_forward(f[0], f[1], tk[0], rows, vocab),
+        &|be, f, tk| {
+            be.crossentropy_forward(
+                CrossEntropyForward {
+                    losses: f[0],
+                    logits: f[1],
+                    targets: tk[0],
+                    shape: LogitsShape { n: rows, v: vocab },
+                }
+                .checked(),
+            )
+        },
     );
     let in_place = format!("{shape} in place");
     r.check(
@@ -270,7 +333,18 @@ fn split_cases(r: &mut Runner) {
         &in_place,
         &case,
         CROSSENTROPY_GRAD,
-        &|be, f, tk| be.crossentropy_backward(f[1], f[1], tk[0], rows, vocab, 0.25),
+        &|be, f, tk| {
+            be.crossentropy_backward(
+                CrossEntropyBackward {
+                    dlogits: f[1],
+                    logits: f[1],
+                    targets: tk[0],
+                    shape: LogitsShape { n: rows, v: vocab },
+                    dloss: 0.25,
+                }
+                .checked(),
+            )
+        },
     );
     let s = AttentionShape {
         b: 3,
@@ -288,7 +362,17 @@ fn split_cases(r: &mut Runner) {
         "split b3 t150 c8 nh2",
         &case,
         TRANSCENDENTAL,
-        &|be, f, _| be.attention_forward(f[0], f[1], f[2], s),
+        &|be, f, _| {
+            be.attention_forward(
+                AttentionForward {
+                    out: f[0],
+                    att: f[1],
+                    qkv: f[2],
+                    shape: s,
+                }
+                .checked(),
+            )
+        },
     );
     let len = 100_003;
     let shape = format!("split n{len}");
@@ -309,7 +393,16 @@ fn split_cases(r: &mut Runner) {
         grad_scale: 1.0,
     };
     r.check("adamw", &shape, &case, EXACTISH, &|be, f, _| {
-        be.adamw(f[0], f[1], f[2], f[3], &step)
+        be.adamw(
+            AdamWUpdate {
+                params: f[0],
+                grads: f[1],
+                m: f[2],
+                v: f[3],
+                step,
+            }
+            .checked(),
+        )
     });
     r.check("scale", &shape, &case, EXACTISH, &|be, f, _| be.scale(f[0], 3.0));
     let x: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0f32)).collect(); // [len]

@@ -6,6 +6,10 @@
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::cpu::{CpuBackend, Real};
+use ringtrain::backend::{
+    AddInplace, AddLayerNormForward, CrossEntropyBackward, CrossEntropyForward, CrossEntropyForwardBackward,
+    GeluForward, LayerNormForward, LogitsShape, MatmulForward, MatmulGeluForward, RowsShape,
+};
 use ringtrain::backend::{Backend, MatmulShape, View, WeightLayout};
 use ringtrain::model::{init::init_params, Gpt2, ModelConfig, ParamLayout};
 
@@ -45,9 +49,28 @@ fn fused_equal_unfused<F: Real>() {
         be.alloc(n * oc).unwrap(),
         be.alloc(n * oc).unwrap(),
     );
-    be.matmul_forward(pre_a, inp, w, Some(bias), shape);
-    be.gelu_forward(out_a, pre_a);
-    be.matmul_gelu_forward(pre_b, out_b, inp, w, bias, shape);
+    be.matmul_forward(
+        MatmulForward {
+            out: pre_a,
+            inp,
+            weight: w,
+            bias: Some(bias),
+            shape,
+        }
+        .checked(),
+    );
+    be.gelu_forward(GeluForward { out: out_a, inp: pre_a }.checked());
+    be.matmul_gelu_forward(
+        MatmulGeluForward {
+            pre: pre_b,
+            out: out_b,
+            inp,
+            weight: w,
+            bias,
+            shape,
+        }
+        .checked(),
+    );
     assert_eq!(download(&mut be, pre_a), download(&mut be, pre_b), "pre-activation");
     assert_eq!(download(&mut be, out_a), download(&mut be, out_b), "GELU");
     // Residual add + layer norm.
@@ -62,9 +85,32 @@ fn fused_equal_unfused<F: Real>() {
     let outs: Vec<View> = (0..6)
         .map(|i| be.alloc(if i % 3 == 0 { n * c } else { n }).unwrap())
         .collect();
-    be.add_inplace(res_a, skip);
-    be.layernorm_forward(outs[0], outs[1], outs[2], res_a, lw, lb, n, c);
-    be.add_layernorm_forward(res_b, skip, outs[3], outs[4], outs[5], lw, lb, n, c);
+    be.add_inplace(AddInplace { dst: res_a, src: skip }.checked());
+    be.layernorm_forward(
+        LayerNormForward {
+            out: outs[0],
+            mean: outs[1],
+            rstd: outs[2],
+            inp: res_a,
+            weight: lw,
+            bias: lb,
+            shape: RowsShape { n, c },
+        }
+        .checked(),
+    );
+    be.add_layernorm_forward(
+        AddLayerNormForward {
+            residual: res_b,
+            skip,
+            out: outs[3],
+            mean: outs[4],
+            rstd: outs[5],
+            weight: lw,
+            bias: lb,
+            shape: RowsShape { n, c },
+        }
+        .checked(),
+    );
     assert_eq!(download(&mut be, res_a), download(&mut be, res_b), "residual");
     for i in 0..3 {
         assert_eq!(
@@ -80,9 +126,35 @@ fn fused_equal_unfused<F: Real>() {
     be.upload_tokens(tokens, &targets).unwrap();
     let (logits_a, logits_b) = (upload(&mut be, &logits), upload(&mut be, &logits));
     let (loss_a, loss_b) = (be.alloc(n).unwrap(), be.alloc(n).unwrap());
-    be.crossentropy_forward(loss_a, logits_a, tokens, n, v);
-    be.crossentropy_backward(logits_a, logits_a, tokens, n, v, 0.125);
-    be.crossentropy_forward_backward(loss_b, logits_b, tokens, n, v, 0.125);
+    be.crossentropy_forward(
+        CrossEntropyForward {
+            losses: loss_a,
+            logits: logits_a,
+            targets: tokens,
+            shape: LogitsShape { n, v },
+        }
+        .checked(),
+    );
+    be.crossentropy_backward(
+        CrossEntropyBackward {
+            dlogits: logits_a,
+            logits: logits_a,
+            targets: tokens,
+            shape: LogitsShape { n, v },
+            dloss: 0.125,
+        }
+        .checked(),
+    );
+    be.crossentropy_forward_backward(
+        CrossEntropyForwardBackward {
+            losses: loss_b,
+            logits: logits_b,
+            targets: tokens,
+            shape: LogitsShape { n, v },
+            dloss: 0.125,
+        }
+        .checked(),
+    );
     assert_eq!(download(&mut be, loss_a), download(&mut be, loss_b), "losses");
     assert_eq!(
         download(&mut be, logits_a),

@@ -1,7 +1,7 @@
 //! Timing forward matmuls through the [`Backend`] trait, for `ringtrain bench kernels` and the backends'
 //! tests: ops are queued, then `synchronize` waits for them, so a GPU backend is timed on the device.
 
-use super::{Backend, MatmulShape, View, WeightLayout};
+use super::{Backend, MatmulForward, MatmulShape, View, WeightLayout};
 use anyhow::Result;
 use std::time::Instant;
 
@@ -24,7 +24,16 @@ impl MatmulBench {
             oc: n,
             layout: WeightLayout::InOut,
         };
-        be.matmul_forward(out, a, w, None, shape);
+        be.matmul_forward(
+            MatmulForward {
+                out,
+                inp: a,
+                weight: w,
+                bias: None,
+                shape,
+            }
+            .checked(),
+        );
         be.synchronize()?;
         Ok(MatmulBench { a, w, out, shape })
     }
@@ -33,7 +42,16 @@ impl MatmulBench {
     pub fn gflops<B: Backend + ?Sized>(&mut self, be: &mut B, iters: usize) -> Result<f64> {
         let started = Instant::now();
         for _ in 0..iters {
-            be.matmul_forward(self.out, self.a, self.w, None, self.shape);
+            be.matmul_forward(
+                MatmulForward {
+                    out: self.out,
+                    inp: self.a,
+                    weight: self.w,
+                    bias: None,
+                    shape: self.shape,
+                }
+                .checked(),
+            );
         }
         be.synchronize()?;
         let secs = started.elapsed().as_secs_f64();

@@ -27,42 +27,22 @@ pub mod cuda;
 mod error;
 pub mod factory;
 pub mod matmul_bench;
+mod op_args;
 pub mod testing;
 mod token_index;
 mod view;
 pub mod wgpu;
 
 pub use error::BackendError;
+pub use op_args::{
+    AdamWUpdate, AddInplace, AddLayerNormForward, AttentionBackward, AttentionForward, AttentionShape, Checked,
+    CopyInto, CrossEntropyBackward, CrossEntropyForward, CrossEntropyForwardBackward, EncoderBackward, EncoderForward,
+    EncoderShape, GeluBackward, GeluForward, LayerNormBackward, LayerNormForward, LogitsShape, MatmulBackward,
+    MatmulForward, MatmulGeluForward, MatmulShape, OpArgs, ResidualForward, RowsShape, WeightLayout,
+};
 pub use view::{TokenView, View};
 
 use anyhow::Result;
-
-/// How a matmul weight is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightLayout {
-    /// `[in, out]`: Hugging Face `Conv1D` layout, `out = inp @ w`.
-    InOut,
-    /// `[out, in]`: the tied LM head reads `wte` `[V, C]` this way, `out = inp @ w^T`.
-    OutIn,
-}
-
-/// Shape of a matmul: `inp [n, c] -> out [n, oc]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MatmulShape {
-    pub n: usize,
-    pub c: usize,
-    pub oc: usize,
-    pub layout: WeightLayout,
-}
-
-/// Shape of causal self-attention over a `[b, t, c]` activation with `nh` heads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttentionShape {
-    pub b: usize,
-    pub t: usize,
-    pub c: usize,
-    pub nh: usize,
-}
 
 /// One AdamW update, already resolved to scalars (the schedule, clipping and bias corrections are
 /// computed on the host, identically on every rank).
@@ -124,93 +104,33 @@ pub trait Backend {
     fn upload_tokens(&mut self, dst: TokenView, src: &[u32]) -> Result<()>;
     fn download(&mut self, src: View, dst: &mut [f32]) -> Result<()>;
     fn fill(&mut self, dst: View, value: f32);
-    /// `dst = src` (same length, no overlap).
-    fn copy(&mut self, dst: View, src: View);
+    /// `dst = src`.
+    fn copy(&mut self, op: Checked<CopyInto>);
 
-    // ---- forward/backward ops ----
-    /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`.
-    /// Shapes: out `[b*t, c]`, tokens `[b*t]`, wte `[v, c]`, wpe `[>=t, c]`.
-    #[allow(clippy::too_many_arguments)]
-    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize);
-    /// `dwte[tokens[b,t],:] += dout[b,t,:]`, `dwpe[t,:] += dout[b,t,:]`.
-    #[allow(clippy::too_many_arguments)]
-    fn encoder_backward(&mut self, dwte: View, dwpe: View, dout: View, tokens: TokenView, b: usize, t: usize, c: usize);
-    /// Layer norm over the last axis, eps 1e-5. Shapes: out/inp `[n, c]`, mean/rstd `[n]`, weight/bias `[c]`.
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm_forward(
-        &mut self,
-        out: View,
-        mean: View,
-        rstd: View,
-        inp: View,
-        weight: View,
-        bias: View,
-        n: usize,
-        c: usize,
-    );
-    /// Accumulates into `dinp`, `dweight` and `dbias`.
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: View,
-        dout: View,
-        inp: View,
-        weight: View,
-        mean: View,
-        rstd: View,
-        n: usize,
-        c: usize,
-    );
-    /// `out = inp @ W (+ bias)`. Shapes: out `[n, oc]`, inp `[n, c]`, weight per `shape.layout`, bias `[oc]`.
-    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, shape: MatmulShape);
-    /// Overwrites `dinp`; accumulates into `dweight` and `dbias`.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: Option<View>,
-        dout: View,
-        inp: View,
-        weight: View,
-        shape: MatmulShape,
-    );
-    /// Causal multi-head attention. Shapes: out `[b, t, c]`, att `[b, nh, t, t]` (softmax probabilities,
-    /// kept for backward; entries above the diagonal are 0), qkv `[b, t, 3c]` laid out as q | k | v.
-    fn attention_forward(&mut self, out: View, att: View, qkv: View, shape: AttentionShape);
-    /// Overwrites `dqkv`; `datt` `[b, nh, t, t]` is scratch.
-    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, shape: AttentionShape);
-    /// GELU, tanh approximation (`gelu_new`). Shapes: out/inp `[n]`.
-    fn gelu_forward(&mut self, out: View, inp: View);
-    /// Overwrites `dinp`.
-    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View);
-    /// `out = a + b`.
-    fn residual_forward(&mut self, out: View, a: View, b: View);
-    /// `dst += src`.
-    fn add_inplace(&mut self, dst: View, src: View);
-    /// Per-position cross-entropy of `softmax(logits)` against `targets`.
-    /// Shapes: losses `[n]`, logits `[n, v]`, targets `[n]`.
-    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize);
-    /// `dlogits = dloss * (softmax(logits) - onehot(targets))`; `dlogits` may be the same view as `logits`.
-    fn crossentropy_backward(
-        &mut self,
-        dlogits: View,
-        logits: View,
-        targets: TokenView,
-        n: usize,
-        v: usize,
-        dloss: f32,
-    );
+    // ---- forward/backward ops: each takes its arguments checked (see [`OpArgs`]); their structs document the
+    // shapes ----
+    fn encoder_forward(&mut self, op: Checked<EncoderForward>);
+    fn encoder_backward(&mut self, op: Checked<EncoderBackward>);
+    fn layernorm_forward(&mut self, op: Checked<LayerNormForward>);
+    fn layernorm_backward(&mut self, op: Checked<LayerNormBackward>);
+    fn matmul_forward(&mut self, op: Checked<MatmulForward>);
+    fn matmul_backward(&mut self, op: Checked<MatmulBackward>);
+    fn attention_forward(&mut self, op: Checked<AttentionForward>);
+    fn attention_backward(&mut self, op: Checked<AttentionBackward>);
+    fn gelu_forward(&mut self, op: Checked<GeluForward>);
+    fn gelu_backward(&mut self, op: Checked<GeluBackward>);
+    fn residual_forward(&mut self, op: Checked<ResidualForward>);
+    fn add_inplace(&mut self, op: Checked<AddInplace>);
+    fn crossentropy_forward(&mut self, op: Checked<CrossEntropyForward>);
+    fn crossentropy_backward(&mut self, op: Checked<CrossEntropyBackward>);
 
     // ---- optimizer support ----
     /// `sum(x^2)` with a fixed reduction order; non-finite inputs give a non-finite result.
     fn sum_squares(&mut self, x: View) -> Result<f64>;
     /// `x *= s`.
     fn scale(&mut self, x: View, s: f32);
-    /// One AdamW step (torch.optim.AdamW semantics) over equally long views.
-    fn adamw(&mut self, params: View, grads: View, m: View, v: View, step: &AdamWStep);
+    /// One AdamW step (torch.optim.AdamW semantics).
+    fn adamw(&mut self, op: Checked<AdamWUpdate>);
     /// Checks, before any work, that training steps on `b` sequences of `t` tokens of a model `c` wide with
     /// `nh` heads stay within what this backend can compute, so that a limit gives a clear error at start
     /// ([`BackendError::ShapeUnsupported`]) instead of a failure mid-step. The default accepts every shape.
@@ -221,48 +141,93 @@ pub trait Backend {
 
     // ---- fused ops: the defaults run the ops above in sequence; a backend overrides one to save passes over
     // memory, with the same results ----
-    /// `pre = inp @ W + bias`, then `out = gelu(pre)` (the MLP's first layer and its activation): the same
-    /// as [`Backend::matmul_forward`] then [`Backend::gelu_forward`].
-    /// Shapes: pre, out `[n, oc]`, inp `[n, c]`, weight per `shape.layout`, bias `[oc]`.
-    fn matmul_gelu_forward(&mut self, pre: View, out: View, inp: View, weight: View, bias: View, shape: MatmulShape) {
-        self.matmul_forward(pre, inp, weight, Some(bias), shape);
-        self.gelu_forward(out, pre);
+    /// [`MatmulGeluForward`]: the default runs [`Backend::matmul_forward`] then [`Backend::gelu_forward`].
+    fn matmul_gelu_forward(&mut self, op: Checked<MatmulGeluForward>) {
+        let MatmulGeluForward {
+            pre,
+            out,
+            inp,
+            weight,
+            bias,
+            shape,
+        } = *op;
+        self.matmul_forward(
+            MatmulForward {
+                out: pre,
+                inp,
+                weight,
+                bias: Some(bias),
+                shape,
+            }
+            .checked(),
+        );
+        self.gelu_forward(GeluForward { out, inp: pre }.checked());
     }
 
-    /// `residual += skip`, then the layer norm of the new `residual` into `out`, saving mean and 1/std: the
-    /// same as [`Backend::add_inplace`] then [`Backend::layernorm_forward`].
-    /// Shapes: residual, skip, out `[n, c]`, mean, rstd `[n]`, w, b `[c]`.
-    #[allow(clippy::too_many_arguments)]
-    fn add_layernorm_forward(
-        &mut self,
-        residual: View,
-        skip: View,
-        out: View,
-        mean: View,
-        rstd: View,
-        w: View,
-        b: View,
-        n: usize,
-        c: usize,
-    ) {
-        self.add_inplace(residual, skip);
-        self.layernorm_forward(out, mean, rstd, residual, w, b, n, c);
+    /// [`AddLayerNormForward`]: the default runs [`Backend::add_inplace`] then [`Backend::layernorm_forward`].
+    fn add_layernorm_forward(&mut self, op: Checked<AddLayerNormForward>) {
+        let AddLayerNormForward {
+            residual,
+            skip,
+            out,
+            mean,
+            rstd,
+            weight,
+            bias,
+            shape,
+        } = *op;
+        self.add_inplace(
+            AddInplace {
+                dst: residual,
+                src: skip,
+            }
+            .checked(),
+        );
+        let inp = residual;
+        self.layernorm_forward(
+            LayerNormForward {
+                out,
+                mean,
+                rstd,
+                inp,
+                weight,
+                bias,
+                shape,
+            }
+            .checked(),
+        );
     }
 
-    /// The per-position losses, then `logits` replaced in place by their gradient `dloss * (softmax -
-    /// onehot(targets))`: the same as [`Backend::crossentropy_forward`] then
-    /// [`Backend::crossentropy_backward`] in place. Shapes: losses `[n]`, logits `[n, v]`, targets `[n]`.
-    fn crossentropy_forward_backward(
-        &mut self,
-        losses: View,
-        logits: View,
-        targets: TokenView,
-        n: usize,
-        v: usize,
-        dloss: f32,
-    ) {
-        self.crossentropy_forward(losses, logits, targets, n, v);
-        self.crossentropy_backward(logits, logits, targets, n, v, dloss);
+    /// [`CrossEntropyForwardBackward`]: the default runs [`Backend::crossentropy_forward`] then
+    /// [`Backend::crossentropy_backward`] in place.
+    fn crossentropy_forward_backward(&mut self, op: Checked<CrossEntropyForwardBackward>) {
+        let CrossEntropyForwardBackward {
+            losses,
+            logits,
+            targets,
+            shape,
+            dloss,
+        } = *op;
+        self.crossentropy_forward(
+            CrossEntropyForward {
+                losses,
+                logits,
+                targets,
+                shape,
+            }
+            .checked(),
+        );
+        let dlogits = logits;
+        self.crossentropy_backward(
+            CrossEntropyBackward {
+                dlogits,
+                logits,
+                targets,
+                shape,
+                dloss,
+            }
+            .checked(),
+        );
     }
 
     /// Starts reading `src` back into `host` (resized to `src.len`), ordered after every op recorded so far

@@ -9,7 +9,7 @@ use super::backend::{open_backend, parse_backend};
 use anyhow::{ensure, Result};
 use ringtrain::backend::factory::{self, BackendChoice, BackendKind};
 use ringtrain::backend::matmul_bench::MatmulBench;
-use ringtrain::backend::Backend;
+use ringtrain::backend::{AddInplace, Backend};
 use std::time::Instant;
 
 /// Elements of the elementwise benchmark: 128M f32 (512 MiB per operand), past any L3 cache (this
@@ -92,7 +92,7 @@ fn bench_add<B: Backend>(be: &mut B, iters: usize) -> Result<Vec<(f64, f64)>> {
     let bytes = 12.0 * n as f64 * iters as f64;
     let (dst, src) = (be.alloc(n)?, be.alloc(n)?); // [n] each
     be.fill(src, 1.0);
-    be.add_inplace(dst, src);
+    be.add_inplace(AddInplace { dst, src }.checked());
     be.synchronize()?;
     let (mut d, s) = (vec![0f32; n], vec![1f32; n]); // [n] each
     let native_add = |d: &mut [f32]| {
@@ -105,7 +105,7 @@ fn bench_add<B: Backend>(be: &mut B, iters: usize) -> Result<Vec<(f64, f64)>> {
     for _ in 0..REFERENCE_ROUNDS {
         let started = Instant::now();
         for _ in 0..iters {
-            be.add_inplace(dst, src);
+            be.add_inplace(AddInplace { dst, src }.checked());
         }
         be.synchronize()?;
         let backend = bytes / started.elapsed().as_secs_f64() / 1e9;

@@ -3,7 +3,12 @@
 
 use super::layout::{BlockParams, ParamLayout};
 use super::ModelConfig;
-use crate::backend::{AttentionShape, Backend, MatmulShape, TokenView, View, WeightLayout};
+use crate::backend::{
+    AddInplace, AddLayerNormForward, AttentionBackward, AttentionForward, AttentionShape, Backend, Checked,
+    CrossEntropyBackward, CrossEntropyForward, CrossEntropyForwardBackward, EncoderBackward, EncoderForward,
+    EncoderShape, GeluBackward, LayerNormBackward, LayerNormForward, LogitsShape, MatmulBackward, MatmulForward,
+    MatmulGeluForward, MatmulShape, RowsShape, TokenView, View, WeightLayout,
+};
 use anyhow::{bail, Result};
 
 /// Activations of one transformer block for a `[b, t]` batch.
@@ -273,9 +278,27 @@ impl Gpt2 {
         be.upload_tokens(acts.targets, targets)?;
         self.forward_logits(be, &acts, needs)?;
         let n = b * t;
+        let (losses, logits, targets, shape) = (acts.losses, acts.logits, acts.targets, LogitsShape { n, v });
         match dloss {
-            Some(dloss) => be.crossentropy_forward_backward(acts.losses, acts.logits, acts.targets, n, v, dloss),
-            None => be.crossentropy_forward(acts.losses, acts.logits, acts.targets, n, v),
+            Some(dloss) => be.crossentropy_forward_backward(
+                CrossEntropyForwardBackward {
+                    losses,
+                    logits,
+                    targets,
+                    shape,
+                    dloss,
+                }
+                .checked(),
+            ),
+            None => be.crossentropy_forward(
+                CrossEntropyForward {
+                    losses,
+                    logits,
+                    targets,
+                    shape,
+                }
+                .checked(),
+            ),
         }
         self.head_gradient_for = dloss;
         let mut losses = vec![0f32; n];
@@ -315,7 +338,17 @@ impl Gpt2 {
         // Where the parameters of block l end: the next block's start, or the final layer norm's.
         let block_end = |l: usize| lay.blocks.get(l + 1).map_or(lay.ln_f_w, |next| next.ln_1_w);
         needs(be, lay.blocks.first().map_or(lay.ln_f_w, |first| first.ln_1_w))?;
-        be.encoder_forward(acts.encoded, acts.tokens, wte, wpe, b, t, c);
+        be.encoder_forward(
+            EncoderForward {
+                out: acts.encoded,
+                tokens: acts.tokens,
+                wte,
+                wpe,
+                shape: EncoderShape { b, t, c },
+            }
+            .checked(),
+        );
+        let rows = RowsShape { n, c };
         let attn_shape = AttentionShape {
             b,
             t,
@@ -326,37 +359,100 @@ impl Gpt2 {
         for (l, (bp, a)) in lay.blocks.iter().zip(&acts.blocks).enumerate() {
             needs(be, block_end(l))?;
             let w = self.block_views(bp, self.params);
-            be.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, residual, w.ln_1_w, w.ln_1_b, n, c);
-            be.matmul_forward(a.qkv, a.ln1, w.attn_w, Some(w.attn_b), mm(n, c, 3 * c));
-            be.attention_forward(a.atty, a.att, a.qkv, attn_shape);
-            // residual2 = residual + c_proj(atty): project into residual2, then add the skip in place.
-            be.matmul_forward(a.residual2, a.atty, w.attn_proj_w, Some(w.attn_proj_b), mm(n, c, c));
-            be.add_layernorm_forward(
-                a.residual2,
-                residual,
-                a.ln2,
-                a.ln2_mean,
-                a.ln2_rstd,
-                w.ln_2_w,
-                w.ln_2_b,
-                n,
-                c,
+            be.layernorm_forward(
+                LayerNormForward {
+                    out: a.ln1,
+                    mean: a.ln1_mean,
+                    rstd: a.ln1_rstd,
+                    inp: residual,
+                    weight: w.ln_1_w,
+                    bias: w.ln_1_b,
+                    shape: rows,
+                }
+                .checked(),
             );
-            be.matmul_gelu_forward(a.fch, a.fch_gelu, a.ln2, w.fc_w, w.fc_b, mm(n, c, 4 * c));
-            be.matmul_forward(a.residual3, a.fch_gelu, w.fc_proj_w, Some(w.fc_proj_b), mm(n, 4 * c, c));
-            be.add_inplace(a.residual3, a.residual2);
+            be.matmul_forward(linear(a.qkv, a.ln1, w.attn_w, w.attn_b, mm(n, c, 3 * c)));
+            be.attention_forward(
+                AttentionForward {
+                    out: a.atty,
+                    att: a.att,
+                    qkv: a.qkv,
+                    shape: attn_shape,
+                }
+                .checked(),
+            );
+            // residual2 = residual + c_proj(atty): project into residual2, then add the skip in place.
+            be.matmul_forward(linear(a.residual2, a.atty, w.attn_proj_w, w.attn_proj_b, mm(n, c, c)));
+            be.add_layernorm_forward(
+                AddLayerNormForward {
+                    residual: a.residual2,
+                    skip: residual,
+                    out: a.ln2,
+                    mean: a.ln2_mean,
+                    rstd: a.ln2_rstd,
+                    weight: w.ln_2_w,
+                    bias: w.ln_2_b,
+                    shape: rows,
+                }
+                .checked(),
+            );
+            be.matmul_gelu_forward(
+                MatmulGeluForward {
+                    pre: a.fch,
+                    out: a.fch_gelu,
+                    inp: a.ln2,
+                    weight: w.fc_w,
+                    bias: w.fc_b,
+                    shape: mm(n, c, 4 * c),
+                }
+                .checked(),
+            );
+            be.matmul_forward(linear(
+                a.residual3,
+                a.fch_gelu,
+                w.fc_proj_w,
+                w.fc_proj_b,
+                mm(n, 4 * c, c),
+            ));
+            be.add_inplace(
+                AddInplace {
+                    dst: a.residual3,
+                    src: a.residual2,
+                }
+                .checked(),
+            );
             residual = a.residual3;
         }
         needs(be, lay.total)?;
         let (lnf_w, lnf_b) = (self.p(lay.ln_f_w, c), self.p(lay.ln_f_b, c));
-        be.layernorm_forward(acts.lnf, acts.lnf_mean, acts.lnf_rstd, residual, lnf_w, lnf_b, n, c);
+        be.layernorm_forward(
+            LayerNormForward {
+                out: acts.lnf,
+                mean: acts.lnf_mean,
+                rstd: acts.lnf_rstd,
+                inp: residual,
+                weight: lnf_w,
+                bias: lnf_b,
+                shape: rows,
+            }
+            .checked(),
+        );
         let head = MatmulShape {
             n,
             c,
             oc: v,
             layout: WeightLayout::OutIn,
         };
-        be.matmul_forward(acts.logits, acts.lnf, wte, None, head);
+        be.matmul_forward(
+            MatmulForward {
+                out: acts.logits,
+                inp: acts.lnf,
+                weight: wte,
+                bias: None,
+                shape: head,
+            }
+            .checked(),
+        );
         Ok(())
     }
 
@@ -384,7 +480,16 @@ impl Gpt2 {
         let (b, t, c, v) = (acts.b, acts.t, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         match self.head_gradient_for.take() {
-            None => be.crossentropy_backward(acts.logits, acts.logits, acts.targets, n, v, dloss),
+            None => be.crossentropy_backward(
+                CrossEntropyBackward {
+                    dlogits: acts.logits,
+                    logits: acts.logits,
+                    targets: acts.targets,
+                    shape: LogitsShape { n, v },
+                    dloss,
+                }
+                .checked(),
+            ),
             Some(done) if done == dloss => {}
             Some(done) => {
                 bail!("backward with dloss {dloss} after forward_train computed the head's gradient for {done}")
@@ -399,21 +504,35 @@ impl Gpt2 {
             layout: WeightLayout::OutIn,
         };
         let (wte, dwte) = (self.p(lay.wte, v * c), self.g(lay.wte, v * c));
-        be.matmul_backward(acts.dbtc, dwte, None, dlogits, acts.lnf, wte, head);
+        be.matmul_backward(
+            MatmulBackward {
+                dinp: acts.dbtc,
+                dweight: dwte,
+                dbias: None,
+                dout: dlogits,
+                inp: acts.lnf,
+                weight: wte,
+                shape: head,
+            }
+            .checked(),
+        );
+        let rows = RowsShape { n, c };
         let last = acts.blocks.last().map_or(acts.encoded, |a| a.residual3);
         be.fill(acts.dres, 0.0);
         let (lnf_w, dlnf_w, dlnf_b) = (self.p(lay.ln_f_w, c), self.g(lay.ln_f_w, c), self.g(lay.ln_f_b, c));
         be.layernorm_backward(
-            acts.dres,
-            dlnf_w,
-            dlnf_b,
-            acts.dbtc,
-            last,
-            lnf_w,
-            acts.lnf_mean,
-            acts.lnf_rstd,
-            n,
-            c,
+            LayerNormBackward {
+                dinp: acts.dres,
+                dweight: dlnf_w,
+                dbias: dlnf_b,
+                dout: acts.dbtc,
+                inp: last,
+                weight: lnf_w,
+                mean: acts.lnf_mean,
+                rstd: acts.lnf_rstd,
+                shape: rows,
+            }
+            .checked(),
         );
         finished(be, lay.ln_f_w)?;
         let attn_shape = AttentionShape {
@@ -431,69 +550,104 @@ impl Gpt2 {
             let w = self.block_views(bp, self.params);
             let dw = self.block_views(bp, self.grads);
             // dres holds d(residual3) = d(residual2 + fc_proj(gelu(fc(ln2(residual2))))).
-            be.matmul_backward(
+            be.matmul_backward(linear_backward(
                 acts.d4c_a,
-                dw.fc_proj_w,
-                Some(dw.fc_proj_b),
+                (dw.fc_proj_w, dw.fc_proj_b),
                 acts.dres,
                 a.fch_gelu,
                 w.fc_proj_w,
                 mm(n, 4 * c, c),
-            );
+            ));
             finished(be, bp.fc_proj_w)?;
-            be.gelu_backward(acts.d4c_b, a.fch, acts.d4c_a);
-            be.matmul_backward(
+            be.gelu_backward(
+                GeluBackward {
+                    dinp: acts.d4c_b,
+                    inp: a.fch,
+                    dout: acts.d4c_a,
+                }
+                .checked(),
+            );
+            be.matmul_backward(linear_backward(
                 acts.dbtc,
-                dw.fc_w,
-                Some(dw.fc_b),
+                (dw.fc_w, dw.fc_b),
                 acts.d4c_b,
                 a.ln2,
                 w.fc_w,
                 mm(n, c, 4 * c),
-            );
+            ));
             finished(be, bp.fc_w)?;
             be.layernorm_backward(
-                acts.dres,
-                dw.ln_2_w,
-                dw.ln_2_b,
-                acts.dbtc,
-                a.residual2,
-                w.ln_2_w,
-                a.ln2_mean,
-                a.ln2_rstd,
-                n,
-                c,
+                LayerNormBackward {
+                    dinp: acts.dres,
+                    dweight: dw.ln_2_w,
+                    dbias: dw.ln_2_b,
+                    dout: acts.dbtc,
+                    inp: a.residual2,
+                    weight: w.ln_2_w,
+                    mean: a.ln2_mean,
+                    rstd: a.ln2_rstd,
+                    shape: rows,
+                }
+                .checked(),
             );
             finished(be, bp.ln_2_w)?;
             // dres now holds d(residual2) = d(residual + c_proj(attention(c_attn(ln1(residual))))).
-            be.matmul_backward(
+            be.matmul_backward(linear_backward(
                 acts.dbtc,
-                dw.attn_proj_w,
-                Some(dw.attn_proj_b),
+                (dw.attn_proj_w, dw.attn_proj_b),
                 acts.dres,
                 a.atty,
                 w.attn_proj_w,
                 mm(n, c, c),
-            );
+            ));
             finished(be, bp.attn_proj_w)?;
-            be.attention_backward(acts.dqkv, acts.datt, acts.dbtc, a.qkv, a.att, attn_shape);
-            be.matmul_backward(
+            be.attention_backward(
+                AttentionBackward {
+                    dqkv: acts.dqkv,
+                    datt: acts.datt,
+                    dout: acts.dbtc,
+                    qkv: a.qkv,
+                    att: a.att,
+                    shape: attn_shape,
+                }
+                .checked(),
+            );
+            be.matmul_backward(linear_backward(
                 acts.dbtc,
-                dw.attn_w,
-                Some(dw.attn_b),
+                (dw.attn_w, dw.attn_b),
                 acts.dqkv,
                 a.ln1,
                 w.attn_w,
                 mm(n, c, 3 * c),
-            );
+            ));
             finished(be, bp.attn_w)?;
             be.layernorm_backward(
-                acts.dres, dw.ln_1_w, dw.ln_1_b, acts.dbtc, residual, w.ln_1_w, a.ln1_mean, a.ln1_rstd, n, c,
+                LayerNormBackward {
+                    dinp: acts.dres,
+                    dweight: dw.ln_1_w,
+                    dbias: dw.ln_1_b,
+                    dout: acts.dbtc,
+                    inp: residual,
+                    weight: w.ln_1_w,
+                    mean: a.ln1_mean,
+                    rstd: a.ln1_rstd,
+                    shape: rows,
+                }
+                .checked(),
             );
             finished(be, bp.ln_1_w)?;
         }
         let (dwpe, wpe_len) = (lay.wpe, cfg.n_positions * c);
-        be.encoder_backward(dwte, self.g(dwpe, wpe_len), acts.dres, acts.tokens, b, t, c);
+        be.encoder_backward(
+            EncoderBackward {
+                dwte,
+                dwpe: self.g(dwpe, wpe_len),
+                dout: acts.dres,
+                tokens: acts.tokens,
+                shape: EncoderShape { b, t, c },
+            }
+            .checked(),
+        );
         finished(be, 0)
     }
 
@@ -566,4 +720,39 @@ fn mm(n: usize, c: usize, oc: usize) -> MatmulShape {
         oc,
         layout: WeightLayout::InOut,
     }
+}
+
+/// A block's linear layer `out = inp @ weight + bias`, checked.
+fn linear(out: View, inp: View, weight: View, bias: View, shape: MatmulShape) -> Checked<MatmulForward> {
+    let bias = Some(bias);
+    MatmulForward {
+        out,
+        inp,
+        weight,
+        bias,
+        shape,
+    }
+    .checked()
+}
+
+/// The backward of [`linear`]: `dinp` overwritten, `(dweight, dbias)` accumulated, checked.
+fn linear_backward(
+    dinp: View,
+    (dweight, dbias): (View, View),
+    dout: View,
+    inp: View,
+    weight: View,
+    shape: MatmulShape,
+) -> Checked<MatmulBackward> {
+    let dbias = Some(dbias);
+    MatmulBackward {
+        dinp,
+        dweight,
+        dbias,
+        dout,
+        inp,
+        weight,
+        shape,
+    }
+    .checked()
 }

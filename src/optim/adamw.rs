@@ -5,7 +5,7 @@
 //! tensor of the layout that intersects a range is updated with its own weight decay (rank >= 2 tensors
 //! only), and the step is counted once per update, so bias correction does not depend on the ranges.
 
-use crate::backend::{AdamWStep, Backend, View};
+use crate::backend::{AdamWStep, AdamWUpdate, Backend, View};
 use crate::model::ParamLayout;
 use anyhow::Result;
 use std::ops::Range;
@@ -180,11 +180,14 @@ impl AdamW {
             };
             let (len, moment) = (end - start, moment_at + start - range.start);
             be.adamw(
-                params.sub(start, len),
-                grads.sub(start, len),
-                self.m.sub(moment, len),
-                self.v.sub(moment, len),
-                &step,
+                AdamWUpdate {
+                    params: params.sub(start, len),
+                    grads: grads.sub(start, len),
+                    m: self.m.sub(moment, len),
+                    v: self.v.sub(moment, len),
+                    step,
+                }
+                .checked(),
             );
         }
     }

@@ -4,7 +4,8 @@
 use super::harness::{Operands, Runner};
 use super::tolerance::{self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, WeightLayout};
+use crate::backend::op_args::*;
+use crate::backend::{AdamWStep, Backend};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -19,7 +20,16 @@ pub(super) fn encoder(r: &mut Runner) {
             .rand(&mut rng, (t + 2) * c, 1.0)
             .tokens(&mut rng, b * t, v);
         r.check("encoder_forward", &shape, &case, EXACTISH, &|be, f, tk| {
-            be.encoder_forward(f[0], tk[0], f[1], f[2], b, t, c)
+            be.encoder_forward(
+                EncoderForward {
+                    out: f[0],
+                    tokens: tk[0],
+                    wte: f[1],
+                    wpe: f[2],
+                    shape: EncoderShape { b, t, c },
+                }
+                .checked(),
+            )
         });
         // dwte [v, c], dwpe [t+2, c], dout [b*t, c]; tokens [b*t]
         let case = Operands::default()
@@ -28,7 +38,16 @@ pub(super) fn encoder(r: &mut Runner) {
             .rand(&mut rng, b * t * c, 1.0)
             .tokens(&mut rng, b * t, v);
         r.check("encoder_backward", &shape, &case, EXACTISH, &|be, f, tk| {
-            be.encoder_backward(f[0], f[1], f[2], tk[0], b, t, c)
+            be.encoder_backward(
+                EncoderBackward {
+                    dwte: f[0],
+                    dwpe: f[1],
+                    dout: f[2],
+                    tokens: tk[0],
+                    shape: EncoderShape { b, t, c },
+                }
+                .checked(),
+            )
         });
     }
 }
@@ -46,7 +65,18 @@ pub(super) fn layernorm(r: &mut Runner) {
             .rand(&mut rng, c, 1.0)
             .rand(&mut rng, c, 1.0);
         r.check("layernorm_forward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
-            be.layernorm_forward(f[0], f[1], f[2], f[3], f[4], f[5], n, c)
+            be.layernorm_forward(
+                LayerNormForward {
+                    out: f[0],
+                    mean: f[1],
+                    rstd: f[2],
+                    inp: f[3],
+                    weight: f[4],
+                    bias: f[5],
+                    shape: RowsShape { n, c },
+                }
+                .checked(),
+            )
         });
         // Backward needs a consistent mean/rstd: compute them on the host first.
         let inp: Vec<f32> = (0..n * c).map(|_| rng.random_range(-2.0..2.0f32)).collect(); // [n, c]
@@ -69,7 +99,20 @@ pub(super) fn layernorm(r: &mut Runner) {
             .values(mean)
             .values(rstd);
         r.check("layernorm_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
-            be.layernorm_backward(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], n, c)
+            be.layernorm_backward(
+                LayerNormBackward {
+                    dinp: f[0],
+                    dweight: f[1],
+                    dbias: f[2],
+                    dout: f[3],
+                    inp: f[4],
+                    weight: f[5],
+                    mean: f[6],
+                    rstd: f[7],
+                    shape: RowsShape { n, c },
+                }
+                .checked(),
+            )
         });
     }
 }
@@ -89,7 +132,16 @@ pub(super) fn matmul(r: &mut Runner) {
                     .rand(&mut rng, c * oc, 1.0)
                     .rand(&mut rng, oc, 1.0);
                 r.check("matmul_forward", &shape, &case, tolerance::matmul(c), &|be, f, _| {
-                    be.matmul_forward(f[0], f[1], f[2], bias.then_some(f[3]), s)
+                    be.matmul_forward(
+                        MatmulForward {
+                            out: f[0],
+                            inp: f[1],
+                            weight: f[2],
+                            bias: bias.then_some(f[3]),
+                            shape: s,
+                        }
+                        .checked(),
+                    )
                 });
                 // dinp [n, c], dweight [c*oc], dbias [oc], dout [n, oc], inp [n, c], weight [c*oc]
                 let case = Operands::default()
@@ -101,7 +153,18 @@ pub(super) fn matmul(r: &mut Runner) {
                     .rand(&mut rng, c * oc, 1.0);
                 let tol = tolerance::matmul(n.max(oc));
                 r.check("matmul_backward", &shape, &case, tol, &|be, f, _| {
-                    be.matmul_backward(f[0], f[1], bias.then_some(f[2]), f[3], f[4], f[5], s)
+                    be.matmul_backward(
+                        MatmulBackward {
+                            dinp: f[0],
+                            dweight: f[1],
+                            dbias: bias.then_some(f[2]),
+                            dout: f[3],
+                            inp: f[4],
+                            weight: f[5],
+                            shape: s,
+                        }
+                        .checked(),
+                    )
                 });
             }
         }
@@ -119,7 +182,15 @@ pub(super) fn attention(r: &mut Runner) {
             .zeros(b * nh * t * t)
             .rand(&mut rng, b * t * 3 * c, 2.0);
         r.check("attention_forward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
-            be.attention_forward(f[0], f[1], f[2], s)
+            be.attention_forward(
+                AttentionForward {
+                    out: f[0],
+                    att: f[1],
+                    qkv: f[2],
+                    shape: s,
+                }
+                .checked(),
+            )
         });
         // Backward reads the forward's probabilities: build them with the f32 reference.
         let qkv: Vec<f32> = (0..b * t * 3 * c).map(|_| rng.random_range(-2.0..2.0f32)).collect(); // [b, t, 3c]
@@ -132,7 +203,17 @@ pub(super) fn attention(r: &mut Runner) {
             .values(qkv)
             .values(att);
         r.check("attention_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
-            be.attention_backward(f[0], f[1], f[2], f[3], f[4], s)
+            be.attention_backward(
+                AttentionBackward {
+                    dqkv: f[0],
+                    datt: f[1],
+                    dout: f[2],
+                    qkv: f[3],
+                    att: f[4],
+                    shape: s,
+                }
+                .checked(),
+            )
         });
     }
 }
@@ -150,7 +231,15 @@ fn reference_attention_probabilities(qkv: &[f32], s: AttentionShape) -> Vec<f32>
     })();
     // The CPU backend's allocations and uploads fail only on a length mismatch, a bug here.
     let (out, att, q) = allocated.expect("host buffers for the attention probabilities");
-    cpu.attention_forward(out, att, q, s);
+    cpu.attention_forward(
+        AttentionForward {
+            out,
+            att,
+            qkv: q,
+            shape: s,
+        }
+        .checked(),
+    );
     cpu.slice(att).to_vec()
 }
 
@@ -161,7 +250,7 @@ pub(super) fn gelu(r: &mut Runner) {
         // out [n], inp [n]
         let case = Operands::default().zeros(n).rand(&mut rng, n, 6.0);
         r.check("gelu_forward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
-            be.gelu_forward(f[0], f[1])
+            be.gelu_forward(GeluForward { out: f[0], inp: f[1] }.checked())
         });
         // dinp [n], inp [n], dout [n]
         let case = Operands::default()
@@ -169,7 +258,14 @@ pub(super) fn gelu(r: &mut Runner) {
             .rand(&mut rng, n, 6.0)
             .rand(&mut rng, n, 1.0);
         r.check("gelu_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
-            be.gelu_backward(f[0], f[1], f[2])
+            be.gelu_backward(
+                GeluBackward {
+                    dinp: f[0],
+                    inp: f[1],
+                    dout: f[2],
+                }
+                .checked(),
+            )
         });
     }
 }
@@ -184,14 +280,23 @@ pub(super) fn elementwise(r: &mut Runner) {
             .rand(&mut rng, n, 1.0)
             .rand(&mut rng, n, 1.0);
         r.check("residual_forward", &shape, &case, EXACTISH, &|be, f, _| {
-            be.residual_forward(f[0], f[1], f[2])
+            be.residual_forward(
+                ResidualForward {
+                    out: f[0],
+                    a: f[1],
+                    b: f[2],
+                }
+                .checked(),
+            )
         });
         r.check("add_inplace", &shape, &case, EXACTISH, &|be, f, _| {
-            be.add_inplace(f[0], f[1])
+            be.add_inplace(AddInplace { dst: f[0], src: f[1] }.checked())
         });
         r.check("scale", &shape, &case, EXACTISH, &|be, f, _| be.scale(f[1], -0.37));
         r.check("fill", &shape, &case, EXACTISH, &|be, f, _| be.fill(f[2], 1.25));
-        r.check("copy", &shape, &case, EXACTISH, &|be, f, _| be.copy(f[0], f[2]));
+        r.check("copy", &shape, &case, EXACTISH, &|be, f, _| {
+            be.copy(CopyInto { dst: f[0], src: f[2] }.checked())
+        });
     }
 }
 
@@ -209,7 +314,17 @@ pub(super) fn crossentropy(r: &mut Runner) {
             &shape,
             &case,
             CROSSENTROPY_LOSS,
-            &|be, f, tk| be.crossentropy_forward(f[0], f[1], tk[0], n, v),
+            &|be, f, tk| {
+                be.crossentropy_forward(
+                    CrossEntropyForward {
+                        losses: f[0],
+                        logits: f[1],
+                        targets: tk[0],
+                        shape: LogitsShape { n, v },
+                    }
+                    .checked(),
+                )
+            },
         );
         let in_place = format!("{shape} in place");
         r.check(
@@ -217,7 +332,18 @@ pub(super) fn crossentropy(r: &mut Runner) {
             &in_place,
             &case,
             CROSSENTROPY_GRAD,
-            &|be, f, tk| be.crossentropy_backward(f[1], f[1], tk[0], n, v, 0.3),
+            &|be, f, tk| {
+                be.crossentropy_backward(
+                    CrossEntropyBackward {
+                        dlogits: f[1],
+                        logits: f[1],
+                        targets: tk[0],
+                        shape: LogitsShape { n, v },
+                        dloss: 0.3,
+                    }
+                    .checked(),
+                )
+            },
         );
         // ... and dlogits [n, v] after them
         let case = case.zeros(n * v);
@@ -226,7 +352,18 @@ pub(super) fn crossentropy(r: &mut Runner) {
             &shape,
             &case,
             CROSSENTROPY_GRAD,
-            &|be, f, tk| be.crossentropy_backward(f[2], f[1], tk[0], n, v, 1.0 / 7.0),
+            &|be, f, tk| {
+                be.crossentropy_backward(
+                    CrossEntropyBackward {
+                        dlogits: f[2],
+                        logits: f[1],
+                        targets: tk[0],
+                        shape: LogitsShape { n, v },
+                        dloss: 1.0 / 7.0,
+                    }
+                    .checked(),
+                )
+            },
         );
     }
 }
@@ -254,7 +391,16 @@ pub(super) fn sum_squares_and_adamw(r: &mut Runner) {
             grad_scale: 0.5,
         };
         r.check("adamw", &shape, &case, EXACTISH, &|be, f, _| {
-            be.adamw(f[0], f[1], f[2], f[3], &step)
+            be.adamw(
+                AdamWUpdate {
+                    params: f[0],
+                    grads: f[1],
+                    m: f[2],
+                    v: f[3],
+                    step,
+                }
+                .checked(),
+            )
         });
     }
     r.check_sum_squares_propagates_nan();

@@ -8,7 +8,8 @@ pub mod transcendental;
 pub use real::Real;
 
 use super::error::ensure_view;
-use super::{AdamWStep, AttentionShape, Backend, BackendError, BackendMemory, MatmulShape, TokenView, View};
+use super::op_args::*;
+use super::{Backend, BackendError, BackendMemory, TokenView, View};
 use anyhow::Result;
 use std::collections::HashSet;
 
@@ -195,201 +196,209 @@ impl<F: Real> Backend for CpuBackend<F> {
         self.slice_mut(dst).fill(F::from_f32(value));
     }
 
-    fn copy(&mut self, dst: View, src: View) {
-        assert_eq!(dst.len, src.len, "copy between views of different lengths");
-        let ([d], [s]) = borrow_views(&mut self.bufs, [dst], [src]);
+    fn copy(&mut self, op: Checked<CopyInto>) {
+        let ([d], [s]) = borrow_views(&mut self.bufs, [op.dst], [op.src]);
         d.copy_from_slice(s);
     }
 
-    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
-        assert!(out.len == b * t * c && tokens.len == b * t && wpe.len >= t * c);
-        let toks = tokens_below(&self.tokens, tokens, wte.len / c);
+    fn encoder_forward(&mut self, op: Checked<EncoderForward>) {
+        let EncoderForward {
+            out,
+            tokens,
+            wte,
+            wpe,
+            shape,
+        } = *op;
+        let toks = tokens_below(&self.tokens, tokens, wte.len / shape.c);
         let ([o], [wte, wpe]) = borrow_views(&mut self.bufs, [out], [wte, wpe]);
-        ops::encoder_forward(o, toks, wte, wpe, t, c);
+        ops::encoder_forward(o, toks, wte, wpe, shape.t, shape.c);
     }
 
-    fn encoder_backward(
-        &mut self,
-        dwte: View,
-        dwpe: View,
-        dout: View,
-        tokens: TokenView,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
-        assert!(dout.len == b * t * c && tokens.len == b * t && dwpe.len >= t * c);
-        let toks = tokens_below(&self.tokens, tokens, dwte.len / c);
+    fn encoder_backward(&mut self, op: Checked<EncoderBackward>) {
+        let EncoderBackward {
+            dwte,
+            dwpe,
+            dout,
+            tokens,
+            shape,
+        } = *op;
+        let toks = tokens_below(&self.tokens, tokens, dwte.len / shape.c);
         let ([dwte, dwpe], [dout]) = borrow_views(&mut self.bufs, [dwte, dwpe], [dout]);
-        ops::encoder_backward(dwte, dwpe, dout, toks, t, c);
+        ops::encoder_backward(dwte, dwpe, dout, toks, shape.t, shape.c);
     }
 
-    fn layernorm_forward(
-        &mut self,
-        out: View,
-        mean: View,
-        rstd: View,
-        inp: View,
-        w: View,
-        b: View,
-        n: usize,
-        c: usize,
-    ) {
-        assert!(out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n && w.len == c && b.len == c);
-        let ([out, mean, rstd], [inp, w, b]) = borrow_views(&mut self.bufs, [out, mean, rstd], [inp, w, b]);
-        ops::layernorm_forward(out, mean, rstd, inp, w, b, c);
+    fn layernorm_forward(&mut self, op: Checked<LayerNormForward>) {
+        let LayerNormForward {
+            out,
+            mean,
+            rstd,
+            inp,
+            weight,
+            bias,
+            shape,
+        } = *op;
+        let ([out, mean, rstd], [inp, w, b]) = borrow_views(&mut self.bufs, [out, mean, rstd], [inp, weight, bias]);
+        ops::layernorm_forward(out, mean, rstd, inp, w, b, shape.c);
     }
 
-    fn layernorm_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: View,
-        dout: View,
-        inp: View,
-        weight: View,
-        mean: View,
-        rstd: View,
-        n: usize,
-        c: usize,
-    ) {
-        assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
-        assert!(dweight.len == c && dbias.len == c && weight.len == c);
+    fn layernorm_backward(&mut self, op: Checked<LayerNormBackward>) {
+        let LayerNormBackward {
+            dinp,
+            dweight,
+            dbias,
+            dout,
+            inp,
+            weight,
+            mean,
+            rstd,
+            shape,
+        } = *op;
         let ([di, dw, db], [d, x, w, m, r]) =
             borrow_views(&mut self.bufs, [dinp, dweight, dbias], [dout, inp, weight, mean, rstd]);
-        ops::layernorm_backward(di, dw, db, d, x, w, m, r, c);
+        ops::layernorm_backward(di, dw, db, d, x, w, m, r, shape.c);
     }
 
-    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
-        assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
-        assert!(bias.is_none_or(|b| b.len == s.oc));
+    fn matmul_forward(&mut self, op: Checked<MatmulForward>) {
+        let MatmulForward {
+            out,
+            inp,
+            weight,
+            bias,
+            shape,
+        } = *op;
         let ([o], [x, w, b]) = borrow_views(&mut self.bufs, [out], [inp, weight, bias.unwrap_or_else(empty_view)]);
-        ops::matmul_forward(o, x, w, bias.map(|_| b), s);
+        ops::matmul_forward(o, x, w, bias.map(|_| b), shape);
     }
 
-    fn matmul_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: Option<View>,
-        dout: View,
-        inp: View,
-        weight: View,
-        s: MatmulShape,
-    ) {
-        assert!(dinp.len == s.n * s.c && dout.len == s.n * s.oc && inp.len == s.n * s.c);
-        assert!(dweight.len == s.c * s.oc && weight.len == s.c * s.oc);
-        assert!(dbias.is_none_or(|b| b.len == s.oc));
+    fn matmul_backward(&mut self, op: Checked<MatmulBackward>) {
+        let MatmulBackward {
+            dinp,
+            dweight,
+            dbias,
+            dout,
+            inp,
+            weight,
+            shape,
+        } = *op;
         let ([di, dw, db], [d, x, w]) = borrow_views(
             &mut self.bufs,
             [dinp, dweight, dbias.unwrap_or_else(empty_view)],
             [dout, inp, weight],
         );
-        ops::matmul_backward(di, dw, dbias.map(|_| db), d, x, w, s);
+        ops::matmul_backward(di, dw, dbias.map(|_| db), d, x, w, shape);
     }
 
-    fn attention_forward(&mut self, out: View, att: View, qkv: View, s: AttentionShape) {
-        assert!(s.c % s.nh == 0);
-        assert!(out.len == s.b * s.t * s.c && qkv.len == 3 * out.len && att.len == s.b * s.nh * s.t * s.t);
-        let ([o, a], [q]) = borrow_views(&mut self.bufs, [out, att], [qkv]);
-        ops::attention_forward(o, a, q, s);
+    fn attention_forward(&mut self, op: Checked<AttentionForward>) {
+        let ([o, a], [q]) = borrow_views(&mut self.bufs, [op.out, op.att], [op.qkv]);
+        ops::attention_forward(o, a, q, op.shape);
     }
 
-    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, s: AttentionShape) {
-        assert!(s.c % s.nh == 0);
-        assert!(dout.len == s.b * s.t * s.c && qkv.len == 3 * dout.len && dqkv.len == qkv.len);
-        assert!(att.len == s.b * s.nh * s.t * s.t && datt.len == att.len);
+    fn attention_backward(&mut self, op: Checked<AttentionBackward>) {
+        let AttentionBackward {
+            dqkv,
+            datt,
+            dout,
+            qkv,
+            att,
+            shape,
+        } = *op;
         let ([dq, da], [d, q, a]) = borrow_views(&mut self.bufs, [dqkv, datt], [dout, qkv, att]);
-        ops::attention_backward(dq, da, d, q, a, s);
+        ops::attention_backward(dq, da, d, q, a, shape);
     }
 
-    fn gelu_forward(&mut self, out: View, inp: View) {
-        assert_eq!(out.len, inp.len);
-        let ([o], [x]) = borrow_views(&mut self.bufs, [out], [inp]);
+    fn gelu_forward(&mut self, op: Checked<GeluForward>) {
+        let ([o], [x]) = borrow_views(&mut self.bufs, [op.out], [op.inp]);
         ops::gelu_forward(o, x);
     }
 
-    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
-        assert!(dinp.len == inp.len && dout.len == inp.len);
-        let ([di], [x, d]) = borrow_views(&mut self.bufs, [dinp], [inp, dout]);
+    fn gelu_backward(&mut self, op: Checked<GeluBackward>) {
+        let ([di], [x, d]) = borrow_views(&mut self.bufs, [op.dinp], [op.inp, op.dout]);
         ops::gelu_backward(di, x, d);
     }
 
-    fn residual_forward(&mut self, out: View, a: View, b: View) {
-        assert!(out.len == a.len && out.len == b.len);
-        let ([o], [a, b]) = borrow_views(&mut self.bufs, [out], [a, b]);
+    fn residual_forward(&mut self, op: Checked<ResidualForward>) {
+        let ([o], [a, b]) = borrow_views(&mut self.bufs, [op.out], [op.a, op.b]);
         ops::residual_forward(o, a, b);
     }
 
-    fn add_inplace(&mut self, dst: View, src: View) {
-        assert_eq!(dst.len, src.len);
-        let ([d], [s]) = borrow_views(&mut self.bufs, [dst], [src]);
+    fn add_inplace(&mut self, op: Checked<AddInplace>) {
+        let ([d], [s]) = borrow_views(&mut self.bufs, [op.dst], [op.src]);
         ops::add_inplace(d, s);
     }
 
-    fn matmul_gelu_forward(&mut self, pre: View, out: View, inp: View, weight: View, bias: View, s: MatmulShape) {
-        assert!(pre.len == s.n * s.oc && out.len == pre.len && inp.len == s.n * s.c && weight.len == s.c * s.oc);
-        assert_eq!(bias.len, s.oc);
+    fn matmul_gelu_forward(&mut self, op: Checked<MatmulGeluForward>) {
+        let MatmulGeluForward {
+            pre,
+            out,
+            inp,
+            weight,
+            bias,
+            shape,
+        } = *op;
         let ([p, o], [x, w, b]) = borrow_views(&mut self.bufs, [pre, out], [inp, weight, bias]);
-        ops::matmul_gelu_forward(p, o, x, w, b, s);
+        ops::matmul_gelu_forward(p, o, x, w, b, shape);
     }
 
-    fn add_layernorm_forward(
-        &mut self,
-        residual: View,
-        skip: View,
-        out: View,
-        mean: View,
-        rstd: View,
-        w: View,
-        b: View,
-        n: usize,
-        c: usize,
-    ) {
-        assert!(residual.len == n * c && skip.len == n * c && out.len == n * c);
-        assert!(mean.len == n && rstd.len == n && w.len == c && b.len == c);
-        let ([x, o, m, r], [k, w, b]) = borrow_views(&mut self.bufs, [residual, out, mean, rstd], [skip, w, b]);
-        ops::add_layernorm_forward(x, k, o, m, r, w, b, c);
+    fn add_layernorm_forward(&mut self, op: Checked<AddLayerNormForward>) {
+        let AddLayerNormForward {
+            residual,
+            skip,
+            out,
+            mean,
+            rstd,
+            weight,
+            bias,
+            shape,
+        } = *op;
+        let ([x, o, m, r], [k, w, b]) = borrow_views(&mut self.bufs, [residual, out, mean, rstd], [skip, weight, bias]);
+        ops::add_layernorm_forward(x, k, o, m, r, w, b, shape.c);
     }
 
-    fn crossentropy_forward_backward(
-        &mut self,
-        losses: View,
-        logits: View,
-        targets: TokenView,
-        n: usize,
-        v: usize,
-        dloss: f32,
-    ) {
-        assert!(losses.len == n && logits.len == n * v && targets.len == n);
-        let tgt = tokens_below(&self.tokens, targets, v);
+    fn crossentropy_forward_backward(&mut self, op: Checked<CrossEntropyForwardBackward>) {
+        let CrossEntropyForwardBackward {
+            losses,
+            logits,
+            targets,
+            shape,
+            dloss,
+        } = *op;
+        let tgt = tokens_below(&self.tokens, targets, shape.v);
         let ([l, x], []) = borrow_views(&mut self.bufs, [losses, logits], []);
-        ops::crossentropy_forward_backward(l, x, tgt, v, F::from_f32(dloss));
+        ops::crossentropy_forward_backward(l, x, tgt, shape.v, F::from_f32(dloss));
     }
 
-    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
-        assert!(losses.len == n && logits.len == n * v && targets.len == n);
-        let tgt = tokens_below(&self.tokens, targets, v);
+    fn crossentropy_forward(&mut self, op: Checked<CrossEntropyForward>) {
+        let CrossEntropyForward {
+            losses,
+            logits,
+            targets,
+            shape,
+        } = *op;
+        let tgt = tokens_below(&self.tokens, targets, shape.v);
         let ([l], [x]) = borrow_views(&mut self.bufs, [losses], [logits]);
-        ops::crossentropy_forward(l, x, tgt, v);
+        ops::crossentropy_forward(l, x, tgt, shape.v);
     }
 
-    fn crossentropy_backward(
-        &mut self,
-        dlogits: View,
-        logits: View,
-        targets: TokenView,
-        n: usize,
-        v: usize,
-        dloss: f32,
-    ) {
-        assert!(dlogits.len == n * v && logits.len == n * v && targets.len == n);
+    fn crossentropy_backward(&mut self, op: Checked<CrossEntropyBackward>) {
+        let CrossEntropyBackward {
+            dlogits,
+            logits,
+            targets,
+            shape,
+            dloss,
+        } = *op;
         if dlogits != logits {
-            self.copy(dlogits, logits);
+            self.copy(
+                CopyInto {
+                    dst: dlogits,
+                    src: logits,
+                }
+                .checked(),
+            );
         }
-        let tgt = tokens_below(&self.tokens, targets, v);
+        let tgt = tokens_below(&self.tokens, targets, shape.v);
         let ([d], []) = borrow_views(&mut self.bufs, [dlogits], []);
-        ops::crossentropy_backward_inplace(d, tgt, v, F::from_f32(dloss));
+        ops::crossentropy_backward_inplace(d, tgt, shape.v, F::from_f32(dloss));
     }
 
     fn memory(&self) -> BackendMemory {
@@ -404,10 +413,9 @@ impl<F: Real> Backend for CpuBackend<F> {
         ops::scale(self.slice_mut(x), F::from_f32(s));
     }
 
-    fn adamw(&mut self, params: View, grads: View, m: View, v: View, step: &AdamWStep) {
-        assert!(grads.len == params.len && m.len == params.len && v.len == params.len);
-        let ([p, m, v], [g]) = borrow_views(&mut self.bufs, [params, m, v], [grads]);
-        ops::adamw(p, g, m, v, step);
+    fn adamw(&mut self, op: Checked<AdamWUpdate>) {
+        let ([p, m, v], [g]) = borrow_views(&mut self.bufs, [op.params, op.m, op.v], [op.grads]);
+        ops::adamw(p, g, m, v, &op.step);
     }
 }
 

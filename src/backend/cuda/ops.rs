@@ -2,9 +2,8 @@
 //! of kernels/README.md's table.
 
 use super::super::error::ensure_view;
-use super::super::{
-    AdamWStep, AttentionShape, Backend, BackendError, BackendMemory, Download, MatmulShape, TokenView, View,
-};
+use super::super::op_args::*;
+use super::super::{Backend, BackendError, BackendMemory, Download, TokenView, View};
 use super::blas;
 use super::device::{CudaBackend, DeviceBuffer, Scratch, TokenBuffer};
 use super::gpu::{Addr, Gemm, Gpu, Param};
@@ -196,9 +195,8 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.record(filled);
     }
 
-    fn copy(&mut self, dst: View, src: View) {
-        assert_eq!(dst.len, src.len, "copy between views of different lengths");
-        assert!(!dst.overlaps(&src), "copy between overlapping views");
+    fn copy(&mut self, op: Checked<CopyInto>) {
+        let CopyInto { dst, src } = *op;
         if dst.len == 0 {
             return;
         }
@@ -207,9 +205,15 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.record(copied);
     }
 
-    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
+    fn encoder_forward(&mut self, op: Checked<EncoderForward>) {
+        let EncoderForward {
+            out,
+            tokens,
+            wte,
+            wpe,
+            shape: EncoderShape { b, t, c },
+        } = *op;
         let n = b * t;
-        assert!(out.len == n * c && tokens.len == n && wpe.len >= t * c && c > 0 && wte.len % c == 0);
         let v = wte.len / c;
         let args = [
             Arg::F(out),
@@ -224,18 +228,15 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.launch("encoder_forward", Self::per_element(n * c), &args);
     }
 
-    fn encoder_backward(
-        &mut self,
-        dwte: View,
-        dwpe: View,
-        dout: View,
-        tokens: TokenView,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
+    fn encoder_backward(&mut self, op: Checked<EncoderBackward>) {
+        let EncoderBackward {
+            dwte,
+            dwpe,
+            dout,
+            tokens,
+            shape: EncoderShape { b, t, c },
+        } = *op;
         let n = b * t;
-        assert!(dout.len == n * c && tokens.len == n && dwpe.len >= t * c && c > 0 && dwte.len % c == 0);
         if n == 0 {
             return;
         }
@@ -271,20 +272,16 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.launch("encoder_backward_wte", Self::per_element(u * c), &args);
     }
 
-    fn layernorm_forward(
-        &mut self,
-        out: View,
-        mean: View,
-        rstd: View,
-        inp: View,
-        weight: View,
-        bias: View,
-        n: usize,
-        c: usize,
-    ) {
-        assert!(
-            out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n && weight.len == c && bias.len == c
-        );
+    fn layernorm_forward(&mut self, op: Checked<LayerNormForward>) {
+        let LayerNormForward {
+            out,
+            mean,
+            rstd,
+            inp,
+            weight,
+            bias,
+            shape: RowsShape { n, c },
+        } = *op;
         let args = [
             Arg::F(out),
             Arg::F(mean),
@@ -298,21 +295,18 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.launch("layernorm_forward", n, &args);
     }
 
-    fn layernorm_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: View,
-        dout: View,
-        inp: View,
-        weight: View,
-        mean: View,
-        rstd: View,
-        n: usize,
-        c: usize,
-    ) {
-        assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
-        assert!(dweight.len == c && dbias.len == c && weight.len == c);
+    fn layernorm_backward(&mut self, op: Checked<LayerNormBackward>) {
+        let LayerNormBackward {
+            dinp,
+            dweight,
+            dbias,
+            dout,
+            inp,
+            weight,
+            mean,
+            rstd,
+            shape: RowsShape { n, c },
+        } = *op;
         let args = [
             Arg::F(dinp),
             Arg::F(mean),
@@ -337,44 +331,49 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.launch("layernorm_backward_params", c.div_ceil(COLUMNS_PER_BLOCK), &args);
     }
 
-    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
-        assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
+    fn matmul_forward(&mut self, op: Checked<MatmulForward>) {
+        let MatmulForward {
+            out,
+            inp,
+            weight,
+            bias,
+            shape: s,
+        } = *op;
         let (o, i, w) = (self.addr(out), self.addr(inp), self.addr(weight));
         self.gemm(blas::forward(o, i, w, s));
         if let Some(bias) = bias {
-            assert_eq!(bias.len, s.oc);
             let args = [Arg::F(out), Arg::F(bias), Arg::U(s.n), Arg::U(s.oc)];
             self.launch("matmul_forward_bias", Self::per_element(s.n * s.oc), &args);
         }
     }
 
-    fn matmul_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: Option<View>,
-        dout: View,
-        inp: View,
-        weight: View,
-        s: MatmulShape,
-    ) {
-        assert!(dinp.len == s.n * s.c && inp.len == s.n * s.c && dout.len == s.n * s.oc);
-        assert!(dweight.len == s.c * s.oc && weight.len == s.c * s.oc);
+    fn matmul_backward(&mut self, op: Checked<MatmulBackward>) {
+        let MatmulBackward {
+            dinp,
+            dweight,
+            dbias,
+            dout,
+            inp,
+            weight,
+            shape: s,
+        } = *op;
         let (di, dw) = (self.addr(dinp), self.addr(dweight));
         let (d, i, w) = (self.addr(dout), self.addr(inp), self.addr(weight));
         self.gemm(blas::backward_input(di, d, w, s));
         self.gemm(blas::backward_weight(dw, i, d, s));
         if let Some(dbias) = dbias {
-            assert_eq!(dbias.len, s.oc);
             let args = [Arg::F(dbias), Arg::F(dout), Arg::U(s.n), Arg::U(s.oc)];
             self.launch("matmul_backward_bias", s.oc.div_ceil(COLUMNS_PER_BLOCK), &args);
         }
     }
 
-    fn attention_forward(&mut self, out: View, att: View, qkv: View, s: AttentionShape) {
-        let AttentionShape { b, t, c, nh } = s;
-        assert!(out.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
-        assert!(nh > 0 && c % nh == 0);
+    fn attention_forward(&mut self, op: Checked<AttentionForward>) {
+        let AttentionForward {
+            out,
+            att,
+            qkv,
+            shape: AttentionShape { b, t, c, nh },
+        } = *op;
         let [sb, st, sc, snh] = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
         let rows = Self::per_element(b * nh * t);
         self.launch("attention_forward", rows, &[Arg::F(att), Arg::F(qkv), sb, st, sc, snh]);
@@ -382,10 +381,15 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.launch("attention_forward_out", Self::per_element(b * t * c), &args);
     }
 
-    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, s: AttentionShape) {
-        let AttentionShape { b, t, c, nh } = s;
-        assert!(dqkv.len == b * t * 3 * c && qkv.len == b * t * 3 * c && dout.len == b * t * c);
-        assert!(datt.len == b * nh * t * t && att.len == b * nh * t * t && nh > 0 && c % nh == 0);
+    fn attention_backward(&mut self, op: Checked<AttentionBackward>) {
+        let AttentionBackward {
+            dqkv,
+            datt,
+            dout,
+            qkv,
+            att,
+            shape: AttentionShape { b, t, c, nh },
+        } = *op;
         let [sb, st, sc, snh] = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
         let rows = Self::per_element(b * nh * t);
         let elements = Self::per_element(b * t * c);
@@ -413,8 +417,8 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.launch("attention_backward_dkv", elements, &args);
     }
 
-    fn gelu_forward(&mut self, out: View, inp: View) {
-        assert_eq!(out.len, inp.len);
+    fn gelu_forward(&mut self, op: Checked<GeluForward>) {
+        let GeluForward { out, inp } = *op;
         self.launch(
             "gelu_forward",
             Self::per_element(out.len),
@@ -422,20 +426,20 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         );
     }
 
-    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
-        assert!(dinp.len == inp.len && dout.len == inp.len);
+    fn gelu_backward(&mut self, op: Checked<GeluBackward>) {
+        let GeluBackward { dinp, inp, dout } = *op;
         let args = [Arg::F(dinp), Arg::F(inp), Arg::F(dout), Arg::U(dinp.len)];
         self.launch("gelu_backward", Self::per_element(dinp.len), &args);
     }
 
-    fn residual_forward(&mut self, out: View, a: View, b: View) {
-        assert!(out.len == a.len && out.len == b.len);
+    fn residual_forward(&mut self, op: Checked<ResidualForward>) {
+        let ResidualForward { out, a, b } = *op;
         let args = [Arg::F(out), Arg::F(a), Arg::F(b), Arg::U(out.len)];
         self.launch("residual_forward", Self::per_element(out.len), &args);
     }
 
-    fn add_inplace(&mut self, dst: View, src: View) {
-        assert_eq!(dst.len, src.len);
+    fn add_inplace(&mut self, op: Checked<AddInplace>) {
+        let AddInplace { dst, src } = *op;
         self.launch(
             "add_inplace",
             Self::per_element(dst.len),
@@ -443,24 +447,33 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         );
     }
 
-    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
-        assert!(losses.len == n && logits.len == n * v && targets.len == n && v > 0);
+    fn crossentropy_forward(&mut self, op: Checked<CrossEntropyForward>) {
+        let CrossEntropyForward {
+            losses,
+            logits,
+            targets,
+            shape: LogitsShape { n, v },
+        } = *op;
         let args = [Arg::F(losses), Arg::F(logits), Arg::Tok(targets), Arg::U(n), Arg::U(v)];
         self.launch("crossentropy_forward", n, &args);
     }
 
-    fn crossentropy_backward(
-        &mut self,
-        dlogits: View,
-        logits: View,
-        targets: TokenView,
-        n: usize,
-        v: usize,
-        dloss: f32,
-    ) {
-        assert!(dlogits.len == n * v && logits.len == n * v && targets.len == n && v > 0);
+    fn crossentropy_backward(&mut self, op: Checked<CrossEntropyBackward>) {
+        let CrossEntropyBackward {
+            dlogits,
+            logits,
+            targets,
+            shape: LogitsShape { n, v },
+            dloss,
+        } = *op;
         if dlogits != logits {
-            self.copy(dlogits, logits);
+            self.copy(
+                CopyInto {
+                    dst: dlogits,
+                    src: logits,
+                }
+                .checked(),
+            );
         }
         let args = [Arg::F(dlogits), Arg::Tok(targets), Arg::U(n), Arg::U(v), Arg::S(dloss)];
         self.launch("crossentropy_backward", n, &args);
@@ -486,9 +499,15 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         );
     }
 
-    fn adamw(&mut self, params: View, grads: View, m: View, v: View, h: &AdamWStep) {
+    fn adamw(&mut self, op: Checked<AdamWUpdate>) {
+        let AdamWUpdate {
+            params,
+            grads,
+            m,
+            v,
+            step: h,
+        } = *op;
         let n = params.len;
-        assert!(grads.len == n && m.len == n && v.len == n);
         let args = [
             Arg::F(params),
             Arg::F(grads),

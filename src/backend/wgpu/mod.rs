@@ -65,7 +65,7 @@ pub use binding::BindGroupStats;
 pub use context::{list_adapters, AdapterKind, AdapterReport, AdapterSelection};
 pub use software::HARDWARE_KERNELS_ENV;
 
-use super::{AdamWStep, AttentionShape, Backend, BackendError, Download, MatmulShape, TokenView, View, WeightLayout};
+use super::{Backend, BackendError, Download, MatmulShape, TokenView, View, WeightLayout};
 use anyhow::Result;
 use binding::{BindGroupCache, BufferIds, UniformRing, MAX_CACHED_BIND_GROUPS};
 use context::Context;

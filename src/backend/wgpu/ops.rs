@@ -13,10 +13,8 @@ use super::params::{
 };
 use super::software::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
 use super::windows::Win;
-use super::{
-    ceil_div, AdamWStep, AttentionShape, Backend, BackendError, Download, MatmulShape, TokenView, View, WgpuBackend,
-    SUM_BLOCK,
-};
+use super::{ceil_div, Backend, BackendError, Download, TokenView, View, WgpuBackend, SUM_BLOCK};
+use crate::backend::op_args::*;
 use anyhow::Result;
 
 /// `VPI` of residual4.wgsl: vec4s per invocation of the vec4 element-wise kernels.
@@ -35,10 +33,8 @@ impl WgpuBackend {
         views: &[View],
         params: impl Fn(u32, [u32; 3]) -> P,
     ) {
+        // Equal lengths: every caller's arguments were checked (`OpArgs::check`).
         let len = views[0].len;
-        for v in views {
-            assert_eq!(v.len, len, "{kernel}: views of different lengths");
-        }
         let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
         let offsets = |wins: &[Win], unit: u32| std::array::from_fn(|i| wins.get(i).map_or(0, |w| w.off / unit));
         let mut start = 0;
@@ -157,14 +153,19 @@ impl Backend for WgpuBackend {
         self.elementwise("fill", Some("fill4"), &[dst], residual_params(value));
     }
 
-    fn copy(&mut self, dst: View, src: View) {
-        assert!(!dst.overlaps(&src), "copy between overlapping views");
-        self.elementwise("copy", Some("copy4"), &[dst, src], residual_params(0.0));
+    fn copy(&mut self, op: Checked<CopyInto>) {
+        self.elementwise("copy", Some("copy4"), &[op.dst, op.src], residual_params(0.0));
     }
 
-    fn encoder_forward(&mut self, out: View, tokens: TokenView, wte: View, wpe: View, b: usize, t: usize, c: usize) {
+    fn encoder_forward(&mut self, op: Checked<EncoderForward>) {
+        let EncoderForward {
+            out,
+            tokens,
+            wte,
+            wpe,
+            shape: EncoderShape { b, t, c },
+        } = *op;
         let n = b * t;
-        assert!(out.len == n * c && tokens.len == n && wpe.len >= t * c && c > 0 && wte.len % c == 0);
         if n == 0 {
             return;
         }
@@ -189,18 +190,15 @@ impl Backend for WgpuBackend {
         }
     }
 
-    fn encoder_backward(
-        &mut self,
-        dwte: View,
-        dwpe: View,
-        dout: View,
-        tokens: TokenView,
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
+    fn encoder_backward(&mut self, op: Checked<EncoderBackward>) {
+        let EncoderBackward {
+            dwte,
+            dwpe,
+            dout,
+            tokens,
+            shape: EncoderShape { b, t, c },
+        } = *op;
         let n = b * t;
-        assert!(dout.len == n * c && tokens.len == n && dwpe.len >= t * c && c > 0 && dwte.len % c == 0);
         if n == 0 {
             return;
         }
@@ -247,19 +245,16 @@ impl Backend for WgpuBackend {
         }
     }
 
-    fn layernorm_forward(
-        &mut self,
-        out: View,
-        mean: View,
-        rstd: View,
-        inp: View,
-        weight: View,
-        bias: View,
-        n: usize,
-        c: usize,
-    ) {
-        assert!(out.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
-        assert!(weight.len == c && bias.len == c);
+    fn layernorm_forward(&mut self, op: Checked<LayerNormForward>) {
+        let LayerNormForward {
+            out,
+            mean,
+            rstd,
+            inp,
+            weight,
+            bias,
+            shape: RowsShape { n, c },
+        } = *op;
         if n == 0 {
             return;
         }
@@ -286,21 +281,18 @@ impl Backend for WgpuBackend {
         self.dispatch(kernel, &w, &p, groups);
     }
 
-    fn layernorm_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: View,
-        dout: View,
-        inp: View,
-        weight: View,
-        mean: View,
-        rstd: View,
-        n: usize,
-        c: usize,
-    ) {
-        assert!(dinp.len == n * c && dout.len == n * c && inp.len == n * c && mean.len == n && rstd.len == n);
-        assert!(weight.len == c && dweight.len == c && dbias.len == c);
+    fn layernorm_backward(&mut self, op: Checked<LayerNormBackward>) {
+        let LayerNormBackward {
+            dinp,
+            dweight,
+            dbias,
+            dout,
+            inp,
+            weight,
+            mean,
+            rstd,
+            shape: RowsShape { n, c },
+        } = *op;
         if n == 0 {
             return;
         }
@@ -336,35 +328,40 @@ impl Backend for WgpuBackend {
         self.dispatch(kernel, &w, &p, groups);
     }
 
-    fn matmul_forward(&mut self, out: View, inp: View, weight: View, bias: Option<View>, s: MatmulShape) {
-        assert!(out.len == s.n * s.oc && inp.len == s.n * s.c && weight.len == s.c * s.oc);
-        assert!(bias.is_none_or(|b| b.len == s.oc));
-        self.matmul_forward_gemm(out, inp, weight, bias, s);
+    fn matmul_forward(&mut self, op: Checked<MatmulForward>) {
+        let MatmulForward {
+            out,
+            inp,
+            weight,
+            bias,
+            shape,
+        } = *op;
+        self.matmul_forward_gemm(out, inp, weight, bias, shape);
     }
 
-    fn matmul_backward(
-        &mut self,
-        dinp: View,
-        dweight: View,
-        dbias: Option<View>,
-        dout: View,
-        inp: View,
-        weight: View,
-        s: MatmulShape,
-    ) {
-        assert!(dinp.len == s.n * s.c && inp.len == s.n * s.c && dout.len == s.n * s.oc);
-        assert!(weight.len == s.c * s.oc && dweight.len == s.c * s.oc);
-        assert!(dbias.is_none_or(|b| b.len == s.oc));
+    fn matmul_backward(&mut self, op: Checked<MatmulBackward>) {
+        let MatmulBackward {
+            dinp,
+            dweight,
+            dbias,
+            dout,
+            inp,
+            weight,
+            shape: s,
+        } = *op;
         self.matmul_backward_gemms(dinp, dweight, dout, inp, weight, s);
         if let Some(db) = dbias {
             self.matmul_bias_gradient(db, dout, s.n, s.oc);
         }
     }
 
-    fn attention_forward(&mut self, out: View, att: View, qkv: View, s: AttentionShape) {
-        let AttentionShape { b, t, c, nh } = s;
-        assert!(out.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
-        assert!(nh > 0 && c % nh == 0);
+    fn attention_forward(&mut self, op: Checked<AttentionForward>) {
+        let AttentionForward {
+            out,
+            att,
+            qkv,
+            shape: AttentionShape { b, t, c, nh },
+        } = *op;
         if b == 0 || t == 0 {
             return;
         }
@@ -397,10 +394,15 @@ impl Backend for WgpuBackend {
         }
     }
 
-    fn attention_backward(&mut self, dqkv: View, datt: View, dout: View, qkv: View, att: View, s: AttentionShape) {
-        let AttentionShape { b, t, c, nh } = s;
-        assert!(dout.len == b * t * c && att.len == b * nh * t * t && qkv.len == b * t * 3 * c);
-        assert!(dqkv.len == qkv.len && datt.len == att.len && nh > 0 && c % nh == 0);
+    fn attention_backward(&mut self, op: Checked<AttentionBackward>) {
+        let AttentionBackward {
+            dqkv,
+            datt,
+            dout,
+            qkv,
+            att,
+            shape: AttentionShape { b, t, c, nh },
+        } = *op;
         if b == 0 || t == 0 {
             return;
         }
@@ -436,29 +438,39 @@ impl Backend for WgpuBackend {
         }
     }
 
-    fn gelu_forward(&mut self, out: View, inp: View) {
-        self.elementwise("gelu_forward", None, &[out, inp], gelu_params);
+    fn gelu_forward(&mut self, op: Checked<GeluForward>) {
+        self.elementwise("gelu_forward", None, &[op.out, op.inp], gelu_params);
     }
 
-    fn gelu_backward(&mut self, dinp: View, inp: View, dout: View) {
-        self.elementwise("gelu_backward", None, &[dinp, inp, dout], gelu_params);
+    fn gelu_backward(&mut self, op: Checked<GeluBackward>) {
+        self.elementwise("gelu_backward", None, &[op.dinp, op.inp, op.dout], gelu_params);
     }
 
-    fn residual_forward(&mut self, out: View, a: View, b: View) {
+    fn residual_forward(&mut self, op: Checked<ResidualForward>) {
         self.elementwise(
             "residual_forward",
             Some("residual_forward4"),
-            &[out, a, b],
+            &[op.out, op.a, op.b],
             residual_params(0.0),
         );
     }
 
-    fn add_inplace(&mut self, dst: View, src: View) {
-        self.elementwise("add_inplace", Some("add_inplace4"), &[dst, src], residual_params(0.0));
+    fn add_inplace(&mut self, op: Checked<AddInplace>) {
+        self.elementwise(
+            "add_inplace",
+            Some("add_inplace4"),
+            &[op.dst, op.src],
+            residual_params(0.0),
+        );
     }
 
-    fn crossentropy_forward(&mut self, losses: View, logits: View, targets: TokenView, n: usize, v: usize) {
-        assert!(losses.len == n && logits.len == n * v && targets.len == n && v > 0);
+    fn crossentropy_forward(&mut self, op: Checked<CrossEntropyForward>) {
+        let CrossEntropyForward {
+            losses,
+            logits,
+            targets,
+            shape: LogitsShape { n, v },
+        } = *op;
         for (r0, r1) in self.row_windows(n, v) {
             let (wl, wx, wt) = (
                 self.win(losses.sub(r0, r1 - r0)),
@@ -484,18 +496,22 @@ impl Backend for WgpuBackend {
         }
     }
 
-    fn crossentropy_backward(
-        &mut self,
-        dlogits: View,
-        logits: View,
-        targets: TokenView,
-        n: usize,
-        v: usize,
-        dloss: f32,
-    ) {
-        assert!(dlogits.len == n * v && logits.len == n * v && targets.len == n && v > 0);
+    fn crossentropy_backward(&mut self, op: Checked<CrossEntropyBackward>) {
+        let CrossEntropyBackward {
+            dlogits,
+            logits,
+            targets,
+            shape: LogitsShape { n, v },
+            dloss,
+        } = *op;
         if dlogits != logits {
-            self.copy(dlogits, logits);
+            self.copy(
+                CopyInto {
+                    dst: dlogits,
+                    src: logits,
+                }
+                .checked(),
+            );
         }
         for (r0, r1) in self.row_windows(n, v) {
             let (wx, wt) = (
@@ -553,9 +569,15 @@ impl Backend for WgpuBackend {
         self.elementwise("scale", Some("scale4"), &[x], residual_params(s));
     }
 
-    fn adamw(&mut self, params: View, grads: View, m: View, v: View, h: &AdamWStep) {
+    fn adamw(&mut self, op: Checked<AdamWUpdate>) {
+        let AdamWUpdate {
+            params,
+            grads,
+            m,
+            v,
+            step: h,
+        } = *op;
         let len = params.len;
-        assert!(grads.len == len && m.len == len && v.len == len);
         let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
         let mut start = 0;
         while start < len {

@@ -4,6 +4,10 @@ use super::{assert_close, bits, delta, download, values, wgpu_or_skip};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::wgpu::{WgpuBackend, MAX_PENDING};
 use crate::backend::{AdamWStep, Backend, MatmulShape, TokenView, View, WeightLayout};
+use crate::backend::{
+    AdamWUpdate, AddInplace, EncoderBackward, EncoderShape, GeluBackward, GeluForward, LayerNormForward,
+    MatmulBackward, MatmulForward, ResidualForward, RowsShape,
+};
 use crate::model::init::init_params;
 use crate::model::{Gpt2, ModelConfig, ParamLayout};
 
@@ -104,16 +108,70 @@ fn forward_backward_update(be: &mut WgpuBackend, v: &StepViews) -> (Vec<f32>, f6
     let s = STEP_SHAPE;
     be.fill(v.dw, 0.0);
     be.fill(v.db, 0.0);
-    be.matmul_forward(v.y, v.x, v.w, Some(v.bias), s);
-    be.gelu_forward(v.g, v.y);
+    be.matmul_forward(
+        MatmulForward {
+            out: v.y,
+            inp: v.x,
+            weight: v.w,
+            bias: Some(v.bias),
+            shape: s,
+        }
+        .checked(),
+    );
+    be.gelu_forward(GeluForward { out: v.g, inp: v.y }.checked());
     be.scale(v.g, 0.5);
-    be.residual_forward(v.r, v.g, v.y);
+    be.residual_forward(
+        ResidualForward {
+            out: v.r,
+            a: v.g,
+            b: v.y,
+        }
+        .checked(),
+    );
     let norm = be.sum_squares(v.r).unwrap();
-    be.gelu_backward(v.dy, v.y, v.r);
-    be.matmul_backward(v.dx, v.dw, Some(v.db), v.dy, v.x, v.w, s);
-    be.layernorm_forward(v.ln, v.mean, v.rstd, v.x, v.lw, v.lb, s.n, s.c);
-    be.add_inplace(v.dx, v.ln);
-    be.adamw(v.w, v.dw, v.m, v.v, &ADAMW);
+    be.gelu_backward(
+        GeluBackward {
+            dinp: v.dy,
+            inp: v.y,
+            dout: v.r,
+        }
+        .checked(),
+    );
+    be.matmul_backward(
+        MatmulBackward {
+            dinp: v.dx,
+            dweight: v.dw,
+            dbias: Some(v.db),
+            dout: v.dy,
+            inp: v.x,
+            weight: v.w,
+            shape: s,
+        }
+        .checked(),
+    );
+    be.layernorm_forward(
+        LayerNormForward {
+            out: v.ln,
+            mean: v.mean,
+            rstd: v.rstd,
+            inp: v.x,
+            weight: v.lw,
+            bias: v.lb,
+            shape: RowsShape { n: s.n, c: s.c },
+        }
+        .checked(),
+    );
+    be.add_inplace(AddInplace { dst: v.dx, src: v.ln }.checked());
+    be.adamw(
+        AdamWUpdate {
+            params: v.w,
+            grads: v.dw,
+            m: v.m,
+            v: v.v,
+            step: ADAMW,
+        }
+        .checked(),
+    );
     (download(be, v.all), norm)
 }
 
@@ -193,7 +251,7 @@ fn parameters_change_under_a_cached_bind_group() {
     let rounds = 2 * MAX_PENDING + 3;
     for i in 0..rounds {
         be.fill(x, i as f32);
-        be.add_inplace(acc, x);
+        be.add_inplace(AddInplace { dst: acc, src: x }.checked());
     }
     let want = (rounds * (rounds - 1) / 2) as f32;
     assert_eq!(download(&mut be, acc), vec![want; 7]);
@@ -214,7 +272,13 @@ fn temporary_buffers_bypass_the_cache() {
     for _ in 0..2 {
         be.upload(straddling, &a).unwrap();
         let (cached, before) = (be.cached_bind_groups(), be.bind_group_stats());
-        be.add_inplace(straddling, other);
+        be.add_inplace(
+            AddInplace {
+                dst: straddling,
+                src: other,
+            }
+            .checked(),
+        );
         let d = delta(before, be.bind_group_stats());
         assert_eq!((d.hits, d.misses), (0, 0), "{d:?}");
         assert!(d.uncached > 0);
@@ -256,8 +320,26 @@ fn embedding_index_is_cached_and_rewritten_safely() {
         let ((dwte, dwpe), (cpu_dwte, cpu_dwpe)) = (gpu_out[round], cpu_out[round]);
         let (tokens, cpu_tokens) = token_views[round];
         let before = be.bind_group_stats();
-        be.encoder_backward(dwte, dwpe, dout, tokens, b_, t, c);
-        cpu.encoder_backward(cpu_dwte, cpu_dwpe, cpu_dout, cpu_tokens, b_, t, c);
+        be.encoder_backward(
+            EncoderBackward {
+                dwte,
+                dwpe,
+                dout,
+                tokens,
+                shape: EncoderShape { b: b_, t, c },
+            }
+            .checked(),
+        );
+        cpu.encoder_backward(
+            EncoderBackward {
+                dwte: cpu_dwte,
+                dwpe: cpu_dwpe,
+                dout: cpu_dout,
+                tokens: cpu_tokens,
+                shape: EncoderShape { b: b_, t, c },
+            }
+            .checked(),
+        );
         let d = delta(before, be.bind_group_stats());
         assert_eq!(d.uncached, 0, "round {round}: the index window is cached: {d:?}");
     }
@@ -266,8 +348,26 @@ fn embedding_index_is_cached_and_rewritten_safely() {
     let (tokens, cpu_tokens) = token_views[0];
     be.synchronize().unwrap();
     let before = be.bind_group_stats();
-    be.encoder_backward(dwte, dwpe, dout, tokens, b_, t, c);
-    cpu.encoder_backward(cpu_dwte, cpu_dwpe, cpu_dout, cpu_tokens, b_, t, c);
+    be.encoder_backward(
+        EncoderBackward {
+            dwte,
+            dwpe,
+            dout,
+            tokens,
+            shape: EncoderShape { b: b_, t, c },
+        }
+        .checked(),
+    );
+    cpu.encoder_backward(
+        EncoderBackward {
+            dwte: cpu_dwte,
+            dwpe: cpu_dwpe,
+            dout: cpu_dout,
+            tokens: cpu_tokens,
+            shape: EncoderShape { b: b_, t, c },
+        }
+        .checked(),
+    );
     let d = delta(before, be.bind_group_stats());
     assert_eq!((d.misses, d.uncached), (0, 0), "a repeated call hits the cache: {d:?}");
     for ((dwte, dwpe), (cpu_dwte, cpu_dwpe)) in gpu_out.into_iter().zip(cpu_out) {

@@ -3,6 +3,7 @@
 use super::{assert_close, run, wgpu_or_skip};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::wgpu::WgpuBackend;
+use crate::backend::{AddInplace, CopyInto, MatmulBackward, MatmulForward, ResidualForward};
 use crate::backend::{Backend, MatmulShape, View, WeightLayout};
 
 fn check_matmuls(be: &mut WgpuBackend) {
@@ -22,15 +23,36 @@ fn check_matmuls(be: &mut WgpuBackend) {
                 for pad in [0, 4, 6] {
                     let s = MatmulShape { n, c, oc, layout };
                     let lens = [n * oc, n * c, c * oc, oc];
-                    let fwd =
-                        |be: &mut dyn Backend, v: &[View]| be.matmul_forward(v[0], v[1], v[2], bias.then_some(v[3]), s);
+                    let fwd = |be: &mut dyn Backend, v: &[View]| {
+                        be.matmul_forward(
+                            MatmulForward {
+                                out: v[0],
+                                inp: v[1],
+                                weight: v[2],
+                                bias: bias.then_some(v[3]),
+                                shape: s,
+                            }
+                            .checked(),
+                        )
+                    };
                     let what = format!("matmul_forward {n}x{c}x{oc} {layout:?} bias={bias} pad={pad}");
                     let want = run(&mut CpuBackend::<f32>::new(), &lens, pad, 1, &fwd);
                     let got = run(be, &lens, pad, 1, &fwd);
                     assert_close(&what, &got, &want, 1e-5 * (c as f32).sqrt(), 1e-5);
                     let lens = [n * c, c * oc, oc, n * oc, n * c, c * oc];
                     let bwd = |be: &mut dyn Backend, v: &[View]| {
-                        be.matmul_backward(v[0], v[1], bias.then_some(v[2]), v[3], v[4], v[5], s)
+                        be.matmul_backward(
+                            MatmulBackward {
+                                dinp: v[0],
+                                dweight: v[1],
+                                dbias: bias.then_some(v[2]),
+                                dout: v[3],
+                                inp: v[4],
+                                weight: v[5],
+                                shape: s,
+                            }
+                            .checked(),
+                        )
                     };
                     let what = format!("matmul_backward {n}x{c}x{oc} {layout:?} bias={bias} pad={pad}");
                     let want = run(&mut CpuBackend::<f32>::new(), &lens, pad, 2, &bwd);
@@ -49,11 +71,22 @@ fn check_elementwise(be: &mut WgpuBackend) {
     for n in [1, 3, 4, 7, 1000, 70001] {
         for pad in [0, 4, 5] {
             let ops: [(&str, &ElementwiseOp); 5] = [
-                ("residual_forward", &|be, v| be.residual_forward(v[0], v[1], v[2])),
-                ("add_inplace", &|be, v| be.add_inplace(v[0], v[1])),
+                ("residual_forward", &|be, v| {
+                    be.residual_forward(
+                        ResidualForward {
+                            out: v[0],
+                            a: v[1],
+                            b: v[2],
+                        }
+                        .checked(),
+                    )
+                }),
+                ("add_inplace", &|be, v| {
+                    be.add_inplace(AddInplace { dst: v[0], src: v[1] }.checked())
+                }),
                 ("scale", &|be, v| be.scale(v[0], -0.37)),
                 ("fill", &|be, v| be.fill(v[1], 1.25)),
-                ("copy", &|be, v| be.copy(v[0], v[2])),
+                ("copy", &|be, v| be.copy(CopyInto { dst: v[0], src: v[2] }.checked())),
             ];
             for (name, op) in ops {
                 let want = run(&mut CpuBackend::<f32>::new(), &[n, n, n], pad, 3, op);
@@ -94,19 +127,54 @@ fn texture_matmul_runs_on_software_adapters() {
             (
                 "x @ W",
                 vec![n * oc, n * c, c * oc, oc],
-                Box::new(move |be, v| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), nn)),
+                Box::new(move |be, v| {
+                    be.matmul_forward(
+                        MatmulForward {
+                            out: v[0],
+                            inp: v[1],
+                            weight: v[2],
+                            bias: Some(v[3]),
+                            shape: nn,
+                        }
+                        .checked(),
+                    )
+                }),
                 1,
             ),
             (
                 "x @ W^T",
                 vec![n * oc, n * c, c * oc, oc],
-                Box::new(move |be, v| be.matmul_forward(v[0], v[1], v[2], Some(v[3]), tn)),
+                Box::new(move |be, v| {
+                    be.matmul_forward(
+                        MatmulForward {
+                            out: v[0],
+                            inp: v[1],
+                            weight: v[2],
+                            bias: Some(v[3]),
+                            shape: tn,
+                        }
+                        .checked(),
+                    )
+                }),
                 1,
             ),
             (
                 "dinp = dout @ W^T, dW = x^T @ dout",
                 vec![n * c, c * oc, n * oc, n * c, c * oc],
-                Box::new(move |be, v| be.matmul_backward(v[0], v[1], None, v[2], v[3], v[4], nn)),
+                Box::new(move |be, v| {
+                    be.matmul_backward(
+                        MatmulBackward {
+                            dinp: v[0],
+                            dweight: v[1],
+                            dbias: None,
+                            dout: v[2],
+                            inp: v[3],
+                            weight: v[4],
+                            shape: nn,
+                        }
+                        .checked(),
+                    )
+                }),
                 if n % 4 == 0 { 2 } else { 1 },
             ),
         ];

@@ -2,6 +2,7 @@
 
 use super::{assert_close, run, wgpu_or_skip};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::{AttentionBackward, AttentionForward, MatmulBackward};
 use crate::backend::{AttentionShape, Backend, BackendError, MatmulShape, View, WeightLayout};
 
 #[test]
@@ -41,8 +42,26 @@ fn attention_fits_the_software_loop_budget_at_gpt2_length() {
         b * t * c,
     ];
     let op = move |be: &mut dyn Backend, v: &[View]| {
-        be.attention_forward(v[0], v[1], v[2], s);
-        be.attention_backward(v[3], v[4], v[5], v[2], v[1], s);
+        be.attention_forward(
+            AttentionForward {
+                out: v[0],
+                att: v[1],
+                qkv: v[2],
+                shape: s,
+            }
+            .checked(),
+        );
+        be.attention_backward(
+            AttentionBackward {
+                dqkv: v[3],
+                datt: v[4],
+                dout: v[5],
+                qkv: v[2],
+                att: v[1],
+                shape: s,
+            }
+            .checked(),
+        );
     };
     let want = run(&mut CpuBackend::<f32>::new(), &lens, 0, 3, &op);
     let got = run(&mut be, &lens, 0, 3, &op);
@@ -60,7 +79,15 @@ fn attention_fits_the_software_loop_budget_at_gpt2_length() {
             be.alloc(4096 * 4096).unwrap(),
             be.alloc(4096 * 192).unwrap(),
         );
-        be.attention_forward(out, att, qkv, long);
+        be.attention_forward(
+            AttentionForward {
+                out,
+                att,
+                qkv,
+                shape: long,
+            }
+            .checked(),
+        );
         let err = be.synchronize().expect_err("T = 4096 exceeds the loop budget");
         assert!(
             matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { op, .. }) if op == "attention"),
@@ -111,7 +138,18 @@ fn hardware_kernels_keep_the_loop_budget() {
     };
     let [dinp, dweight, dout, inp, weight] =
         [s.n * s.c, s.c * s.oc, s.n * s.oc, s.n * s.c, s.c * s.oc].map(|len| be.alloc(len).unwrap());
-    be.matmul_backward(dinp, dweight, None, dout, inp, weight, s);
+    be.matmul_backward(
+        MatmulBackward {
+            dinp,
+            dweight,
+            dbias: None,
+            dout,
+            inp,
+            weight,
+            shape: s,
+        }
+        .checked(),
+    );
     let result = be.synchronize();
     let step = be.check_step_shape(128, 1024, 768, 12);
     if be.adapter().is_software {
