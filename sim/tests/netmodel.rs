@@ -1,7 +1,7 @@
 //! The sim's network model: the ring's virtual time against the α-β(-γ) closed forms, with and without
 //! sub-chunk pipelining; bucket overlap against a hand-built schedule; a 1024-rank gpt2 prediction.
 
-use ringtrain::collective::ring::{Engine, Reduce, RingEngine, RingOp};
+use ringtrain::collective::ring::{Allocate, Engine, Reduce, RingEngine, RingOp};
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
 use ringtrain_sim::netmodel::network::{Link, Network};
@@ -476,7 +476,7 @@ fn engine_sends(op: RingOp, world: usize, elems: usize, sub_chunk: usize) -> Vec
     loop {
         let mut progressed = false;
         for r in 0..world {
-            while let Some(m) = engines[r].poll_transmit() {
+            while let Some(m) = engines[r].poll_transmit(&Allocate) {
                 sent[r].push(ModelSend {
                     phase: m.phase as usize,
                     chunk: m.chunk as usize,

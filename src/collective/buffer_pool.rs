@@ -10,6 +10,7 @@
 //!
 //! The pool holds at most `max_bytes` of idle buffers; beyond that, returned buffers are freed.
 
+use super::ring::PayloadStorage;
 use std::sync::{Arc, Mutex};
 
 /// Idle f32 buffers, shared by a rank's ring engine and its sending side.
@@ -112,6 +113,13 @@ impl AsRef<[u8]> for PooledLeF32 {
 impl Drop for PooledLeF32 {
     fn drop(&mut self) {
         self.pool.give(std::mem::take(&mut self.data));
+    }
+}
+
+/// The QUIC driver hands its pool to the ring engine as the storage of the payloads it builds.
+impl PayloadStorage for BufferPool {
+    fn take(&self, len: usize) -> Vec<f32> {
+        BufferPool::take(self, len)
     }
 }
 

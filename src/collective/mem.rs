@@ -30,7 +30,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::le_pieces::{le_bytes, LePieces};
-use super::ring::{Engine, Msg, Payload, RingOp};
+use super::ring::{Allocate, Engine, Msg, Payload, RingOp};
 use super::{run_ring, Collective, CollectiveError, Result};
 use crate::fault_plan::FaultPlan;
 
@@ -283,7 +283,7 @@ impl MemCollective {
         let left = self.left();
         loop {
             let mut burst = Vec::new();
-            while let Some(m) = engine.poll_transmit() {
+            while let Some(m) = engine.poll_transmit(&Allocate) {
                 burst.push(m);
             }
             if let Some(rng) = &mut self.rng {
@@ -322,7 +322,7 @@ impl Collective for MemCollective {
 
     fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {
         let sub_chunk = self.opts.sub_chunk;
-        run_ring(self, op, buf, sub_chunk, None)
+        run_ring(self, op, buf, sub_chunk)
     }
 
     fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()> {

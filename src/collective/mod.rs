@@ -22,7 +22,6 @@ pub mod quic;
 pub mod rank_runtime;
 pub mod ring;
 
-use buffer_pool::BufferPool;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -163,19 +162,10 @@ pub trait Collective: Send {
 }
 
 /// Runs the f32 collective `op` over `buf` on `comm` with the ring engine, in sub-chunks of `sub_chunk`
-/// elements, its copies taken from `pool` when the transport recycles message storage.
-pub fn run_ring(
-    comm: &mut (impl Collective + ?Sized),
-    op: RingOp,
-    buf: &mut [f32],
-    sub_chunk: usize,
-    pool: Option<Arc<BufferPool>>,
-) -> Result<()> {
+/// elements.
+pub fn run_ring(comm: &mut (impl Collective + ?Sized), op: RingOp, buf: &mut [f32], sub_chunk: usize) -> Result<()> {
     let (rank, world) = (comm.rank(), comm.world());
     let mut e = RingEngine::new(op, rank, world, buf, sub_chunk).map_err(|e| CollectiveError::Local(e.to_string()))?;
-    if let Some(pool) = pool {
-        e = e.recycling(pool);
-    }
     comm.run_engine(&mut e)
 }
 

@@ -32,10 +32,8 @@
 //! `r-1-p`; in all-gather phase `q` it sends chunk `r-q`. A sub-chunk moves to the next phase as soon as
 //! it has arrived, independently of the other sub-chunks.
 
-use super::buffer_pool::BufferPool;
 use super::le_pieces::LePieces;
 use std::fmt;
-use std::sync::Arc;
 
 /// Default sub-chunk size in f32 elements (256 KiB per message).
 pub const DEFAULT_SUB_CHUNK: usize = 64 * 1024;
@@ -202,10 +200,27 @@ impl fmt::Display for RingError {
 
 impl std::error::Error for RingError {}
 
+/// Where an engine gets the storage of the payloads it builds. The transport hands it in at each
+/// `poll_transmit` (as a sans-IO protocol takes the caller's buffer), so whether storage is recycled (QUIC
+/// returns each sent payload's storage to its pool) or freshly allocated is the transport's business.
+pub trait PayloadStorage {
+    /// `len` elements, with unspecified contents, for the engine to overwrite in full.
+    fn take(&self, len: usize) -> Vec<f32>;
+}
+
+/// Fresh zeroed allocations: the storage of transports that do not recycle.
+pub struct Allocate;
+
+impl PayloadStorage for Allocate {
+    fn take(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+}
+
 /// The interface every transport drives. See the module docs for the loop.
 pub trait Engine {
-    /// Next message to send to the right neighbour, if any.
-    fn poll_transmit(&mut self) -> Option<Msg>;
+    /// Next message to send to the right neighbour, if any, its payload built in `storage`.
+    fn poll_transmit(&mut self, storage: &dyn PayloadStorage) -> Option<Msg>;
     /// Feed one message received from the left neighbour.
     fn handle(&mut self, msg: Msg) -> Result<(), RingError>;
     /// All expected messages have arrived and every output has been queued.
@@ -232,9 +247,6 @@ pub struct RingEngine<'a> {
     seen: Vec<Vec<bool>>,
     remaining: usize,
     outbox: std::collections::VecDeque<Outgoing>,
-    /// Where the phase-0 copies come from, when the transport recycles its message buffers: a fresh
-    /// allocation per message costs the allocator fresh pages (and their zeroing) on every step.
-    pool: Option<Arc<BufferPool>>,
 }
 
 /// A message waiting to be sent.
@@ -278,19 +290,12 @@ impl<'a> RingEngine<'a> {
             seen: Vec::new(),
             remaining: 0,
             outbox: Default::default(),
-            pool: None,
         };
         let phases = e.num_phases();
         e.seen = (0..phases).map(|p| vec![false; e.subs_of(e.recv_chunk(p))]).collect();
         e.remaining = e.seen.iter().map(|v| v.len()).sum();
         e.start();
         Ok(e)
-    }
-
-    /// Takes the phase-0 copies from `pool` (the transport returns each sent payload's storage there).
-    pub fn recycling(mut self, pool: Arc<BufferPool>) -> Self {
-        self.pool = Some(pool);
-        self
     }
 
     fn num_phases(&self) -> usize {
@@ -411,12 +416,12 @@ impl<'a> RingEngine<'a> {
 }
 
 impl Engine for RingEngine<'_> {
-    fn poll_transmit(&mut self) -> Option<Msg> {
+    fn poll_transmit(&mut self, storage: &dyn PayloadStorage) -> Option<Msg> {
         match self.outbox.pop_front()? {
             Outgoing::Ready(m) => Some(m),
             Outgoing::FromBuffer { phase, sub } => {
                 let src = &self.buf[self.sub_range(self.send_chunk(phase), sub)];
-                let mut data = BufferPool::take_from(self.pool.as_deref(), src.len());
+                let mut data = storage.take(src.len());
                 data.copy_from_slice(src);
                 Some(self.msg(phase, sub, Payload::F32(data)))
             }
@@ -578,7 +583,7 @@ impl GatherEngine {
 }
 
 impl Engine for GatherEngine {
-    fn poll_transmit(&mut self) -> Option<Msg> {
+    fn poll_transmit(&mut self, _storage: &dyn PayloadStorage) -> Option<Msg> {
         self.outbox.pop_front()
     }
 
@@ -669,7 +674,7 @@ pub fn run_local<E: Engine>(engines: &mut [E]) -> Result<(), RingError> {
     loop {
         let mut progressed = false;
         for r in 0..n {
-            while let Some(m) = engines[r].poll_transmit() {
+            while let Some(m) = engines[r].poll_transmit(&Allocate) {
                 queues[(r + 1) % n].push_back(m);
                 progressed = true;
             }
@@ -693,6 +698,7 @@ pub fn run_local<E: Engine>(engines: &mut [E]) -> Result<(), RingError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collective::buffer_pool::BufferPool;
 
     #[test]
     fn chunk_ranges_cover() {
@@ -778,11 +784,9 @@ mod tests {
         let recycled = idle.as_ptr();
         pool.give(idle);
         let mut a: Vec<f32> = (0..10).map(|i| i as f32).collect();
-        let mut e = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 0, 2, &mut a, 8)
-            .unwrap()
-            .recycling(pool.clone());
-        // Rank 0 sends chunk 1 (5..10) first, copied out of its buffer.
-        let m = e.poll_transmit().expect("phase 0 sends at once");
+        let mut e = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 0, 2, &mut a, 8).unwrap();
+        // Rank 0 sends chunk 1 (5..10) first, copied out of its buffer into storage from the pool.
+        let m = e.poll_transmit(&*pool).expect("phase 0 sends at once");
         assert_eq!(pool.idle(), 0, "the copy took the idle buffer");
         match m.payload {
             Payload::F32(v) => {

@@ -45,7 +45,7 @@ impl QuicCollective {
             if let Some(e) = self.current_poison() {
                 return Err(e);
             }
-            while let Some(m) = engine.poll_transmit() {
+            while let Some(m) = engine.poll_transmit(&*self.shared.pool) {
                 self.transmit(m, engine, &round, &mut poison_rx).await?;
             }
             if engine.is_done() {

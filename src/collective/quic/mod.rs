@@ -498,11 +498,11 @@ impl Collective for QuicCollective {
         self.cfg.world
     }
 
-    /// In sub-chunks of `QuicConfig::sub_chunk` (one frame each), the engine's copies taken from the pool that
-    /// received payloads return their storage to.
+    /// In sub-chunks of `QuicConfig::sub_chunk` (one frame each); the driver hands the engine the pool that
+    /// sent payloads return their storage to.
     fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {
-        let (sub_chunk, pool) = (self.cfg.sub_chunk, self.shared.pool.clone());
-        run_ring(self, op, buf, sub_chunk, Some(pool))
+        let sub_chunk = self.cfg.sub_chunk;
+        run_ring(self, op, buf, sub_chunk)
     }
 
     fn compute_busy(&self) -> Option<ComputeBusy> {
