@@ -2,13 +2,16 @@
 //! job with `MASTER_ADDR=127.0.0.1`, through the same launch-environment path as `ringtrain train`. On
 //! Linux rank 1 dials it at 127.0.0.2, which reaches only a socket bound to all addresses, so a rank 0 that
 //! ignored the variable (and bound 127.0.0.1) would never hear from it.
+//! The last test joins through `dist::join` itself, from a launch environment.
 
 use std::collections::HashMap;
 use std::net::UdpSocket;
 use std::time::Duration;
 
 use ringtrain::collective::Collective;
-use ringtrain::dist::{detect_launch, detect_network, join_with, JoinOptions, LaunchFlags};
+use ringtrain::dist::{
+    detect_launch, detect_network, join, join_with, JoinOptions, LaunchEnv, LaunchFlags, LaunchSource,
+};
 
 /// An address other than 127.0.0.1 that still reaches this host's wildcard sockets (Linux routes all of
 /// 127.0.0.0/8 to loopback; other systems only 127.0.0.1).
@@ -109,4 +112,56 @@ fn an_invalid_bind_address_is_refused_naming_the_variable() {
     };
     let e = format!("{:#}", join_with(&launch, &opts, &network).err().unwrap());
     assert!(e.contains("RINGTRAIN_BIND_ADDR=127.0.0.1 is a loopback address"), "{e}");
+}
+
+/// `dist::join` from a launch environment: world size 1 needs no network, world size 2 forms a ring.
+#[test]
+fn join_from_launch_env() {
+    // The job id is RINGTRAIN_JOB_ID when set, else the config hash: the same for both ranks either way.
+    let opts = JoinOptions {
+        config_hash: 5,
+        secret: None,
+        timeout: Duration::from_secs(10),
+        faults: Default::default(),
+    };
+    // World size 1: no network at all.
+    let solo = LaunchEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        local_world_size: 1,
+        master_addr: "127.0.0.1".into(),
+        master_port: 1,
+        source: LaunchSource::Single,
+    };
+    let mut c = join(&solo, &opts).unwrap();
+    let mut b = vec![3.0f32; 5];
+    c.all_reduce_mean(&mut b).unwrap();
+    assert_eq!(b, vec![3.0; 5]);
+    // World size 2 through the environment path, on a port picked here.
+    let port = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let res: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let opts = opts.clone();
+                s.spawn(move || {
+                    let env = LaunchEnv {
+                        rank,
+                        world_size: 2,
+                        local_rank: rank,
+                        local_world_size: 1,
+                        master_addr: "localhost".into(),
+                        master_port: port,
+                        source: LaunchSource::Flags,
+                    };
+                    let mut c: Box<dyn Collective> = join(&env, &opts).unwrap();
+                    let mut b = vec![rank as f32; 7];
+                    c.all_reduce_sum(&mut b).unwrap();
+                    b
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(res, vec![vec![1.0; 7], vec![1.0; 7]]);
 }

@@ -15,9 +15,10 @@ use common::udp_relay::{LinkFaults, UdpRelay};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
-use ringtrain::collective::quic::{QuicCollective, QuicConfig};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::dist::{join_on, AdvertiseAddr, JoinOptions, LaunchEnv, LaunchSource, NetworkEnv};
+use ringtrain::fault_plan::FaultPlan;
 use ringtrain::metrics::StepMetrics;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{ModelSource, RunObserver, TrainOptions, Trainer, UpdateMode};
@@ -111,19 +112,35 @@ fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: Link
             .into_iter()
             .enumerate()
             .map(|(rank, socket)| {
-                let mut cfg = QuicConfig::new(rank, WORLD, relay.front(0));
-                cfg.job_id = 0x1055;
-                cfg.config_hash = options.job_hash(model, WORLD);
-                cfg.secret = Some(b"lossy link test".to_vec());
-                cfg.timeout = Duration::from_secs(60);
-                cfg.rendezvous_timeout = Duration::from_secs(30);
-                if rank > 0 {
-                    cfg.advertise_addr = Some(relay.front(rank));
-                }
+                let master = relay.front(0);
+                let launch = LaunchEnv {
+                    rank,
+                    world_size: WORLD,
+                    local_rank: rank,
+                    local_world_size: WORLD,
+                    master_addr: master.ip().to_string(),
+                    master_port: master.port(),
+                    source: LaunchSource::Flags,
+                };
+                let opts = JoinOptions {
+                    config_hash: options.job_hash(model, WORLD),
+                    secret: Some(b"lossy link test".to_vec()),
+                    timeout: Duration::from_secs(60),
+                    faults: FaultPlan::default(),
+                };
+                // Each rank advertises its own front of the relay, whose port differs from the one it binds.
+                let front = relay.front(rank);
+                let network = NetworkEnv {
+                    bind_ip: None,
+                    advertise: (rank > 0).then(|| AdvertiseAddr {
+                        host: front.ip().to_string(),
+                        port: Some(front.port()),
+                    }),
+                };
                 s.spawn(move || {
-                    let comm = QuicCollective::connect_with_socket(cfg, socket)
-                        .unwrap_or_else(|e| panic!("rank {rank}: joining through the relay: {e}"));
-                    train_rank(Box::new(comm), model, options)
+                    let comm = join_on(&launch, &opts, &network, socket)
+                        .unwrap_or_else(|e| panic!("rank {rank}: joining through the relay: {e:#}"));
+                    train_rank(comm, model, options)
                 })
             })
             .collect();

@@ -59,11 +59,35 @@ pub fn join(launch: &LaunchEnv, opts: &JoinOptions) -> anyhow::Result<Box<dyn Co
         return Ok(single_rank());
     }
     let network = detect_network(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    if let Some(a) = &network.advertise {
+        // The variable is the host's, shared by its ranks; a `NetworkEnv` given to `join_with` is one rank's.
+        refuse_shared_advertised_port(launch, a)?;
+    }
     join_with(launch, opts, &network)
 }
 
-/// [`join`] with the bind and advertised addresses given rather than read from the environment.
+/// [`join`] with this rank's bind and advertised addresses given rather than read from the environment.
 pub fn join_with(launch: &LaunchEnv, opts: &JoinOptions, network: &NetworkEnv) -> anyhow::Result<Box<dyn Collective>> {
+    join_ring(launch, opts, network, None)
+}
+
+/// [`join_with`] on a UDP socket this rank already bound (a rank that must know its port before the ring
+/// forms, for example to open a relay or a port forward in front of it).
+pub fn join_on(
+    launch: &LaunchEnv,
+    opts: &JoinOptions,
+    network: &NetworkEnv,
+    socket: std::net::UdpSocket,
+) -> anyhow::Result<Box<dyn Collective>> {
+    join_ring(launch, opts, network, Some(socket))
+}
+
+fn join_ring(
+    launch: &LaunchEnv,
+    opts: &JoinOptions,
+    network: &NetworkEnv,
+    socket: Option<std::net::UdpSocket>,
+) -> anyhow::Result<Box<dyn Collective>> {
     if launch.world_size == 1 {
         return Ok(single_rank());
     }
@@ -74,9 +98,6 @@ pub fn join_with(launch: &LaunchEnv, opts: &JoinOptions, network: &NetworkEnv) -
         None => None,
     };
     refuse_unreachable_rank(launch, master, network.bind_ip, advertise)?;
-    if let Some(a) = &network.advertise {
-        refuse_shared_advertised_port(launch, a)?;
-    }
     let mut cfg = QuicConfig::new(launch.rank, launch.world_size, master);
     cfg.bind_ip = network.bind_ip;
     cfg.advertise_addr = advertise;
@@ -85,7 +106,11 @@ pub fn join_with(launch: &LaunchEnv, opts: &JoinOptions, network: &NetworkEnv) -
     cfg.rendezvous_timeout = opts.timeout;
     cfg.config_hash = opts.config_hash;
     cfg.job_id = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
-    let mut comm = QuicCollective::connect(cfg).with_context(|| {
+    let connected = match socket {
+        Some(socket) => QuicCollective::connect_with_socket(cfg, socket),
+        None => QuicCollective::connect(cfg),
+    };
+    let mut comm = connected.with_context(|| {
         let from = match network.bind_ip {
             Some(ip) => format!(" from {BIND_ADDR_VAR}={ip}"),
             None => String::new(),

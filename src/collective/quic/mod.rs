@@ -69,6 +69,8 @@ mod messages;
 mod rendezvous;
 #[cfg(test)]
 mod test_support;
+#[cfg(test)]
+mod transport_tests;
 
 pub use messages::{Control, Hello};
 

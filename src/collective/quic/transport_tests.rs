@@ -1,11 +1,13 @@
-//! QUIC transport on 127.0.0.1: correctness, authentication, rendezvous refusals, dead peers.
+//! The QUIC transport's own tests, below `dist::join` (which the binary, the sim and the integration tests
+//! use): collectives on 127.0.0.1, authentication, rendezvous refusals, dead peers, with the transport's
+//! settings (sub-chunk, idle timeout, job id) set directly.
 
-use ringtrain::fault_plan::FaultPlan;
+use crate::fault_plan::FaultPlan;
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
-use ringtrain::collective::quic::{QuicCollective, QuicConfig};
-use ringtrain::collective::{chunk_range, Collective, CollectiveError};
+use crate::collective::quic::{QuicCollective, QuicConfig};
+use crate::collective::{chunk_range, Collective, CollectiveError};
 
 fn input(r: usize, len: usize) -> Vec<f32> {
     (0..len).map(|i| (((i * 31 + r * 17) % 23) as f32) - 11.0).collect()
@@ -268,7 +270,7 @@ fn abort_reaches_everyone() {
 
 #[test]
 fn allreduce_bench_table() {
-    let t = ringtrain::collective::bench::run_allreduce_bench(3, &[4096, 1 << 20], 3, b"bench secret").unwrap();
+    let t = crate::collective::bench::run_allreduce_bench(3, &[4096, 1 << 20], 3, b"bench secret").unwrap();
     eprintln!("{t}");
     let lines: Vec<&str> = t.lines().collect();
     assert_eq!(lines.len(), 4, "{t}");
@@ -277,66 +279,14 @@ fn allreduce_bench_table() {
     assert!(lines[3].trim_start().starts_with("1 MiB"), "{t}");
 }
 
-#[test]
-fn join_from_launch_env() {
-    use ringtrain::dist::{join, JoinOptions, LaunchEnv, LaunchSource};
-    // The job id is RINGTRAIN_JOB_ID when set, else the config hash: the same for both ranks either way.
-    let opts = JoinOptions {
-        config_hash: 5,
-        secret: None,
-        timeout: Duration::from_secs(10),
-        faults: Default::default(),
-    };
-    // World size 1: no network at all.
-    let solo = LaunchEnv {
-        rank: 0,
-        world_size: 1,
-        local_rank: 0,
-        local_world_size: 1,
-        master_addr: "127.0.0.1".into(),
-        master_port: 1,
-        source: LaunchSource::Single,
-    };
-    let mut c = join(&solo, &opts).unwrap();
-    let mut b = vec![3.0f32; 5];
-    c.all_reduce_mean(&mut b).unwrap();
-    assert_eq!(b, vec![3.0; 5]);
-    // World size 2 through the environment path, on a port picked here.
-    let port = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let res: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|rank| {
-                let opts = opts.clone();
-                s.spawn(move || {
-                    let env = LaunchEnv {
-                        rank,
-                        world_size: 2,
-                        local_rank: rank,
-                        local_world_size: 1,
-                        master_addr: "localhost".into(),
-                        master_port: port,
-                        source: LaunchSource::Flags,
-                    };
-                    let mut c: Box<dyn Collective> = join(&env, &opts).unwrap();
-                    let mut b = vec![rank as f32; 7];
-                    c.all_reduce_sum(&mut b).unwrap();
-                    b
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert_eq!(res, vec![vec![1.0; 7], vec![1.0; 7]]);
-}
-
-/// Manual throughput check: `cargo test --release --test quic -- --ignored --nocapture`.
+/// Manual throughput check: `cargo test --release --lib transport_tests::allreduce_bench_large -- --ignored
+/// --nocapture`.
 #[test]
 #[ignore]
 fn allreduce_bench_large() {
     for n in [2, 4] {
-        let t =
-            ringtrain::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5, b"bench secret")
-                .unwrap();
+        let t = crate::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5, b"bench secret")
+            .unwrap();
         eprintln!("{t}");
     }
 }
