@@ -55,6 +55,10 @@ fn state_for(layout: &ParamLayout, cfg: &ModelConfig, step: u64) -> TrainerState
             ("train_args".to_string(), r#"{"lr":0.0006,"batch_size":8}"#.to_string()),
             ("rng".to_string(), "chacha:0123456789abcdef".to_string()),
         ]),
+        sync: BTreeMap::from([
+            ("anchor".to_string(), pattern(7, 300 + step as u32)),
+            ("empty".to_string(), Vec::new()),
+        ]),
     }
 }
 
@@ -204,7 +208,8 @@ fn files_follow_the_hugging_face_layout() {
 
     let st_bytes = fs::read(tmp.path().join("trainer_state.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&st_bytes).unwrap();
-    assert_eq!(st.len(), 2 * layout.specs.len());
+    // Both moments of every parameter, and the two `sync.*` tensors of `state_for`.
+    assert_eq!(st.len(), 2 * layout.specs.len() + 2);
     assert_eq!(
         st.tensor("exp_avg.wte.weight").unwrap().shape(),
         [cfg.vocab_size, cfg.n_embd]

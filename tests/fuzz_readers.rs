@@ -567,6 +567,7 @@ fn checkpoint_seeds() -> Vec<Vec<Vec<u8>>> {
         m: micro_params(layout.total),
         v: micro_params(layout.total).iter().map(|x| x * x).collect(),
         extra: [("args".to_string(), "{}".to_string())].into(),
+        sync: [("outer_momentum".to_string(), vec![0.5, -1.0, 2.0])].into(),
     };
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");

@@ -10,6 +10,7 @@ use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::metrics::StepMetrics;
 use ringtrain::model::ModelConfig;
+use ringtrain::trainer::buckets::BucketPlan;
 use ringtrain::trainer::comm_ledger::CommTime;
 use ringtrain::trainer::sync::{AgreedStep, GradientSync, LocalStep};
 use ringtrain::trainer::{ModelSource, RunObserver, TrainOptions, Trainer, UpdateMode};
@@ -79,6 +80,10 @@ impl<B: Backend> GradientSync<B> for EveryOtherStep<B> {
 
     fn clear_comm_time(&mut self) {
         self.inner.clear_comm_time();
+    }
+
+    fn membership_changed(&mut self, plan: &BucketPlan, world: usize, rank: usize) -> anyhow::Result<()> {
+        self.inner.membership_changed(plan, world, rank)
     }
 }
 

@@ -14,17 +14,12 @@ impl<B: Backend> Trainer<B> {
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         self.settle_params()?;
         let params = self.model.download_params(&mut self.be)?;
-        let total = self.model.layout.total;
-        let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
-        for (moment, view) in [(&mut m, self.opt.m), (&mut v, self.opt.v)] {
-            let mut owned = vec![0f32; view.len];
-            self.be.download(view, &mut owned)?;
-            self.opt.place(&owned, moment);
-            if !self.moments_are_replicated() {
-                // Sharded: each rank holds its chunk of every bucket; gather the full tensors.
-                self.gather_moment(moment)?;
-            }
-        }
+        let (m, v) = self.full_moments()?;
+        // A resumed run that saves before its first step still holds the state it read.
+        let sync = match self.resumed_sync_state.clone() {
+            Some(state) => state,
+            None => self.sync.checkpoint_state(&mut self.be, &self.comm)?,
+        };
         if self.rank != 0 {
             return Ok(());
         }
@@ -46,8 +41,25 @@ impl<B: Backend> Trainer<B> {
             m,
             v,
             extra,
+            sync,
         };
         checkpoint::save_checkpoint(dir, &self.model.config, &self.model.layout, &params, Some(&state))
+    }
+
+    /// Both AdamW moments as full flat tensors on every rank. Collective when they are sharded: each rank
+    /// holds its chunk of every bucket, and the chunks are all-gathered.
+    pub(super) fn full_moments(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let total = self.model.layout.total;
+        let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
+        for (moment, view) in [(&mut m, self.opt.m), (&mut v, self.opt.v)] {
+            let mut owned = vec![0f32; view.len];
+            self.be.download(view, &mut owned)?;
+            self.opt.place(&owned, moment);
+            if !self.moments_are_replicated() {
+                self.gather_moment(moment)?;
+            }
+        }
+        Ok((m, v))
     }
 
     /// All-gathers a sharded moment, bucket by bucket (rank r holds chunk r of each).

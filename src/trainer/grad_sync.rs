@@ -262,6 +262,18 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
         self.ledger.clear();
     }
 
+    fn membership_changed(&mut self, plan: &BucketPlan, world: usize, rank: usize) -> Result<()> {
+        let busy = self.reading.len() + self.in_flight.len() + self.gathering.len();
+        anyhow::ensure!(
+            busy == 0,
+            "the group was re-formed with {busy} of this rank's transfers still in flight (settle the parameters \
+             first)"
+        );
+        self.plan = plan.clone();
+        (self.world, self.rank) = (world, rank);
+        Ok(())
+    }
+
     fn trace(&self) -> Option<&SyncTrace> {
         Some(&self.trace)
     }

@@ -31,6 +31,7 @@ pub mod comm_ledger;
 pub mod fault_injection;
 pub mod grad_sync;
 pub mod loss_spike;
+mod membership;
 mod memory_plan;
 mod options;
 mod replicas;
@@ -44,7 +45,7 @@ use fault_injection::{write_if_final, PendingInjection};
 use grad_sync::{BucketedSync, SyncTrace};
 use loss_spike::LossSpikeDetector;
 use shard_guard::ShardGuard;
-use sync::{AgreedStep, GradientSync, LocalStep};
+use sync::{AgreedStep, GradientSync, LocalStep, SyncState};
 
 pub use replicas::hash_f32;
 pub use run::{Quiet, RunObserver};
@@ -160,6 +161,9 @@ pub struct Trainer<B: Backend> {
     /// Sharded over several ranks with `--verify-every`: the checksum of this rank's shard between its updates
     /// ([`shard_guard`]).
     guard: ShardGuard,
+    /// The sync's state read from the checkpoint this run resumes, handed to the sync before the first step
+    /// (after any [`Trainer::wrap_sync`]).
+    resumed_sync_state: Option<SyncState>,
 }
 
 /// One rank's optimizer moments: the ranges of the flat layout it keeps (all of it when replicated) and
@@ -200,7 +204,7 @@ impl<B: Backend> Trainer<B> {
         // leaves it); checkpoints gather them into full tensors.
         let plan = BucketPlan::new(&model.layout, opts.bucket_elems);
         let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(opts.update, world, rank))?;
-        let (mut step, mut tokens_seen) = (0, 0);
+        let (mut step, mut tokens_seen, mut resumed_sync_state) = (0, 0, None);
         if let Some(state) = resume {
             ensure!(
                 state.config_hash == model.config.hash_hex(),
@@ -222,6 +226,7 @@ impl<B: Backend> Trainer<B> {
             be.upload(opt.v, &opt.cut(&state.v))?;
             step = state.data_cursor / global as u64;
             tokens_seen = state.tokens_seen;
+            resumed_sync_state = Some(state.sync);
             opt.step = match state.extra.get("optimizer_step") {
                 Some(s) => s.parse().context("--resume: bad optimizer_step in trainer state")?,
                 None => state.step,
@@ -252,6 +257,7 @@ impl<B: Backend> Trainer<B> {
             spikes,
             faults: FaultPlan::default(),
             guard: ShardGuard::new(guard_shard),
+            resumed_sync_state,
         };
         trainer.replicate()?;
         Ok(trainer)
@@ -392,6 +398,9 @@ impl<B: Backend> Trainer<B> {
         let windows = self.sampler.windows_for_step(self.step);
         let micro = split_for_rank(&windows, self.rank, self.world, b, k)?;
         self.model.zero_grads(&mut self.be);
+        if let Some(state) = self.resumed_sync_state.take() {
+            self.sync.restore_state(&mut self.be, state)?;
+        }
         self.sync.begin_step(&mut self.be, self.step);
         self.sync.clear_comm_time();
         if self.world > 1 {

@@ -4,15 +4,21 @@
 //! The step ([`super::Trainer::train_step`]) calls a [`GradientSync`] at fixed points and knows nothing of
 //! how it communicates: today's per-step bucketed sync ([`super::grad_sync::BucketedSync`]) is one
 //! implementation; a sync that does not communicate on some steps or that sums uneven shares plugs in at
-//! the same points. The seam does not yet carry a sync's own state in checkpoints, nor a change of
-//! membership between steps: the syncs that need them add them. The sync owns the step's communication
-//! clock ([`CommTime`]), so the step's metrics need no timers of their own.
+//! the same points. Between steps the seam carries the sync's own state into and out of checkpoints
+//! ([`GradientSync::checkpoint_state`]) and a re-formed group ([`GradientSync::membership_changed`]). The
+//! sync owns the step's communication clock ([`CommTime`]), so the step's metrics need no timers of their
+//! own.
 
+use super::buckets::BucketPlan;
 use super::comm_ledger::CommTime;
 use super::grad_sync::SyncTrace;
 use crate::backend::{Backend, View};
 use crate::collective::comm_thread::CommThread;
-use anyhow::Result;
+use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+
+/// A sync's own state, as named f32 tensors (a checkpoint stores each as `sync.<name>`).
+pub type SyncState = BTreeMap<String, Vec<f32>>;
 
 /// What this rank computed in a step, besides its gradient.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -81,6 +87,33 @@ pub trait GradientSync<B: Backend>: Send {
 
     /// Forgets waits recorded outside a step (a save or an evaluation settling the parameters).
     fn clear_comm_time(&mut self);
+
+    /// The state a checkpoint must carry for a resumed run to continue with the same bits (a periodic sync's
+    /// parameters at its last outer step and its momentum, say), full on every rank: a sync that shards its
+    /// state gathers it here. Collective: every rank calls it when the run saves; rank 0's is written. The
+    /// default keeps none.
+    fn checkpoint_state(&mut self, _be: &mut B, _comm: &CommThread) -> Result<SyncState> {
+        Ok(SyncState::new())
+    }
+
+    /// Takes back, before the first step of a resumed run, what [`GradientSync::checkpoint_state`] gave. The
+    /// default keeps no state and refuses a checkpoint that holds some: resuming it under this sync would
+    /// drop it silently.
+    fn restore_state(&mut self, _be: &mut B, state: SyncState) -> Result<()> {
+        if let Some(name) = state.keys().next() {
+            bail!(
+                "the checkpoint holds the synchronisation state {name:?} (of {} tensors), which this run's \
+                 synchronisation does not keep: resume it with the synchronisation that wrote it",
+                state.len()
+            );
+        }
+        Ok(())
+    }
+
+    /// The group was re-formed between steps: this rank is now `rank` of `world`, and `plan` says who owns
+    /// which chunk of every gradient bucket. The sync rebuilds whatever it derived from them; the trainer
+    /// has already re-cut the optimizer state and replaced the collective.
+    fn membership_changed(&mut self, plan: &BucketPlan, world: usize, rank: usize) -> Result<()>;
 
     /// When the last step's collectives started against the end of its backward, for syncs that trace it.
     fn trace(&self) -> Option<&SyncTrace> {

@@ -3,6 +3,8 @@
 //! The AdamW moments are stored as full tensors `exp_avg.<name>` / `exp_avg_sq.<name>` (the names of
 //! [`ParamLayout`], gathered from the shards in sharded mode), so a resume can re-cut them for any world size.
 //! The counters are safetensors metadata strings, which keeps the file readable by any safetensors tool.
+//! The gradient synchronisation's own state, when it keeps any (`GradientSync::checkpoint_state`), is
+//! stored as one-dimensional F32 tensors `sync.<name>`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
@@ -25,6 +27,7 @@ const KEY_VERSION: &str = "ringtrain.version";
 const EXTRA_PREFIX: &str = "extra.";
 const M_PREFIX: &str = "exp_avg.";
 const V_PREFIX: &str = "exp_avg_sq.";
+const SYNC_PREFIX: &str = "sync.";
 
 /// Everything besides the parameters that a resumed run needs.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -46,6 +49,8 @@ pub struct TrainerState {
     pub v: Vec<f32>,
     /// Free-form strings: the train arguments as JSON, RNG state, and so on.
     pub extra: BTreeMap<String, String>,
+    /// The gradient synchronisation's own state, by name (empty for the per-step sync).
+    pub sync: BTreeMap<String, Vec<f32>>,
 }
 
 /// Writes `trainer_state.safetensors` into an existing directory and fsyncs it (not atomic on its own).
@@ -62,6 +67,13 @@ pub fn save_trainer_state(dir: &Path, layout: &ParamLayout, state: &TrainerState
                 },
             ));
         }
+    }
+    for (name, values) in &state.sync {
+        let view = F32View {
+            shape: vec![values.len()],
+            data: values,
+        };
+        tensors.push((format!("{SYNC_PREFIX}{name}"), view));
     }
     write_tensors(&dir.join(TRAINER_STATE_FILE), tensors, metadata(state))
 }
@@ -89,6 +101,7 @@ fn read_state(st: &SafeTensors<'_>, meta: &HashMap<String, String>, layout: &Par
     check_moments(st, layout)?;
     state.m = read_moment(st, layout, M_PREFIX)?;
     state.v = read_moment(st, layout, V_PREFIX)?;
+    state.sync = read_sync_state(st)?;
     Ok(state)
 }
 
@@ -151,6 +164,7 @@ fn parse_metadata(meta: &HashMap<String, String>) -> Result<TrainerState> {
         seed: number(meta, "seed")?,
         m: Vec::new(),
         v: Vec::new(),
+        sync: BTreeMap::new(),
         extra: meta
             .iter()
             .filter_map(|(k, v)| Some((k.strip_prefix(EXTRA_PREFIX)?.to_string(), v.clone())))
@@ -175,13 +189,19 @@ fn number<T: FromStr>(meta: &HashMap<String, String>, key: &str) -> Result<T> {
         .with_context(|| format!("metadata {key} = {text:?} is not a non-negative integer"))
 }
 
-/// Exactly one `exp_avg.*` and one `exp_avg_sq.*` tensor per parameter, nothing else.
+/// Exactly one `exp_avg.*` and one `exp_avg_sq.*` tensor per parameter, and the sync's `sync.*` tensors;
+/// nothing else.
 fn check_tensor_names(st: &SafeTensors<'_>, layout: &ParamLayout) -> Result<()> {
     let expected: BTreeSet<String> = [M_PREFIX, V_PREFIX]
         .iter()
         .flat_map(|p| layout.specs.iter().map(move |s| format!("{p}{}", s.name)))
         .collect();
-    let present: BTreeSet<String> = st.names().into_iter().map(str::to_string).collect();
+    let present: BTreeSet<String> = st
+        .names()
+        .into_iter()
+        .filter(|name| !name.starts_with(SYNC_PREFIX))
+        .map(str::to_string)
+        .collect();
     let unknown: Vec<&String> = present.difference(&expected).take(8).collect();
     if !unknown.is_empty() {
         bail!("unknown tensors {unknown:?} (is the trainer state from another model?)");
@@ -226,4 +246,27 @@ fn read_moment(st: &SafeTensors<'_>, layout: &ParamLayout, prefix: &str) -> Resu
         decode_into(&view, &key, &mut buf[spec.offset..spec.offset + spec.len])?;
     }
     Ok(buf)
+}
+
+/// The `sync.*` tensors: one-dimensional and F32 (the state must come back with the bits it was saved with).
+/// Their lengths are the file's own, which the safetensors header has already checked against its size.
+fn read_sync_state(st: &SafeTensors<'_>) -> Result<BTreeMap<String, Vec<f32>>> {
+    let mut state = BTreeMap::new();
+    for key in st.names() {
+        let Some(name) = key.strip_prefix(SYNC_PREFIX) else {
+            continue;
+        };
+        let view = st.tensor(key).with_context(|| format!("tensor {key}"))?;
+        if view.dtype() != Dtype::F32 || view.shape().len() != 1 {
+            bail!(
+                "tensor {key} is {:?} of shape {:?}; the sync's state must be one-dimensional F32",
+                view.dtype(),
+                view.shape()
+            );
+        }
+        let mut values = vec![0f32; view.shape()[0]];
+        decode_into(&view, key, &mut values)?;
+        state.insert(name.to_string(), values);
+    }
+    Ok(state)
 }
