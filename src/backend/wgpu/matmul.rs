@@ -7,8 +7,8 @@
 //! The kernels keep a large register block per invocation and read A and B straight from storage (no
 //! workgroup memory, no barriers), which suits CPU implementations and stays plain WGSL for GPUs.
 
+use super::loop_budget::{column_sum_iterations, matmul_iterations};
 use super::params::{word, MatmulParams};
-use super::software::{column_sum_iterations, matmul_iterations};
 use super::windows::Win;
 use super::{ceil_div, MatmulShape, View, WeightLayout, WgpuBackend};
 

@@ -50,6 +50,7 @@ mod binding;
 mod context;
 mod device_errors;
 mod kernels;
+mod loop_budget;
 mod matmul;
 mod memory;
 mod ops;

@@ -7,11 +7,11 @@
 //! sequence's attention `[nh, t, t]` must each fit a binding.
 
 use super::kernels::WG;
+use super::loop_budget::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
 use super::params::{
     word, AdamWParams, AttentionParams, CrossEntropyParams, EncoderParams, GeluParams, KernelParams, LayerNormParams,
     ReduceParams, ResidualParams,
 };
-use super::software::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
 use super::windows::Win;
 use super::{ceil_div, Backend, BackendError, Download, TokenView, View, WgpuBackend, SUM_BLOCK};
 use crate::backend::op_args::*;

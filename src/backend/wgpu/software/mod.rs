@@ -11,9 +11,10 @@
 //! - **Texture-fed matmuls** (`tex_matmul.rs`). A storage-buffer load whose address differs between
 //!   invocations becomes a loop over the SIMD lanes; an image load becomes one load per lane. So on
 //!   adapters with 8-lane subgroups the `vec4` matmuls copy their operands into textures first.
-//! - **Loop budget** (`loop_budget.rs`). llvmpipe stops an invocation's loops after 65535 iterations and
-//!   leaves the rest undone. The row kernels give way to the tree kernels past it, and ops whose kernels
-//!   would run past it refuse instead of returning partial results.
+//! - **Loop budget** (`../loop_budget.rs`, outside this module because every op consults it). llvmpipe stops
+//!   an invocation's loops after 65535 iterations and leaves the rest undone. The row kernels give way to
+//!   the tree kernels past it, and ops whose kernels would run past it refuse instead of returning partial
+//!   results.
 //!
 //! **Hardware kernels only.** With [`HARDWARE_KERNELS_ENV`]`=1` in the environment when the backend is
 //! created, a software adapter builds and chooses none of the row kernels and texture-fed matmuls: it runs
@@ -21,10 +22,7 @@
 //! cross-entropy, the plain and strided matmuls), so that CI checks the hardware path on lavapipe. The loop
 //! budget still applies: it guards results, and the adapter is still llvmpipe.
 
-mod loop_budget;
 mod tex_matmul;
-
-pub(super) use loop_budget::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
 
 use super::context::Context;
 use super::kernels::COMMON;

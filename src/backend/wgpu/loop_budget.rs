@@ -9,7 +9,7 @@
 //! not speed: it applies on every software adapter, whichever kernels it runs. Hardware drivers have no
 //! such limit.
 
-use super::super::{ceil_div, BackendError, WgpuBackend};
+use super::{ceil_div, BackendError, WgpuBackend};
 
 /// Iterations after which llvmpipe stops an invocation's loops; measured on Mesa 22.3 with two loops in a
 /// row, whose iterations count against one budget.
