@@ -21,6 +21,7 @@ mod rng;
 pub mod sampler;
 pub mod shard;
 pub mod shard_writer;
+pub mod split;
 pub mod stream;
 pub mod synthetic;
 pub mod text;
@@ -31,6 +32,7 @@ use std::path::{Path, PathBuf};
 pub use error::{DataError, Result};
 pub use sampler::{eval_windows, fill_batch, split_for_rank, WindowSampler};
 pub use shard::{write_shard, Shard};
+pub use split::{BatchPlan, BatchSplit};
 pub use stream::{n_windows, TokenStream};
 pub use tokenizer::{Tokenizer, TokenizerKind, GPT2_EOT, GPT2_VOCAB_SIZE};
 
