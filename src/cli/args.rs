@@ -3,7 +3,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
-use ringtrain::data::TokenizerKind;
+use ringtrain::data::{BatchSplit, TokenizerKind};
 use ringtrain::model::ModelConfig;
 use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
 use ringtrain::optim::{AdamWConfig, LrSchedule};
@@ -62,6 +62,13 @@ pub struct TrainArgs {
     /// Micro-batches per optimizer step
     #[arg(long, allow_negative_numbers = true)]
     pub grad_accum: Option<usize>,
+    /// Sequences per optimizer step over all ranks [default: ranks x --batch-size x --grad-accum]
+    #[arg(long, allow_negative_numbers = true)]
+    pub global_batch: Option<usize>,
+    /// How the global batch is divided among the ranks: even, or one weight per rank such as 3,1 (each rank
+    /// runs its share in micro-batches of at most its own --batch-size)
+    #[arg(long)]
+    pub batch_split: Option<String>,
     /// Optimizer steps (total, counting resumed ones)
     #[arg(long, allow_negative_numbers = true)]
     pub steps: Option<u64>,
@@ -245,7 +252,14 @@ impl TrainArgs {
         let grad_accum = positive("--grad-accum", self.grad_accum.unwrap_or(d.grad_accum))?;
         let overflow = || format!("--batch-size {batch_size} x --grad-accum {grad_accum} x {world} ranks is too large");
         let per_rank = batch_size.checked_mul(grad_accum).with_context(overflow)?;
-        let global = per_rank.checked_mul(world).with_context(overflow)?;
+        let global = match self.global_batch {
+            Some(g) => positive("--global-batch", g)?,
+            None => per_rank.checked_mul(world).with_context(overflow)?,
+        };
+        let batch_split = match self.batch_split.as_deref() {
+            Some(text) => BatchSplit::parse(text).map_err(anyhow::Error::msg)?,
+            None => d.batch_split.clone(),
+        };
         let base_batch = positive("--base-batch", self.base_batch.unwrap_or(per_rank))?;
         let scaling = match self.lr_scaling.as_deref() {
             Some(name) => name.parse()?,
@@ -319,6 +333,8 @@ impl TrainArgs {
             batch_size,
             seq_len,
             grad_accum,
+            global_batch: self.global_batch,
+            batch_split,
             steps,
             schedule,
             adamw,

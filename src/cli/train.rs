@@ -231,9 +231,16 @@ impl<B: Backend> RunObserver<B> for CliObserver {
         if let Some(path) = &self.metrics_path {
             self.metrics = Some(open_metrics(path, self.resuming)?);
         }
-        let (opts, cfg) = (trainer.options(), trainer.model_config());
+        let (opts, cfg, plan) = (trainer.options(), trainer.model_config(), trainer.batch_plan());
+        let shares = match plan.equal {
+            Some(_) => String::new(),
+            None => {
+                let shares: Vec<String> = plan.shares.iter().map(|n| n.to_string()).collect();
+                format!(" (shares {})", shares.join("+"))
+            }
+        };
         self.progress.message(&format!(
-            "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {} x {} tokens, {} steps from step {}",
+            "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {}{shares} x {} tokens, {} steps from step {}",
             trainer.param_count(),
             cfg.n_layer,
             cfg.n_embd,
@@ -241,7 +248,7 @@ impl<B: Backend> RunObserver<B> for CliObserver {
             self.backend_reason,
             trainer.world(),
             opts.update.as_str(),
-            trainer.world() * opts.batch_size * opts.grad_accum,
+            plan.global,
             opts.seq_len,
             opts.steps,
             trainer.step()

@@ -129,6 +129,16 @@ impl CommThread {
         self.submit(move |comm| comm.reduce_scatter_mean(&mut buf).map(|_| buf))
     }
 
+    /// Starts an all-reduce (sum) of `buf`; the handle gives the buffer back, reduced.
+    pub fn all_reduce_sum(&self, mut buf: Vec<f32>) -> Pending<Vec<f32>> {
+        self.submit(move |comm| comm.all_reduce_sum(&mut buf).map(|()| buf))
+    }
+
+    /// Starts a reduce-scatter (sum) of `buf`; the handle gives the buffer back, this rank's chunk reduced.
+    pub fn reduce_scatter_sum(&self, mut buf: Vec<f32>) -> Pending<Vec<f32>> {
+        self.submit(move |comm| comm.reduce_scatter_sum(&mut buf).map(|_| buf))
+    }
+
     /// Starts an all-gather of `buf` (this rank's chunk filled in); the handle gives back the whole buffer.
     pub fn all_gather(&self, mut buf: Vec<f32>) -> Pending<Vec<f32>> {
         self.submit(move |comm| comm.all_gather(&mut buf).map(|()| buf))

@@ -106,6 +106,13 @@ pub trait Collective: Send {
         Ok(chunk_range(buf.len(), self.world(), self.rank()))
     }
 
+    /// Rank r ends with the sum of `chunk_range(len, world, r)`, which is returned; the rest of its buffer
+    /// holds partial sums and must be treated as garbage.
+    fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
+        self.run_f32(RingOp::ReduceScatter(Reduce::Sum), buf)?;
+        Ok(chunk_range(buf.len(), self.world(), self.rank()))
+    }
+
     /// Rank r contributes `chunk_range(len, world, r)` of `buf`; every rank ends with all chunks.
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
         self.run_f32(RingOp::AllGather, buf)

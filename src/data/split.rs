@@ -80,7 +80,9 @@ pub fn shares(global: usize, world: usize, split: &BatchSplit) -> Result<Vec<usi
         ));
     }
     if let Some((rank, w)) = weights.iter().enumerate().find(|(_, w)| !(w.is_finite() && **w > 0.0)) {
-        return invalid(format!("--batch-split: rank {rank}'s weight {w} is not a positive number"));
+        return invalid(format!(
+            "--batch-split: rank {rank}'s weight {w} is not a positive number"
+        ));
     }
     let total: f64 = weights.iter().sum();
     let quotas: Vec<f64> = weights.iter().map(|w| global as f64 * w / total).collect();
@@ -170,9 +172,15 @@ mod tests {
     #[test]
     fn weights_apportion_the_global_batch_exactly() {
         assert_eq!(shares(8, 2, &BatchSplit::Weights(vec![3.0, 1.0])).unwrap(), [6, 2]);
-        assert_eq!(shares(16, 3, &BatchSplit::Weights(vec![5.0, 2.0, 1.0])).unwrap(), [10, 4, 2]);
+        assert_eq!(
+            shares(16, 3, &BatchSplit::Weights(vec![5.0, 2.0, 1.0])).unwrap(),
+            [10, 4, 2]
+        );
         // Quotas 5.33, 2.67, 2: the largest remainder takes the one left over.
-        assert_eq!(shares(10, 3, &BatchSplit::Weights(vec![8.0, 4.0, 3.0])).unwrap(), [5, 3, 2]);
+        assert_eq!(
+            shares(10, 3, &BatchSplit::Weights(vec![8.0, 4.0, 3.0])).unwrap(),
+            [5, 3, 2]
+        );
         assert_eq!(shares(7, 3, &BatchSplit::Even).unwrap(), [3, 2, 2]);
     }
 

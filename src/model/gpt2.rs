@@ -97,6 +97,56 @@ impl Activations {
         Ok(acts)
     }
 
+    /// The first `b` sequences of these activations (allocated for `self.b >= b`): every view holds whole
+    /// sequences, so its first `len / self.b * b` elements are theirs.
+    fn narrowed(&self, b: usize) -> Activations {
+        if b == self.b {
+            return self.clone();
+        }
+        let cap = self.b;
+        let cut = |v: View| v.sub(0, v.len / cap * b);
+        let cut_tokens = |v: TokenView| v.sub(0, v.len / cap * b);
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|k| BlockActs {
+                ln1: cut(k.ln1),
+                ln1_mean: cut(k.ln1_mean),
+                ln1_rstd: cut(k.ln1_rstd),
+                qkv: cut(k.qkv),
+                att: cut(k.att),
+                atty: cut(k.atty),
+                residual2: cut(k.residual2),
+                ln2: cut(k.ln2),
+                ln2_mean: cut(k.ln2_mean),
+                ln2_rstd: cut(k.ln2_rstd),
+                fch: cut(k.fch),
+                fch_gelu: cut(k.fch_gelu),
+                residual3: cut(k.residual3),
+            })
+            .collect();
+        Activations {
+            b,
+            t: self.t,
+            whole: self.whole,
+            tokens: cut_tokens(self.tokens),
+            targets: cut_tokens(self.targets),
+            encoded: cut(self.encoded),
+            blocks,
+            lnf: cut(self.lnf),
+            lnf_mean: cut(self.lnf_mean),
+            lnf_rstd: cut(self.lnf_rstd),
+            logits: cut(self.logits),
+            losses: cut(self.losses),
+            dres: cut(self.dres),
+            dbtc: cut(self.dbtc),
+            d4c_a: cut(self.d4c_a),
+            d4c_b: cut(self.d4c_b),
+            dqkv: cut(self.dqkv),
+            datt: cut(self.datt),
+        }
+    }
+
     /// Frees the allocations behind every view of `self`.
     fn free<B: Backend>(self, be: &mut B) {
         be.free(self.whole);
@@ -156,7 +206,10 @@ pub struct Gpt2 {
     pub params: View,
     /// [layout.total]: gradients, same layout; accumulated by backward until `zero_grads`.
     pub grads: View,
+    /// Allocated for the largest micro-batch run so far at the current sequence length.
     acts: Option<Activations>,
+    /// Sequences in the last forward's micro-batch: the first `rows` of `acts`.
+    rows: usize,
     /// Set by [`Gpt2::forward_train`]: the logits already hold the head's gradient, for this `dloss`.
     head_gradient_for: Option<f32>,
 }
@@ -195,6 +248,7 @@ impl Gpt2 {
             params,
             grads,
             acts: None,
+            rows: 0,
             head_gradient_for: None,
         })
     }
@@ -207,8 +261,9 @@ impl Gpt2 {
         self.grads.sub(offset, len)
     }
 
-    /// Activations for a `[b, t]` batch, allocated on first use, reused while the shape stays the same and
-    /// reallocated (the old ones freed) when it changes.
+    /// Activations for a `[b, t]` batch: the first `b` sequences of those allocated, reused while the
+    /// sequence length stays the same and `b` fits (micro-batches of uneven shares differ by one sequence),
+    /// reallocated (the old ones freed) otherwise.
     fn ensure_acts<B: Backend>(&mut self, be: &mut B, b: usize, t: usize) -> Result<Activations> {
         if t == 0 || t > self.config.n_positions {
             bail!("sequence length {t} is outside 1..={}", self.config.n_positions);
@@ -217,7 +272,7 @@ impl Gpt2 {
             bail!("batch size must be at least 1");
         }
         match &self.acts {
-            Some(a) if a.b == b && a.t == t => {}
+            Some(a) if a.b >= b && a.t == t => {}
             _ => {
                 // A new shape: the old activations' memory goes back before the new ones take theirs.
                 if let Some(old) = self.acts.take() {
@@ -226,7 +281,13 @@ impl Gpt2 {
                 self.acts = Some(Activations::new(be, &self.config, b, t)?);
             }
         }
-        Ok(self.acts.clone().expect("activations were just allocated"))
+        self.rows = b;
+        Ok(self.current_acts().expect("activations were just allocated"))
+    }
+
+    /// The activations of the last forward's micro-batch.
+    fn current_acts(&self) -> Option<Activations> {
+        self.acts.as_ref().map(|a| a.narrowed(self.rows))
     }
 
     /// Forward pass over `inputs [b, t]`, with per-position losses against `targets [b, t]`.
@@ -473,7 +534,7 @@ impl Gpt2 {
         dloss: f32,
         finished: &mut dyn FnMut(&mut B, usize) -> Result<()>,
     ) -> Result<()> {
-        let Some(acts) = self.acts.clone() else {
+        let Some(acts) = self.current_acts() else {
             bail!("backward called before forward")
         };
         let cfg = &self.config;
@@ -653,7 +714,7 @@ impl Gpt2 {
 
     /// Per-position losses `[b*t]` of the last forward (tests read them at full precision).
     pub fn losses_view(&self) -> Option<View> {
-        self.acts.as_ref().map(|a| a.losses)
+        self.current_acts().map(|a| a.losses)
     }
 
     pub fn zero_grads<B: Backend>(&self, be: &mut B) {

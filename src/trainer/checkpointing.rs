@@ -27,6 +27,9 @@ impl<B: Backend> Trainer<B> {
         extra.insert("optimizer_step".to_string(), self.opt.step.to_string());
         extra.insert("train_args".to_string(), self.opts.args_json.clone());
         extra.insert("update".to_string(), self.opts.update.as_str().to_string());
+        extra.insert("global_batch".to_string(), self.batch.global.to_string());
+        let shares: Vec<String> = self.batch.shares.iter().map(|n| n.to_string()).collect();
+        extra.insert("batch_shares".to_string(), shares.join(","));
         extra.insert(
             "sampler".to_string(),
             "order is a pure function of (seed, epoch); no RNG state to save".into(),

@@ -13,6 +13,7 @@ use super::UpdateMode;
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::{Backend, Download, View};
 use crate::collective::comm_thread::{CommThread, Pending};
+use crate::data::BatchPlan;
 use anyhow::Result;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -27,9 +28,35 @@ pub struct SyncTrace {
     pub bucket_started: Vec<Instant>,
 }
 
+/// How the ranks' gradients combine into the one the update uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    /// Equal shares: each rank's gradient is the mean over its own tokens, and the ring averages them (one
+    /// division of the sum on the chunk's owner).
+    MeanOfEqualShares,
+    /// Uneven shares: each rank scales its tokens' gradient by 1 / (the global batch's tokens) and the ring
+    /// sums, so the result is the mean over the global batch whatever the split; the loss is weighed by
+    /// tokens.
+    SumOfShares { global_tokens: usize },
+}
+
+impl Reduction {
+    /// The reduction a batch plan needs at sequence length `seq_len`: the averaging ring for equal whole
+    /// micro-batches (the bits of runs before uneven shares), else the sum.
+    pub fn of(plan: &BatchPlan, seq_len: usize) -> Self {
+        match plan.equal {
+            Some(_) => Reduction::MeanOfEqualShares,
+            None => Reduction::SumOfShares {
+                global_tokens: plan.global * seq_len,
+            },
+        }
+    }
+}
+
 /// The bucketed per-step gradient sync of one rank: today's synchronisation ([`GradientSync`]).
 pub struct BucketedSync {
     plan: BucketPlan,
+    reduction: Reduction,
     update: UpdateMode,
     overlap: bool,
     world: usize,
@@ -56,6 +83,7 @@ impl BucketedSync {
     pub fn new(plan: BucketPlan, update: UpdateMode, overlap: bool, world: usize, rank: usize) -> Self {
         BucketedSync {
             plan,
+            reduction: Reduction::MeanOfEqualShares,
             update,
             overlap,
             world,
@@ -68,6 +96,12 @@ impl BucketedSync {
             spare: Vec::new(),
             trace: SyncTrace::default(),
         }
+    }
+
+    /// The sync with `reduction` instead of the averaging ring of equal shares.
+    pub fn reducing(mut self, reduction: Reduction) -> Self {
+        self.reduction = reduction;
+        self
     }
 
     /// Forgets the last step (a step that failed half way leaves nothing behind): read-backs still in
@@ -102,9 +136,12 @@ impl BucketedSync {
             }
             let (bucket, read) = self.reading.pop_front().expect("front exists");
             let host = be.finish_download(read)?;
-            let pending = match self.update {
-                UpdateMode::Replicated => comm.all_reduce_mean(host),
-                UpdateMode::Sharded => comm.reduce_scatter_mean(host),
+            let sum = matches!(self.reduction, Reduction::SumOfShares { .. });
+            let pending = match (self.update, sum) {
+                (UpdateMode::Replicated, false) => comm.all_reduce_mean(host),
+                (UpdateMode::Sharded, false) => comm.reduce_scatter_mean(host),
+                (UpdateMode::Replicated, true) => comm.all_reduce_sum(host),
+                (UpdateMode::Sharded, true) => comm.reduce_scatter_sum(host),
             };
             self.in_flight.push((bucket, pending));
         }
@@ -170,9 +207,10 @@ impl BucketedSync {
         be: &mut B,
         comm: &CommThread,
         grads: View,
-        local_loss: f64,
+        local: LocalStep,
         owned_sq: Option<f64>,
     ) -> Result<AgreedStep> {
+        let local_loss = local.loss;
         let local_sq = match owned_sq {
             Some(sq) => sq,
             None => be.sum_squares(grads)?,
@@ -188,22 +226,32 @@ impl BucketedSync {
             UpdateMode::Replicated if self.rank == 0 => local_sq,
             UpdateMode::Replicated => 0.0,
         };
+        // Equal shares average the ranks' mean losses; uneven ones sum each rank's losses over its tokens.
+        let loss_part = match self.reduction {
+            Reduction::MeanOfEqualShares => local_loss,
+            Reduction::SumOfShares { .. } => local_loss * local.tokens as f64,
+        };
         let pending = comm.submit(move |c| {
-            let mut vals = [local_loss, sq];
+            let mut vals = [loss_part, sq];
             c.all_reduce_scalars(&mut vals).map(|()| vals)
         });
         let (vals, _) = self.ledger.wait(pending)?;
-        Ok(AgreedStep {
-            loss: vals[0] / self.world as f64,
-            grad_sq: vals[1],
-        })
+        let loss = match self.reduction {
+            Reduction::MeanOfEqualShares => vals[0] / self.world as f64,
+            Reduction::SumOfShares { global_tokens } => vals[0] / global_tokens as f64,
+        };
+        Ok(AgreedStep { loss, grad_sq: vals[1] })
     }
 }
 
 impl<B: Backend> GradientSync<B> for BucketedSync {
-    /// Every rank holds an equal share and the ring averages: the mean over this rank's tokens.
+    /// Equal shares, which the ring averages: the mean over this rank's tokens. Uneven shares, which the ring
+    /// sums: the mean over the global batch's tokens.
     fn loss_scale(&self, local_tokens: usize) -> f32 {
-        1.0 / local_tokens as f32
+        match self.reduction {
+            Reduction::MeanOfEqualShares => 1.0 / local_tokens as f32,
+            Reduction::SumOfShares { global_tokens } => 1.0 / global_tokens as f32,
+        }
     }
 
     fn begin_step(&mut self, be: &mut B, _step: u64) {
@@ -234,7 +282,7 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
             1 => None,
             _ => self.finish(be, comm, grads)?,
         };
-        self.agree(be, comm, grads, local.loss, owned_sq)
+        self.agree(be, comm, grads, local, owned_sq)
     }
 
     /// Sharded over several ranks: the gathers need every rank's update, which needs the global norm, so they

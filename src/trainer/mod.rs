@@ -15,7 +15,7 @@
 use crate::backend::Backend;
 use crate::collective::comm_thread::CommThread;
 use crate::collective::Collective;
-use crate::data::{eval_windows, fill_batch, split_for_rank, DataSplits, TokenStream, WindowSampler};
+use crate::data::{eval_windows, fill_batch, BatchPlan, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
 use crate::model::checkpoint::{self, TrainerState};
 use crate::model::{init::init_params, Gpt2, ModelConfig, ParamLayout};
@@ -42,7 +42,7 @@ pub mod sync;
 use crate::fault_plan::FaultPlan;
 use buckets::BucketPlan;
 use fault_injection::{write_if_final, PendingInjection};
-use grad_sync::{BucketedSync, SyncTrace};
+use grad_sync::{BucketedSync, Reduction, SyncTrace};
 use loss_spike::LossSpikeDetector;
 use shard_guard::ShardGuard;
 use sync::{AgreedStep, GradientSync, LocalStep, SyncState};
@@ -138,6 +138,8 @@ pub struct Trainer<B: Backend> {
     train: TokenStream,
     val: Option<TokenStream>,
     sampler: WindowSampler,
+    /// Each rank's share of a step's global batch, and how this rank runs its share.
+    batch: BatchPlan,
     /// Optimizer steps completed (including skipped ones): the next step's index.
     step: u64,
     /// Tokens consumed so far, over all ranks.
@@ -195,7 +197,8 @@ impl<B: Backend> Trainer<B> {
             val.validate_vocab(config.vocab_size)?;
         }
         let (world, rank) = (comm.world(), comm.rank());
-        let global = world * opts.batch_size * opts.grad_accum;
+        let batch = opts.batch_plan(world)?;
+        let global = batch.global;
         let sampler = WindowSampler::for_tokens(data.train.len(), opts.seq_len, global, opts.shuffle, opts.seed)?;
         be.check_step_shape(opts.batch_size, opts.seq_len, config.n_embd, config.n_head)?;
         let model = Gpt2::new(&mut be, config, &params)?;
@@ -217,11 +220,17 @@ impl<B: Backend> Trainer<B> {
                 opts.seed,
                 state.seed
             );
-            ensure!(
-                state.data_cursor % global as u64 == 0,
-                "--resume: the checkpoint stopped at window {}, which is not a whole number of global batches of {global}",
-                state.data_cursor
-            );
+            if state.data_cursor % global as u64 != 0 {
+                let theirs = match state.extra.get("global_batch") {
+                    Some(g) => format!(" (it was trained with a global batch of {g}: pass --global-batch {g} to continue its data exactly)"),
+                    None => String::new(),
+                };
+                bail!(
+                    "--resume: the checkpoint stopped at window {}, which is not a whole number of this run's global \
+                     batches of {global}{theirs}",
+                    state.data_cursor
+                );
+            }
             be.upload(opt.m, &opt.cut(&state.m))?;
             be.upload(opt.v, &opt.cut(&state.v))?;
             step = state.data_cursor / global as u64;
@@ -235,7 +244,9 @@ impl<B: Backend> Trainer<B> {
         let n = opts.batch_size * opts.seq_len;
         // The shard checksum completes what --verify-every checks in sharded mode (see shard_guard).
         let guard_shard = opts.update == UpdateMode::Sharded && world > 1 && opts.verify_every > 0;
-        let sync = Box::new(BucketedSync::new(plan.clone(), opts.update, opts.overlap, world, rank));
+        let reduction = Reduction::of(&batch, opts.seq_len);
+        let sync =
+            Box::new(BucketedSync::new(plan.clone(), opts.update, opts.overlap, world, rank).reducing(reduction));
         let spikes = LossSpikeDetector::new(opts.loss_spike);
         let mut trainer = Trainer {
             be,
@@ -245,6 +256,7 @@ impl<B: Backend> Trainer<B> {
             train: data.train,
             val: data.val,
             sampler,
+            batch,
             step,
             tokens_seen,
             world,
@@ -345,6 +357,11 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
+    /// Each rank's share of a step's global batch.
+    pub fn batch_plan(&self) -> &BatchPlan {
+        &self.batch
+    }
+
     /// Tokens in one global batch.
     pub fn tokens_per_step(&self) -> u64 {
         (self.sampler.global_batch() * self.opts.seq_len) as u64
@@ -394,9 +411,9 @@ impl<B: Backend> Trainer<B> {
     /// accumulate on the device, scaled as the sync asks, and with overlap the sync starts on each gradient
     /// bucket as soon as the last backward has finished it.
     fn local_compute(&mut self) -> Result<LocalStep> {
-        let (b, t, k) = (self.opts.batch_size, self.opts.seq_len, self.opts.grad_accum);
+        let (b, t) = (self.opts.batch_size, self.opts.seq_len);
         let windows = self.sampler.windows_for_step(self.step);
-        let micro = split_for_rank(&windows, self.rank, self.world, b, k)?;
+        let micro = self.batch.micro_batches(&windows, self.rank, b)?;
         self.model.zero_grads(&mut self.be);
         if let Some(state) = self.resumed_sync_state.take() {
             self.sync.restore_state(&mut self.be, state)?;
@@ -410,7 +427,7 @@ impl<B: Backend> Trainer<B> {
                 Ok(())
             });
         }
-        let tokens = b * t * k;
+        let tokens = self.batch.shares[self.rank] * t;
         let dloss = self.sync.loss_scale(tokens);
         self.freeze_if_due();
         // Fault injection: written once the last micro-batch's backward has finished its element.
@@ -423,12 +440,20 @@ impl<B: Backend> Trainer<B> {
             if let Some(delay) = compute_delay {
                 std::thread::sleep(delay);
             }
-            fill_batch(&self.train, windows, t, &mut self.inputs, &mut self.targets)?;
+            let rows = windows.len();
+            let (inputs, targets) = (&mut self.inputs[..rows * t], &mut self.targets[..rows * t]);
+            fill_batch(&self.train, windows, t, inputs, targets)?;
             let (sync, params) = (&mut self.sync, self.model.params);
             let mut await_params = |be: &mut B, upto| sync.await_params(be, params, upto);
-            let (inputs, targets) = (&self.inputs, &self.targets);
-            loss_sum +=
-                (self.model).forward_train(&mut self.be, inputs, targets, b, t, Some(dloss), &mut await_params)?;
+            let (inputs, targets) = (&*inputs, &*targets);
+            let loss =
+                (self.model).forward_train(&mut self.be, inputs, targets, rows, t, Some(dloss), &mut await_params)?;
+            // Equal micro-batches average their means (the bits of runs before uneven shares); uneven ones
+            // weigh each mean by its sequences.
+            loss_sum += match self.batch.equal {
+                Some(_) => loss,
+                None => loss * rows as f64,
+            };
             // Only the last micro-batch's backward finishes gradients (DDP's no_sync before it).
             if i + 1 == micro.len() && self.sync.overlaps_backward() {
                 let (sync, comm, grads, inject) = (&mut self.sync, &self.comm, self.model.grads, &mut inject);
@@ -443,10 +468,11 @@ impl<B: Backend> Trainer<B> {
         }
         // Without overlap the local gradients are final here, before any of them is read back.
         write_if_final(&mut inject, &mut self.be, self.model.grads, 0)?;
-        Ok(LocalStep {
-            loss: loss_sum / k as f64,
-            tokens,
-        })
+        let loss = match self.batch.equal {
+            Some(_) => loss_sum / micro.len() as f64,
+            None => loss_sum / self.batch.shares[self.rank] as f64,
+        };
+        Ok(LocalStep { loss, tokens })
     }
 
     /// The `freeze` fault: this rank's communication thread and compute thread both stop for the time given,

@@ -2,6 +2,7 @@
 //! digest of what every rank of a job must agree on.
 
 use super::loss_spike::DEFAULT_LOSS_SPIKE;
+use crate::data::{BatchPlan, BatchSplit};
 use crate::model::ModelConfig;
 use crate::optim::schedule::ScheduleKind;
 use crate::optim::{AdamWConfig, LrSchedule};
@@ -104,9 +105,16 @@ pub enum OnDivergence {
 /// the command line starts from them and applies its flags and TOML file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainOptions {
+    /// Sequences per micro-batch on this rank (ranks may differ when shares are uneven).
     pub batch_size: usize,
     pub seq_len: usize,
+    /// Micro-batches per step on every rank, for the default global batch.
     pub grad_accum: usize,
+    /// Sequences per optimizer step over all ranks (`--global-batch`); `None`: world × batch_size ×
+    /// grad_accum.
+    pub global_batch: Option<usize>,
+    /// How the global batch is divided among the ranks (`--batch-split`).
+    pub batch_split: BatchSplit,
     pub steps: u64,
     pub schedule: LrSchedule,
     pub adamw: AdamWConfig,
@@ -149,6 +157,8 @@ impl TrainOptions {
             batch_size: default_batch_size(model),
             seq_len: model.n_positions.min(1024),
             grad_accum: 1,
+            global_batch: None,
+            batch_split: BatchSplit::Even,
             steps: DEFAULT_STEPS,
             schedule: LrSchedule {
                 kind: ScheduleKind::Cosine,
@@ -209,6 +219,13 @@ impl TrainOptions {
             b.checked_mul(k).and_then(|n| n.checked_mul(world)).is_some(),
             "--batch-size {b} x --grad-accum {k} x {world} ranks is too large"
         );
+        ensure!(
+            self.global_batch.is_none() || k == 1,
+            "--grad-accum {k} with --global-batch: --grad-accum only sets the default global batch (ranks x \
+             --batch-size x --grad-accum); with --global-batch each rank runs as many micro-batches of at most \
+             --batch-size as its share needs, so give one of the two"
+        );
+        self.batch_plan(world)?;
         let lr = self.schedule.lr;
         ensure!(lr.is_finite() && lr > 0.0, "--lr {lr} must be a positive number");
         let min_lr = self.schedule.min_lr;
@@ -242,16 +259,40 @@ impl TrainOptions {
         Ok(())
     }
 
-    /// Digest of everything the ranks of a `world`-rank job on `model` must agree on: the model shape, the
-    /// batch layout, and whatever decides which collectives run (verification, checkpoint gathers), so that
-    /// a rank started with different settings is refused at rendezvous instead of hanging a collective.
-    pub fn job_hash(&self, model: &ModelConfig, world: usize) -> u64 {
-        let text = format!(
-            "{}|world{world}|b{}|t{}|k{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}",
-            model.hash_hex(),
+    /// Sequences per optimizer step over `world` ranks: `--global-batch`, else world × batch × grad-accum.
+    pub fn global_batch_for(&self, world: usize) -> usize {
+        self.global_batch
+            .unwrap_or_else(|| world.saturating_mul(self.batch_size).saturating_mul(self.grad_accum))
+    }
+
+    /// How each step's global batch is laid out over `world` ranks: each rank's share, and whether the shares
+    /// are equal whole micro-batches (today's layout and averaging ring).
+    pub fn batch_plan(&self, world: usize) -> anyhow::Result<BatchPlan> {
+        let global = self.global_batch_for(world);
+        Ok(BatchPlan::new(
+            global,
+            world,
+            &self.batch_split,
             self.batch_size,
-            self.seq_len,
             self.grad_accum,
+        )?)
+    }
+
+    /// Digest of everything the ranks of a `world`-rank job on `model` must agree on: the model shape, the
+    /// batch layout (the global batch and its split, and with equal whole micro-batches their size and
+    /// count, which lay the batch out; uneven shares let each rank pick its own micro-batch size), and
+    /// whatever decides which collectives run (verification, checkpoint gathers), so that a rank started
+    /// with different settings is refused at rendezvous instead of hanging a collective.
+    pub fn job_hash(&self, model: &ModelConfig, world: usize) -> u64 {
+        let layout = match self.batch_plan(world).ok().and_then(|plan| plan.equal) {
+            Some((b, k)) => format!("b{b}|k{k}"),
+            None => format!("split{}", self.batch_split),
+        };
+        let text = format!(
+            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}",
+            model.hash_hex(),
+            self.global_batch_for(world),
+            self.seq_len,
             self.steps,
             self.seed,
             self.update.as_str(),
