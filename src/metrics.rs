@@ -61,6 +61,10 @@ pub struct StepMetrics {
     /// loss exceeded by more than the factor. Absent otherwise, and in files written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_spike_reference: Option<f64>,
+    /// Sequences of each rank's share of the global batch, when the shares are uneven: on a process's first
+    /// step and whenever they change. Absent otherwise, and in files written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_shares: Option<Vec<usize>>,
 }
 
 /// JSON has no NaN or infinity: serde_json writes a non-finite float as `null`. Read `null` back as NaN so a

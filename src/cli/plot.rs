@@ -289,6 +289,7 @@ mod tests {
             val_loss: (step % 25 == 0).then(|| 4.0 * (-s / 60.0).exp() + 1.6),
             skipped: false,
             loss_spike_reference: None,
+            batch_shares: None,
         }
     }
 

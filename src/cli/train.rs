@@ -8,7 +8,7 @@ use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::Backend;
 use ringtrain::collective::Collective;
-use ringtrain::data::{load_splits, DataSplits};
+use ringtrain::data::{load_splits, BatchPlan, DataSplits};
 use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
 };
@@ -187,14 +187,26 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     if let (Some(m), true) = (last, is_rank0) {
         let val = m.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
         eprint_line(&format!(
-            "done: step {}, loss {:.4}{val}, {:.0} tokens/s{}",
+            "done: step {}, loss {:.4}{val}, {:.0} tokens/s{}{}",
             m.step,
             m.loss,
             m.tokens_per_s,
-            observer.comm.summary(trainer.world())
+            observer.comm.summary(trainer.world()),
+            shares_note(trainer.batch_plan())
         ));
     }
     Ok(())
+}
+
+/// ` (shares 6+2)` for uneven shares of the global batch, nothing for equal ones.
+fn shares_note(plan: &BatchPlan) -> String {
+    match plan.equal {
+        Some(_) => String::new(),
+        None => {
+            let shares: Vec<String> = plan.shares.iter().map(|n| n.to_string()).collect();
+            format!(" (shares {})", shares.join("+"))
+        }
+    }
 }
 
 /// Opens rank 0's metrics file: a resumed run appends; a fresh one first moves an earlier run's records
@@ -232,13 +244,7 @@ impl<B: Backend> RunObserver<B> for CliObserver {
             self.metrics = Some(open_metrics(path, self.resuming)?);
         }
         let (opts, cfg, plan) = (trainer.options(), trainer.model_config(), trainer.batch_plan());
-        let shares = match plan.equal {
-            Some(_) => String::new(),
-            None => {
-                let shares: Vec<String> = plan.shares.iter().map(|n| n.to_string()).collect();
-                format!(" (shares {})", shares.join("+"))
-            }
-        };
+        let shares = shares_note(plan);
         self.progress.message(&format!(
             "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {}{shares} x {} tokens, {} steps from step {}",
             trainer.param_count(),

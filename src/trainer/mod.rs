@@ -140,6 +140,8 @@ pub struct Trainer<B: Backend> {
     sampler: WindowSampler,
     /// Each rank's share of a step's global batch, and how this rank runs its share.
     batch: BatchPlan,
+    /// The shares the metrics last recorded.
+    reported_shares: Option<Vec<usize>>,
     /// Optimizer steps completed (including skipped ones): the next step's index.
     step: u64,
     /// Tokens consumed so far, over all ranks.
@@ -257,6 +259,7 @@ impl<B: Backend> Trainer<B> {
             val: data.val,
             sampler,
             batch,
+            reported_shares: None,
             step,
             tokens_seen,
             world,
@@ -404,7 +407,16 @@ impl<B: Backend> Trainer<B> {
             val_loss: None,
             skipped,
             loss_spike_reference,
+            batch_shares: self.shares_to_report(),
         })
+    }
+
+    /// Uneven shares, on this process's first step and whenever they change (the metrics record the split).
+    fn shares_to_report(&mut self) -> Option<Vec<usize>> {
+        let shares = self.batch.equal.is_none().then(|| self.batch.shares.clone())?;
+        let changed = self.reported_shares.as_ref() != Some(&shares);
+        self.reported_shares = Some(shares.clone());
+        changed.then_some(shares)
     }
 
     /// Forward and backward over this rank's micro-batches of the step's global batch; the gradients
