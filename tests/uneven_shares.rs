@@ -184,3 +184,29 @@ fn bad_splits_are_refused_at_start() {
     let e = refused(options(4, 2, Some(16), "even", UpdateMode::Sharded), 2);
     assert!(e.contains("--grad-accum 2 with --global-batch"), "{e}");
 }
+
+/// The metrics record uneven shares on the first step only (they do not change), and equal ones never.
+#[test]
+fn the_metrics_record_uneven_shares() {
+    for (split, want) in [("3,1", Some(vec![9, 3])), ("even", None)] {
+        let options = options(6, 1, Some(12), split, UpdateMode::Sharded);
+        let recorded: Vec<Vec<Option<Vec<usize>>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = mem_cluster(2, MemOptions::default())
+                .into_iter()
+                .map(|comm| {
+                    let options = options.clone();
+                    scope.spawn(move || {
+                        let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+                        let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+                        let mut t = Trainer::new(be, fresh(), data, options, Box::new(comm)).unwrap();
+                        (0..2).map(|_| t.train_step().unwrap().batch_shares).collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for rank in recorded {
+            assert_eq!(rank, vec![want.clone(), None], "{split}");
+        }
+    }
+}
