@@ -97,54 +97,25 @@ impl Activations {
         Ok(acts)
     }
 
-    /// The first `b` sequences of these activations (allocated for `self.b >= b`): every view holds whole
-    /// sequences, so its first `len / self.b * b` elements are theirs.
-    fn narrowed(&self, b: usize) -> Activations {
+    /// Activations for `b <= self.b` sequences in the same allocations: carved again, by the same code, from
+    /// the start of the buffer that holds `self.b` sequences' worth.
+    fn narrowed(&self, cfg: &ModelConfig, b: usize) -> Activations {
         if b == self.b {
             return self.clone();
         }
-        let cap = self.b;
-        let cut = |v: View| v.sub(0, v.len / cap * b);
-        let cut_tokens = |v: TokenView| v.sub(0, v.len / cap * b);
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|k| BlockActs {
-                ln1: cut(k.ln1),
-                ln1_mean: cut(k.ln1_mean),
-                ln1_rstd: cut(k.ln1_rstd),
-                qkv: cut(k.qkv),
-                att: cut(k.att),
-                atty: cut(k.atty),
-                residual2: cut(k.residual2),
-                ln2: cut(k.ln2),
-                ln2_mean: cut(k.ln2_mean),
-                ln2_rstd: cut(k.ln2_rstd),
-                fch: cut(k.fch),
-                fch_gelu: cut(k.fch_gelu),
-                residual3: cut(k.residual3),
-            })
-            .collect();
-        Activations {
+        let mut carver = Carver {
+            whole: Some(self.whole),
+            next: 0,
+        };
+        let bt = b * self.t;
+        Self::carve(
+            &mut carver,
+            cfg,
             b,
-            t: self.t,
-            whole: self.whole,
-            tokens: cut_tokens(self.tokens),
-            targets: cut_tokens(self.targets),
-            encoded: cut(self.encoded),
-            blocks,
-            lnf: cut(self.lnf),
-            lnf_mean: cut(self.lnf_mean),
-            lnf_rstd: cut(self.lnf_rstd),
-            logits: cut(self.logits),
-            losses: cut(self.losses),
-            dres: cut(self.dres),
-            dbtc: cut(self.dbtc),
-            d4c_a: cut(self.d4c_a),
-            d4c_b: cut(self.d4c_b),
-            dqkv: cut(self.dqkv),
-            datt: cut(self.datt),
-        }
+            self.t,
+            self.tokens.sub(0, bt),
+            self.targets.sub(0, bt),
+        )
     }
 
     /// Frees the allocations behind every view of `self`.
@@ -287,7 +258,7 @@ impl Gpt2 {
 
     /// The activations of the last forward's micro-batch.
     fn current_acts(&self) -> Option<Activations> {
-        self.acts.as_ref().map(|a| a.narrowed(self.rows))
+        self.acts.as_ref().map(|a| a.narrowed(&self.config, self.rows))
     }
 
     /// Forward pass over `inputs [b, t]`, with per-position losses against `targets [b, t]`.

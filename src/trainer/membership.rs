@@ -2,7 +2,7 @@
 //! chunks, and the sync told of the new ownership ([`GradientSync::membership_changed`](super::sync)).
 
 use super::shard_guard::ShardGuard;
-use super::{Trainer, UpdateMode};
+use super::Trainer;
 use crate::backend::Backend;
 use crate::collective::comm_thread::CommThread;
 use crate::collective::Collective;
@@ -44,8 +44,7 @@ impl<B: Backend> Trainer<B> {
         self.rank = rank;
         self.sync.membership_changed(&self.plan, world, rank)?;
         // The shard checksum was of the old chunk; it starts again with the next update.
-        let guard_shard = self.opts.update == UpdateMode::Sharded && world > 1 && self.opts.verify_every > 0;
-        self.guard = ShardGuard::new(guard_shard);
+        self.guard = ShardGuard::for_run(&self.opts, world);
         Ok(())
     }
 }

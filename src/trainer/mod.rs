@@ -244,12 +244,11 @@ impl<B: Backend> Trainer<B> {
             };
         }
         let n = opts.batch_size * opts.seq_len;
-        // The shard checksum completes what --verify-every checks in sharded mode (see shard_guard).
-        let guard_shard = opts.update == UpdateMode::Sharded && world > 1 && opts.verify_every > 0;
         let reduction = Reduction::of(&batch, opts.seq_len);
         let sync =
             Box::new(BucketedSync::new(plan.clone(), opts.update, opts.overlap, world, rank).reducing(reduction));
         let spikes = LossSpikeDetector::new(opts.loss_spike);
+        let guard = ShardGuard::for_run(&opts, world);
         let mut trainer = Trainer {
             be,
             model,
@@ -271,7 +270,7 @@ impl<B: Backend> Trainer<B> {
             targets: vec![0; n],
             spikes,
             faults: FaultPlan::default(),
-            guard: ShardGuard::new(guard_shard),
+            guard,
             resumed_sync_state,
         };
         trainer.replicate()?;

@@ -17,6 +17,7 @@
 //! GPT-2 124M at 4 ranks, about 370 MB), too much to impose on runs that did not ask for checks.
 
 use super::replicas::hash_into;
+use super::{TrainOptions, UpdateMode};
 use crate::backend::{Backend, View};
 use crate::optim::AdamW;
 use anyhow::{bail, Result};
@@ -36,6 +37,12 @@ pub struct ShardGuard {
 impl ShardGuard {
     pub fn new(active: bool) -> Self {
         ShardGuard { active, recorded: None }
+    }
+
+    /// The guard of a run with `opts` over `world` ranks: active when the update is sharded over several
+    /// ranks and `--verify-every` is on (it completes what that check covers in sharded mode).
+    pub fn for_run(opts: &TrainOptions, world: usize) -> Self {
+        Self::new(opts.update == UpdateMode::Sharded && world > 1 && opts.verify_every > 0)
     }
 
     /// After this rank's update of step `step` (counted from 1): remembers its shard's checksum. `params`
