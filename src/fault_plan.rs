@@ -30,6 +30,10 @@ Inject a fault (repeatable, each kind at most once). RANK counts from 0, STEP fr
                     without goodbye): every rank fails with an error naming RANK, within --timeout
   kill=RANK:STEP    [mem, quic] RANK dies at the start of STEP, before sending anything of it: same
   compute=RANK:MS   [any] RANK computes MS ms longer per micro-batch (a slow worker): bit-identical
+  speed=RANK:PCT[:STEP]
+                    [any] from STEP (default 1) RANK computes at PCT% of its speed (1-100): each
+                    micro-batch's compute is followed by a sleep that stretches it by 100/PCT; one per
+                    rank. Bit-identical, except that --batch-split auto gives RANK less to do
   freeze=RANK:STEP:MS
                     [any] at the start of STEP, RANK stops computing and communicating for MS ms:
                     bit-identical when MS is under --timeout; past it the ranks waiting on RANK time
@@ -103,6 +107,8 @@ pub enum Fault {
     Kill { rank: usize, step: u64 },
     /// `rank` computes this much longer per micro-batch.
     SlowCompute { rank: usize, delay: Duration },
+    /// From `step` (1-based) `rank` computes at `percent`% of its speed.
+    Speed { rank: usize, percent: u64, step: u64 },
     /// At the start of `step`, `rank` stops computing and communicating for `duration`.
     Freeze { rank: usize, step: u64, duration: Duration },
     /// One element of `rank`'s local gradient is made non-finite at `step`, before the sync.
@@ -129,6 +135,7 @@ impl Fault {
             Fault::Drop { .. } => "drop",
             Fault::Kill { .. } => "kill",
             Fault::SlowCompute { .. } => "compute",
+            Fault::Speed { .. } => "speed",
             Fault::Freeze { .. } => "freeze",
             Fault::NonFinite {
                 value: BadValue::Nan, ..
@@ -149,6 +156,7 @@ impl Fault {
             | Fault::Drop { rank, .. }
             | Fault::Kill { rank, .. }
             | Fault::SlowCompute { rank, .. }
+            | Fault::Speed { rank, .. }
             | Fault::Freeze { rank, .. }
             | Fault::NonFinite { rank, .. }
             | Fault::Flip { rank, .. } => Some(rank),
@@ -159,6 +167,7 @@ impl Fault {
     pub fn step(&self) -> Option<u64> {
         match *self {
             Fault::Kill { step, .. }
+            | Fault::Speed { step, .. }
             | Fault::Freeze { step, .. }
             | Fault::NonFinite { step, .. }
             | Fault::Flip { step, .. } => Some(step),
@@ -233,6 +242,27 @@ impl Fault {
                     delay: ms(delay),
                 }
             }
+            "speed" => {
+                let (rank, percent, step) = match value.matches(':').count() {
+                    1 => {
+                        let [rank, percent] = numbers(kind, value, "RANK:PCT[:STEP]")?;
+                        (rank, percent, 1)
+                    }
+                    _ => {
+                        let [rank, percent, step] = numbers(kind, value, "RANK:PCT[:STEP]")?;
+                        (rank, percent, from_one(kind, value, step)?)
+                    }
+                };
+                ensure!(
+                    (1..=100).contains(&percent),
+                    "fault {kind}={value}: the speed {percent}% is not between 1 and 100"
+                );
+                Fault::Speed {
+                    rank: rank as usize,
+                    percent,
+                    step,
+                }
+            }
             "freeze" => {
                 let [rank, step, duration] = numbers(kind, value, "RANK:STEP:MS")?;
                 Fault::Freeze {
@@ -269,7 +299,7 @@ impl Fault {
             }
             other => bail!(
                 "unknown fault kind {other:?}: expected delay, reorder, split, slow, duplicate, drop, kill, \
-                 compute, freeze, nan, inf or flip"
+                 compute, speed, freeze, nan, inf or flip"
             ),
         })
     }
@@ -287,6 +317,7 @@ impl fmt::Display for Fault {
             Fault::Duplicate { rank, msg: n } | Fault::Drop { rank, msgs: n } => write!(f, "{kind}={rank}:{n}"),
             Fault::Kill { rank, step } | Fault::NonFinite { rank, step, .. } => write!(f, "{kind}={rank}:{step}"),
             Fault::Freeze { rank, step, duration } => write!(f, "{kind}={rank}:{step}:{}", duration.as_millis()),
+            Fault::Speed { rank, percent, step } => write!(f, "{kind}={rank}:{percent}:{step}"),
             Fault::Flip {
                 rank,
                 step,
@@ -360,16 +391,17 @@ pub struct FaultPlan {
 
 impl FaultPlan {
     /// A plan of these faults; each kind at most once (a second would silently replace the first), `nan`
-    /// and `inf` counting as one.
+    /// and `inf` counting as one, `speed` once per rank.
     pub fn new(faults: Vec<Fault>) -> Result<FaultPlan> {
-        let slot = |f: &Fault| match f.kind() {
-            "inf" => "nan",
-            kind => kind,
+        let slot = |f: &Fault| match (f.kind(), f) {
+            ("inf", _) => ("nan", None),
+            ("speed", _) => ("speed", f.rank()),
+            (kind, _) => (kind, None),
         };
         for (i, f) in faults.iter().enumerate() {
             ensure!(
                 !faults[..i].iter().any(|g| slot(g) == slot(f)),
-                "fault {}: given twice (each kind at most once)",
+                "fault {}: given twice (each kind at most once, speed once per rank)",
                 f.kind()
             );
         }
@@ -494,6 +526,18 @@ impl FaultPlan {
         })
     }
 
+    /// The speed, in percent, `rank` computes at in `step` (1-based), when slowed.
+    pub fn speed_at(&self, rank: usize, step: u64) -> Option<u64> {
+        self.faults.iter().find_map(|f| match *f {
+            Fault::Speed {
+                rank: r,
+                percent,
+                step: from,
+            } if r == rank && step >= from && percent < 100 => Some(percent),
+            _ => None,
+        })
+    }
+
     /// How long `rank` freezes at the start of `step` (1-based).
     pub fn freeze_at(&self, rank: usize, step: u64) -> Option<Duration> {
         self.find(|f| match *f {
@@ -554,6 +598,8 @@ mod tests {
             "drop=2:20",
             "kill=1:3",
             "compute=0:15",
+            "speed=0:50:3",
+            "speed=2:25:1",
             "freeze=1:2:500",
             "nan=0:2",
             "flip=1:2:moment:5",
@@ -565,6 +611,14 @@ mod tests {
         assert_eq!(plan.dies_after_messages(2), Some(20));
         assert_eq!(plan.duplicated_message(1), Some(4));
         assert_eq!(plan.compute_delay(0), Some(Duration::from_millis(15)));
+        assert_eq!(
+            (plan.speed_at(0, 2), plan.speed_at(0, 3), plan.speed_at(2, 1)),
+            (None, Some(50), Some(25))
+        );
+        assert!(FaultPlan::parse(&["speed=1:0"]).is_err());
+        assert!(FaultPlan::parse(&["speed=1:101"]).is_err());
+        assert!(FaultPlan::parse(&["speed=1:50", "speed=1:60"]).is_err());
+        assert_eq!(FaultPlan::parse(&["speed=1:50"]).unwrap().speed_at(1, 1), Some(50));
         assert_eq!(plan.freeze_at(1, 2), Some(Duration::from_millis(500)));
         assert_eq!(plan.freeze_at(1, 3), None);
         assert_eq!(plan.nonfinite_at(0, 2), Some(BadValue::Nan));

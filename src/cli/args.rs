@@ -65,8 +65,9 @@ pub struct TrainArgs {
     /// Sequences per optimizer step over all ranks [default: ranks x --batch-size x --grad-accum]
     #[arg(long, allow_negative_numbers = true)]
     pub global_batch: Option<usize>,
-    /// How the global batch is divided among the ranks: even, or one weight per rank such as 3,1 (each rank
-    /// runs its share in micro-batches of at most its own --batch-size)
+    /// How the global batch is divided among the ranks: even, auto (each rank's share follows its measured
+    /// speed), or one weight per rank such as 3,1 (each rank runs its share in micro-batches of at most its
+    /// own --batch-size)
     #[arg(long)]
     pub batch_split: Option<String>,
     /// Optimizer steps (total, counting resumed ones)

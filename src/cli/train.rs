@@ -8,7 +8,7 @@ use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::Backend;
 use ringtrain::collective::Collective;
-use ringtrain::data::{load_splits, BatchPlan, DataSplits};
+use ringtrain::data::{load_splits, BatchPlan, BatchSplit, DataSplits};
 use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
 };
@@ -192,20 +192,20 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             m.loss,
             m.tokens_per_s,
             observer.comm.summary(trainer.world()),
-            shares_note(trainer.batch_plan())
+            shares_note(trainer.batch_plan(), &trainer.options().batch_split)
         ));
     }
     Ok(())
 }
 
-/// ` (shares 6+2)` for uneven shares of the global batch, nothing for equal ones.
-fn shares_note(plan: &BatchPlan) -> String {
-    match plan.equal {
-        Some(_) => String::new(),
-        None => {
-            let shares: Vec<String> = plan.shares.iter().map(|n| n.to_string()).collect();
-            format!(" (shares {})", shares.join("+"))
-        }
+/// ` (shares 6+2)` for uneven shares of the global batch, ` (split auto, shares 6+6)` for automatic ones,
+/// nothing for equal ones.
+fn shares_note(plan: &BatchPlan, split: &BatchSplit) -> String {
+    let shares: Vec<String> = plan.shares.iter().map(|n| n.to_string()).collect();
+    match (plan.equal, split) {
+        (Some(_), _) => String::new(),
+        (None, BatchSplit::Auto) => format!(" (split auto, shares {})", shares.join("+")),
+        (None, _) => format!(" (shares {})", shares.join("+")),
     }
 }
 
@@ -244,7 +244,7 @@ impl<B: Backend> RunObserver<B> for CliObserver {
             self.metrics = Some(open_metrics(path, self.resuming)?);
         }
         let (opts, cfg, plan) = (trainer.options(), trainer.model_config(), trainer.batch_plan());
-        let shares = shares_note(plan);
+        let shares = shares_note(plan, &opts.batch_split);
         self.progress.message(&format!(
             "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {}{shares} x {} tokens, {} steps from step {}",
             trainer.param_count(),

@@ -17,22 +17,27 @@ pub enum BatchSplit {
     Even,
     /// Shares in proportion to one positive weight per rank (`--batch-split 3,1`).
     Weights(Vec<f64>),
+    /// Shares that follow each rank's measured speed (`--batch-split auto`, [`crate::trainer::auto_split`]):
+    /// even at the start, then re-split by the ranks together at agreed steps.
+    Auto,
 }
 
 impl BatchSplit {
-    /// `even`, or comma-separated positive weights.
+    /// `even`, `auto`, or comma-separated positive weights.
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
         let text = text.trim();
-        if text == "even" {
-            return Ok(BatchSplit::Even);
+        match text {
+            "even" => return Ok(BatchSplit::Even),
+            "auto" => return Ok(BatchSplit::Auto),
+            _ => {}
         }
         let weights = text
             .split(',')
             .map(|w| match w.trim().parse::<f64>() {
                 Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
                 _ => Err(format!(
-                    "weight {w:?} in --batch-split {text:?} is not a positive number (give `even`, or one weight \
-                     per rank such as 3,1)"
+                    "weight {w:?} in --batch-split {text:?} is not a positive number (give `even`, `auto`, or \
+                     one weight per rank such as 3,1)"
                 )),
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
@@ -44,6 +49,7 @@ impl std::fmt::Display for BatchSplit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             BatchSplit::Even => write!(f, "even"),
+            BatchSplit::Auto => write!(f, "auto"),
             BatchSplit::Weights(w) => {
                 let w: Vec<String> = w.iter().map(|x| x.to_string()).collect();
                 write!(f, "{}", w.join(","))
@@ -53,7 +59,7 @@ impl std::fmt::Display for BatchSplit {
 }
 
 /// Sequences per rank for a global batch of `global` over `world` ranks: they sum to `global`, and each is
-/// at least one. Weighted shares take the floor of each rank's quota, then one more for the largest
+/// at least one. `auto` starts from the even shares. Weighted shares take the floor of each rank's quota, then one more for the largest
 /// remainders (ties to the lower rank): the same integers on every rank.
 pub fn shares(global: usize, world: usize, split: &BatchSplit) -> Result<Vec<usize>> {
     let invalid = |why: String| Err(DataError::InvalidArgument(why));
@@ -66,7 +72,7 @@ pub fn shares(global: usize, world: usize, split: &BatchSplit) -> Result<Vec<usi
         ));
     }
     let weights = match split {
-        BatchSplit::Even => {
+        BatchSplit::Even | BatchSplit::Auto => {
             return Ok((0..world)
                 .map(|r| global / world + usize::from(r < global % world))
                 .collect())
@@ -123,6 +129,21 @@ impl BatchPlan {
         let whole = Some(global) == world.checked_mul(batch).and_then(|n| n.checked_mul(grad_accum));
         let equal = (*split == BatchSplit::Even && whole).then_some((batch, grad_accum));
         Ok(BatchPlan { global, shares, equal })
+    }
+
+    /// A plan of given uneven shares (an `auto` re-split, or the shares a checkpoint recorded); they must
+    /// sum to `global` with at least one sequence each.
+    pub fn with_shares(global: usize, shares: Vec<usize>) -> Result<Self> {
+        if shares.is_empty() || shares.contains(&0) || shares.iter().sum::<usize>() != global {
+            return Err(DataError::InvalidArgument(format!(
+                "shares {shares:?} do not give each rank at least one of a global batch of {global} sequences"
+            )));
+        }
+        Ok(BatchPlan {
+            global,
+            shares,
+            equal: None,
+        })
     }
 
     /// Rank `rank`'s micro-batches of one step's `windows` (`[global]`): each at most `batch` windows (this

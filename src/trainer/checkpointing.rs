@@ -30,6 +30,9 @@ impl<B: Backend> Trainer<B> {
         extra.insert("global_batch".to_string(), self.batch.global.to_string());
         let shares: Vec<String> = self.batch.shares.iter().map(|n| n.to_string()).collect();
         extra.insert("batch_shares".to_string(), shares.join(","));
+        if let Some(auto) = &self.auto_split {
+            auto.checkpoint_extra(&mut extra);
+        }
         extra.insert(
             "sampler".to_string(),
             "order is a pure function of (seed, epoch); no RNG state to save".into(),

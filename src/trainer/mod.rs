@@ -25,6 +25,7 @@ use anyhow::{bail, ensure, Context, Result};
 use std::path::PathBuf;
 use std::time::Instant;
 
+pub mod auto_split;
 pub mod buckets;
 mod checkpointing;
 pub mod comm_ledger;
@@ -39,7 +40,9 @@ mod run;
 mod shard_guard;
 pub mod sync;
 
+use crate::data::BatchSplit;
 use crate::fault_plan::FaultPlan;
+use auto_split::AutoSplit;
 use buckets::BucketPlan;
 use fault_injection::{write_if_final, PendingInjection};
 use grad_sync::{BucketedSync, Reduction, SyncTrace};
@@ -142,6 +145,8 @@ pub struct Trainer<B: Backend> {
     batch: BatchPlan,
     /// The shares the metrics last recorded.
     reported_shares: Option<Vec<usize>>,
+    /// `--batch-split auto` over several ranks: the measurements and estimates that re-split the batch.
+    auto_split: Option<AutoSplit>,
     /// Optimizer steps completed (including skipped ones): the next step's index.
     step: u64,
     /// Tokens consumed so far, over all ranks.
@@ -168,6 +173,25 @@ pub struct Trainer<B: Backend> {
     /// The sync's state read from the checkpoint this run resumes, handed to the sync before the first step
     /// (after any [`Trainer::wrap_sync`]).
     resumed_sync_state: Option<SyncState>,
+}
+
+/// The shares a checkpoint of a `world`-rank run recorded (`batch_shares`), when they split this run's
+/// global batch; `None` when it recorded none or split another global batch.
+fn resumed_shares(
+    extra: &std::collections::BTreeMap<String, String>,
+    global: usize,
+    world: usize,
+) -> Result<Option<Vec<usize>>> {
+    let Some(text) = extra.get("batch_shares") else {
+        return Ok(None);
+    };
+    let shares = text
+        .split(',')
+        .map(|n| n.trim().parse::<usize>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .with_context(|| format!("--resume: batch_shares {text:?} is not a list of sequence counts"))?;
+    let fits = shares.len() == world && shares.iter().sum::<usize>() == global && !shares.contains(&0);
+    Ok(fits.then_some(shares))
 }
 
 /// One rank's optimizer moments: the ranges of the flat layout it keeps (all of it when replicated) and
@@ -199,7 +223,7 @@ impl<B: Backend> Trainer<B> {
             val.validate_vocab(config.vocab_size)?;
         }
         let (world, rank) = (comm.world(), comm.rank());
-        let batch = opts.batch_plan(world)?;
+        let mut batch = opts.batch_plan(world)?;
         let global = batch.global;
         let sampler = WindowSampler::for_tokens(data.train.len(), opts.seq_len, global, opts.shuffle, opts.seed)?;
         be.check_step_shape(opts.batch_size, opts.seq_len, config.n_embd, config.n_head)?;
@@ -210,6 +234,8 @@ impl<B: Backend> Trainer<B> {
         let plan = BucketPlan::new(&model.layout, opts.bucket_elems);
         let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(opts.update, world, rank))?;
         let (mut step, mut tokens_seen, mut resumed_sync_state) = (0, 0, None);
+        let auto = opts.batch_split == BatchSplit::Auto && world > 1;
+        let mut auto_split = auto.then(AutoSplit::default);
         if let Some(state) = resume {
             ensure!(
                 state.config_hash == model.config.hash_hex(),
@@ -242,6 +268,13 @@ impl<B: Backend> Trainer<B> {
                 Some(s) => s.parse().context("--resume: bad optimizer_step in trainer state")?,
                 None => state.step,
             };
+            if auto && state.world_size == world {
+                // The split the run had reached, and what it had measured, for the same ranks.
+                if let Some(shares) = resumed_shares(&state.extra, global, world)? {
+                    batch = BatchPlan::with_shares(global, shares)?;
+                }
+                auto_split = Some(AutoSplit::restore(&state.extra, world)?);
+            }
         }
         let n = opts.batch_size * opts.seq_len;
         let reduction = Reduction::of(&batch, opts.seq_len);
@@ -259,6 +292,7 @@ impl<B: Backend> Trainer<B> {
             sampler,
             batch,
             reported_shares: None,
+            auto_split,
             step,
             tokens_seen,
             world,
@@ -387,6 +421,16 @@ impl<B: Backend> Trainer<B> {
         self.be.synchronize()?;
         self.step += 1;
         self.tokens_seen += self.tokens_per_step();
+        let batch_shares = self.shares_to_report();
+        if let Some(shares) = self
+            .auto_split
+            .as_mut()
+            .map(|a| a.finish_exchange(&self.batch))
+            .transpose()?
+            .flatten()
+        {
+            self.batch = BatchPlan::with_shares(self.batch.global, shares)?;
+        }
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
         // One rank communicates nothing; what a clock saw there is bookkeeping.
         let ms = |d: std::time::Duration| if self.world > 1 { d.as_secs_f64() * 1e3 } else { 0.0 };
@@ -406,7 +450,7 @@ impl<B: Backend> Trainer<B> {
             val_loss: None,
             skipped,
             loss_spike_reference,
-            batch_shares: self.shares_to_report(),
+            batch_shares,
         })
     }
 
@@ -422,6 +466,7 @@ impl<B: Backend> Trainer<B> {
     /// accumulate on the device, scaled as the sync asks, and with overlap the sync starts on each gradient
     /// bucket as soon as the last backward has finished it.
     fn local_compute(&mut self) -> Result<LocalStep> {
+        let started = Instant::now();
         let (b, t) = (self.opts.batch_size, self.opts.seq_len);
         let windows = self.sampler.windows_for_step(self.step);
         let micro = self.batch.micro_batches(&windows, self.rank, b)?;
@@ -438,6 +483,9 @@ impl<B: Backend> Trainer<B> {
                 Ok(())
             });
         }
+        if let Some(auto) = &mut self.auto_split {
+            auto.start_exchange(&self.comm);
+        }
         let tokens = self.batch.shares[self.rank] * t;
         let dloss = self.sync.loss_scale(tokens);
         self.freeze_if_due();
@@ -446,8 +494,12 @@ impl<B: Backend> Trainer<B> {
             .nonfinite_at(self.rank, self.step + 1)
             .map(|value| PendingInjection::new(value, self.model.layout.total));
         let compute_delay = self.faults.compute_delay(self.rank);
+        let speed = self.faults.speed_at(self.rank, self.step + 1);
         let mut loss_sum = 0.0;
+        // Time spent waiting for parameters in flight: communication, not this rank's compute.
+        let mut param_wait = std::time::Duration::ZERO;
         for (i, windows) in micro.iter().enumerate() {
+            let micro_started = Instant::now();
             if let Some(delay) = compute_delay {
                 std::thread::sleep(delay);
             }
@@ -455,7 +507,12 @@ impl<B: Backend> Trainer<B> {
             let (inputs, targets) = (&mut self.inputs[..rows * t], &mut self.targets[..rows * t]);
             fill_batch(&self.train, windows, t, inputs, targets)?;
             let (sync, params) = (&mut self.sync, self.model.params);
-            let mut await_params = |be: &mut B, upto| sync.await_params(be, params, upto);
+            let mut await_params = |be: &mut B, upto| {
+                let waiting = Instant::now();
+                let done = sync.await_params(be, params, upto);
+                param_wait += waiting.elapsed();
+                done
+            };
             let (inputs, targets) = (&*inputs, &*targets);
             let loss =
                 (self.model).forward_train(&mut self.be, inputs, targets, rows, t, Some(dloss), &mut await_params)?;
@@ -476,9 +533,21 @@ impl<B: Backend> Trainer<B> {
             } else {
                 self.model.backward(&mut self.be, dloss)?;
             }
+            if let Some(percent) = speed {
+                // The `speed` fault: this micro-batch's compute, stretched by 100 / percent.
+                self.be.synchronize()?;
+                let stretch = (100 - percent) as f64 / percent as f64;
+                std::thread::sleep(micro_started.elapsed().saturating_sub(param_wait).mul_f64(stretch));
+            }
         }
         // Without overlap the local gradients are final here, before any of them is read back.
         write_if_final(&mut inject, &mut self.be, self.model.grads, 0)?;
+        if let Some(auto) = &mut self.auto_split {
+            // To the end of the last backward on the device, less the waits for parameters.
+            self.be.synchronize()?;
+            let ms = started.elapsed().saturating_sub(param_wait).as_secs_f64() * 1e3;
+            auto.record(ms, self.batch.shares[self.rank]);
+        }
         let loss = match self.batch.equal {
             Some(_) => loss_sum / micro.len() as f64,
             None => loss_sum / self.batch.shares[self.rank] as f64,
@@ -554,6 +623,12 @@ impl<B: Backend> Trainer<B> {
             sum += self.model.forward(&mut self.be, &self.inputs, &self.targets, b, t)?;
         }
         Ok(Some(sum / batches.len() as f64))
+    }
+
+    /// Each rank's smoothed compute time per sequence that `--batch-split auto` splits by, once the ranks
+    /// have exchanged their first measurements.
+    pub fn auto_split_estimates(&self) -> Option<&[auto_split::Estimate]> {
+        self.auto_split.as_ref()?.estimates()
     }
 
     /// Tells the other ranks that this one failed, so they stop instead of waiting for it.
