@@ -16,13 +16,15 @@
 
 use crate::faults::parse_faults;
 use crate::netmodel::profile::Segment;
-use crate::netmodel::{predict_step, ComputeProfile, Network, StepPrediction};
+use crate::netmodel::{auto_shares, predict_split, ComputeProfile, Network, StepPrediction};
 use crate::{run, SimConfig, SimReport, Transport};
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
+use ringtrain::data::BatchSplit;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Forward and backward passes timed per layer when a network is given without [`Cluster::compute_ms`].
@@ -50,6 +52,9 @@ pub struct Cluster {
     network: Option<Network>,
     compute: Option<ComputeMs>,
     deadline: Duration,
+    /// Each worker's speed relative to the fastest (`None`: all alike).
+    speeds: Option<Vec<f64>>,
+    split_replay: Option<BTreeMap<u64, Vec<usize>>>,
 }
 
 impl Cluster {
@@ -71,6 +76,8 @@ impl Cluster {
             network: None,
             compute: None,
             deadline: Duration::from_secs(30),
+            speeds: None,
+            split_replay: None,
         }
     }
 
@@ -174,6 +181,45 @@ impl Cluster {
         self
     }
 
+    /// Each worker's compute speed relative to the fastest (for example `[1.0, 0.5, 0.5]`): a slower
+    /// worker's compute is stretched by the `speed` fault, and the network prediction times each worker's
+    /// share at its speed. With [`Cluster::batch_split`] `auto` the shares follow the speeds.
+    pub fn worker_speeds(mut self, speeds: &[f64]) -> Result<Self> {
+        if speeds.len() != self.workers {
+            bail!(
+                "Cluster::worker_speeds: {} speeds for {} workers",
+                speeds.len(),
+                self.workers
+            );
+        }
+        if let Some(bad) = speeds.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+            bail!("Cluster::worker_speeds: {bad} is not a positive speed");
+        }
+        let fastest = speeds.iter().copied().fold(0.0, f64::max);
+        let speeds: Vec<f64> = speeds.iter().map(|s| s / fastest).collect();
+        for (rank, speed) in speeds.iter().enumerate().filter(|(_, s)| **s < 1.0) {
+            let percent = ((speed * 100.0).round() as u64).clamp(1, 99);
+            self = self.fault(&format!("speed={rank}:{percent}"))?;
+        }
+        self.speeds = Some(speeds);
+        Ok(self)
+    }
+
+    /// The global batch (sequences per step over all workers) and how it is divided (`even`, `auto` or
+    /// weights such as `3,1`).
+    pub fn batch_split(mut self, global: usize, split: &str) -> Result<Self> {
+        self.options.global_batch = Some(global);
+        self.options.batch_split = BatchSplit::parse(split).map_err(anyhow::Error::msg)?;
+        Ok(self)
+    }
+
+    /// Follows a recorded `auto` split history (shares from each step, counted from 1) instead of
+    /// measuring: the same history gives the same bits (`Trainer::replay_splits`).
+    pub fn replay_splits(mut self, history: BTreeMap<u64, Vec<usize>>) -> Self {
+        self.split_replay = Some(history);
+        self
+    }
+
     /// Whether the design guarantees bit-identical replicas for this configuration: always under the
     /// sharded update; under the replicated one only when every rank runs the same backend.
     pub fn identity_guaranteed(&self) -> bool {
@@ -200,6 +246,7 @@ impl Cluster {
             transport: self.transport,
             faults,
             deadline: self.deadline,
+            split_replay: self.split_replay.clone(),
         })
     }
 
@@ -235,7 +282,20 @@ impl Cluster {
         } else {
             without_overlap(profile)
         };
-        predict_step(&cfg.model, &cfg.options, cfg.workers, net, &profile, DEFAULT_SUB_CHUNK).map(Some)
+        let speeds = self.speeds.clone().unwrap_or_else(|| vec![1.0; cfg.workers]);
+        let shares =
+            (cfg.options.batch_split == BatchSplit::Auto).then(|| auto_shares(&cfg.options, &profile, &speeds));
+        let (model, options) = (&cfg.model, &cfg.options);
+        predict_split(
+            model,
+            options,
+            net,
+            &profile,
+            DEFAULT_SUB_CHUNK,
+            &speeds,
+            shares.as_deref(),
+        )
+        .map(Some)
     }
 }
 
@@ -326,5 +386,14 @@ impl ClusterRun {
     /// Rank 0's parameter fingerprint after the last step.
     pub fn final_hash(&self) -> &str {
         self.steps.last().map_or("", |s| &s.hashes[0])
+    }
+
+    /// The split history of uneven shares (from rank 0's metrics): the step (from 1) of each change and the
+    /// shares from then on; what [`Cluster::replay_splits`] takes back.
+    pub fn split_history(&self) -> BTreeMap<u64, Vec<usize>> {
+        self.report
+            .ranks
+            .first()
+            .map_or_else(BTreeMap::new, |r| r.splits.iter().cloned().collect())
     }
 }

@@ -48,6 +48,9 @@ pub struct SimConfig {
     /// ([`faults::validate`] refuses what the chosen transport cannot apply).
     pub faults: FaultPlan,
     pub deadline: Duration,
+    /// A recorded `--batch-split auto` history every rank follows instead of measuring (shares from each
+    /// step, counted from 1); see `Trainer::replay_splits`.
+    pub split_replay: Option<std::collections::BTreeMap<u64, Vec<usize>>>,
 }
 
 /// What one rank saw: per-step loss and parameter fingerprint.
@@ -59,6 +62,8 @@ pub struct RankTrace {
     pub skipped: Vec<u64>,
     /// With a `flip` on this rank: its parameter fingerprint right after the flip.
     pub hash_after_flip: Option<String>,
+    /// Uneven shares: the step (from 1) of each change of split, and the shares from then on.
+    pub splits: Vec<(u64, Vec<usize>)>,
 }
 
 #[derive(Clone, Debug)]
@@ -125,8 +130,14 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
             hashes: Vec::new(),
             skipped: Vec::new(),
             hash_after_flip: None,
+            splits: Vec::new(),
         },
     };
+    if let Some(history) = &cfg.split_replay {
+        trainer
+            .replay_splits(history.clone())
+            .with_context(|| format!("rank {rank}"))?;
+    }
     let run = trainer.run(&mut recorder);
     run.with_context(|| format!("rank {rank}, step {}", trainer.step() + 1))?;
     Ok(recorder.trace)
@@ -144,6 +155,9 @@ impl<B: Backend> RunObserver<B> for Recorder {
         self.trace.hashes.push(trainer.param_hash()?);
         if m.skipped {
             self.trace.skipped.push(m.step);
+        }
+        if let Some(shares) = &m.batch_shares {
+            self.trace.splits.push((m.step, shares.clone()));
         }
         Ok(())
     }
@@ -227,7 +241,9 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     }
     // The reference: one worker, the same global batch.
     let single = TrainOptions {
-        batch_size: cfg.options.batch_size * cfg.workers,
+        batch_size: cfg.options.global_batch.unwrap_or(cfg.options.batch_size * cfg.workers),
+        global_batch: None,
+        batch_split: ringtrain::data::BatchSplit::Even,
         ..cfg.options.clone()
     };
     let (cpu, _) = factory::open(BackendChoice::Cpu, 0)?;

@@ -1,9 +1,11 @@
 //! `ringtrain-sim --workers N [--update sharded|replicated] [--steps S] [--transport mem|quic] [--fault ...]
 //! [--on-nonfinite skip|abort]`
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
 use ringtrain::backend::factory::BackendChoice;
+use ringtrain::data::BatchSplit;
+use ringtrain::metrics::read_metrics;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{OnNonFinite, TrainOptions, UpdateMode};
 use ringtrain_sim::faults::{parse_faults, FAULT_HELP};
@@ -46,6 +48,21 @@ struct Cli {
     seq_len: usize,
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
+    /// Sequences per step over all workers [default: workers x --batch-size x --grad-accum]
+    #[arg(long)]
+    global_batch: Option<usize>,
+    /// How the global batch is divided: even, auto, or one weight per worker such as 3,1
+    #[arg(long, default_value = "even")]
+    batch_split: String,
+    /// Each worker's compute speed, comma-separated and relative to the fastest (1,0.5,0.5): a slower
+    /// worker's compute is stretched (the `speed` fault); --timing-only predicts the step with the
+    /// even split and with the one `auto` settles on
+    #[arg(long)]
+    worker_speed: Option<String>,
+    /// Follow the split history recorded in a metrics file (`train --metrics`, its batch_shares) instead
+    /// of measuring; needs --batch-split auto
+    #[arg(long)]
+    replay_splits: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 1337)]
     seed: u64,
     /// Per-collective deadline, seconds
@@ -66,6 +83,51 @@ struct Cli {
     /// Gradient bucket size in MiB for --timing-only (the trainer's --bucket-mb)
     #[arg(long)]
     bucket_mb: Option<f64>,
+}
+
+/// `--worker-speed`: one positive number per worker, scaled so that the fastest is 1.
+fn parse_speeds(text: &str, workers: usize) -> Result<Vec<f64>> {
+    let speeds = text
+        .split(',')
+        .map(|s| match s.trim().parse::<f64>() {
+            Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+            _ => bail!("--worker-speed {text:?}: {s:?} is not a positive number"),
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    if speeds.len() != workers {
+        bail!(
+            "--worker-speed gives {} speeds for {workers} workers; give one per worker",
+            speeds.len()
+        );
+    }
+    let fastest = speeds.iter().copied().fold(0.0, f64::max);
+    Ok(speeds.iter().map(|s| s / fastest).collect())
+}
+
+/// The `speed` faults that make the workers of a full run compute at `speeds` (whole percents, at least 1).
+fn speed_faults(speeds: &[f64]) -> Vec<String> {
+    speeds
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| **s < 1.0)
+        .map(|(rank, s)| format!("speed={rank}:{}", ((s * 100.0).round() as u64).clamp(1, 99)))
+        .collect()
+}
+
+/// The split history a metrics file recorded: the shares from each step that changed them.
+fn recorded_splits(path: &std::path::Path) -> Result<std::collections::BTreeMap<u64, Vec<usize>>> {
+    let records = read_metrics(path).with_context(|| format!("--replay-splits {}", path.display()))?;
+    let history: std::collections::BTreeMap<u64, Vec<usize>> = records
+        .into_iter()
+        .filter_map(|m| Some((m.step, m.batch_shares?)))
+        .collect();
+    if history.is_empty() {
+        bail!(
+            "--replay-splits {}: the metrics record no batch_shares (a run with --batch-split auto records them)",
+            path.display()
+        );
+    }
+    Ok(history)
 }
 
 fn main() -> ExitCode {
@@ -109,10 +171,16 @@ fn real_main() -> Result<ExitCode> {
         other => bail!("--on-nonfinite {other:?}: expected skip or abort"),
     };
     let model = ModelConfig::preset(&cli.model)?;
+    let speeds = match &cli.worker_speed {
+        Some(text) => Some(parse_speeds(text, cli.workers)?),
+        None => None,
+    };
     let options = TrainOptions {
         batch_size: cli.batch_size,
         seq_len: cli.seq_len,
         grad_accum: cli.grad_accum,
+        global_batch: cli.global_batch,
+        batch_split: BatchSplit::parse(&cli.batch_split).map_err(anyhow::Error::msg)?,
         update,
         seed: cli.seed,
         eval_every: 0,
@@ -121,9 +189,11 @@ fn real_main() -> Result<ExitCode> {
         ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
     if cli.timing_only || cli.network.is_some() || cli.compute_ms.is_some() || cli.bucket_mb.is_some() {
-        return timing::run(&cli, &model, &options, &backends);
+        return timing::run(&cli, &model, &options, &backends, speeds.as_deref());
     }
-    let faults = parse_faults(&cli.fault)?;
+    let mut fault_specs = cli.fault.clone();
+    fault_specs.extend(speeds.iter().flat_map(|s| speed_faults(s)));
+    let faults = parse_faults(&fault_specs)?;
     let cfg = SimConfig {
         workers: cli.workers,
         backends,
@@ -132,6 +202,10 @@ fn real_main() -> Result<ExitCode> {
         transport,
         faults,
         deadline: Duration::from_secs_f64(cli.timeout),
+        split_replay: match &cli.replay_splits {
+            Some(path) => Some(recorded_splits(path)?),
+            None => None,
+        },
     };
     let report = run(&cfg)?;
     for (step, loss) in report.ranks[0].losses.iter().enumerate() {
@@ -156,8 +230,19 @@ fn real_main() -> Result<ExitCode> {
             );
         }
     }
-    if !cli.fault.is_empty() {
+    if !cli.fault.is_empty() || cli.worker_speed.is_some() {
         println!("(the single-worker reference runs without the injected faults)");
+    }
+    if !report.ranks[0].splits.is_empty() {
+        let history: Vec<String> = report.ranks[0]
+            .splits
+            .iter()
+            .map(|(step, shares)| {
+                let shares: Vec<String> = shares.iter().map(usize::to_string).collect();
+                format!("step {step}: {}", shares.join("+"))
+            })
+            .collect();
+        println!("split history | {}", history.join(" | "));
     }
     match report.first_divergence() {
         None => {

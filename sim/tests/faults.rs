@@ -42,6 +42,7 @@ fn config(update: UpdateMode, transport: Transport, specs: &[&str]) -> SimConfig
         transport,
         faults,
         deadline: DEADLINE,
+        split_replay: None,
     }
 }
 

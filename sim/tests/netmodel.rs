@@ -170,14 +170,15 @@ fn exposed_time_is_the_communication_tail_after_backward() {
     let net = uniform(alpha, beta, 0.0);
     let ar = |elems: usize| 6.0 * (alpha + (elems * 4 / n) as f64 / beta);
     let bucket = 250_000; // 1 MB
-    let plan = StepPlan {
-        buckets: vec![bucket..2 * bucket, 0..bucket],
-        update: UpdateMode::Replicated,
-        world: n,
-        grad_accum: 1,
-        sub_chunk: bucket, // one message per chunk, so the closed form holds
-        tokens_per_micro_batch: 100,
-    };
+                          // One message per chunk (sub-chunk = bucket), so the closed form holds.
+    let plan = StepPlan::equal(
+        vec![bucket..2 * bucket, 0..bucket],
+        UpdateMode::Replicated,
+        n,
+        1,
+        bucket,
+        100,
+    );
     let scalars = 3.0 * (alpha + 16.0 / beta);
     for (first_ready, tail) in [(0.1, 0.6), (0.1, 0.05), (0.9, 0.05)] {
         // Backward: bucket 0 (the end of the layout) is final after `first_ready`, bucket 1 `tail` later.
@@ -204,14 +205,14 @@ fn sharded_gathers_overlap_the_next_forward() {
     let n = 2;
     let net = uniform(0.0, 1e6, 0.0);
     let bucket = 250_000; // 1 MB: reduce-scatter or all-gather over 2 ranks = 0.5 s
-    let plan = StepPlan {
-        buckets: vec![bucket..2 * bucket, 0..bucket],
-        update: UpdateMode::Sharded,
-        world: n,
-        grad_accum: 1,
-        sub_chunk: bucket,
-        tokens_per_micro_batch: 1,
-    };
+    let plan = StepPlan::equal(
+        vec![bucket..2 * bucket, 0..bucket],
+        UpdateMode::Sharded,
+        n,
+        1,
+        bucket,
+        1,
+    );
     // Forward reads bucket 1 (0..bucket) first for 2 s, then bucket 0: gathers of 0.5 s each hide fully.
     let mut profile = flat_profile(0.0, &[(bucket, 3.0), (0, 3.0)], 0.0);
     profile.forward = vec![
@@ -237,13 +238,15 @@ fn sharded_gathers_overlap_the_next_forward() {
 #[test]
 fn shared_cores_slow_compute_and_bound_the_step() {
     let bucket = 250_000; // 1 MB
-    let plan = |world| StepPlan {
-        buckets: vec![bucket..2 * bucket, 0..bucket],
-        update: UpdateMode::Replicated,
-        world,
-        grad_accum: 1,
-        sub_chunk: bucket,
-        tokens_per_micro_batch: 1,
+    let plan = |world| {
+        StepPlan::equal(
+            vec![bucket..2 * bucket, 0..bucket],
+            UpdateMode::Replicated,
+            world,
+            1,
+            bucket,
+            1,
+        )
     };
     let profile = flat_profile(0.2, &[(bucket, 0.3), (0, 0.3)], 0.1);
     let compute = 0.2 + 0.6 + 0.1;

@@ -33,6 +33,7 @@ fn config(workers: usize, update: UpdateMode, grad_accum: usize, faults: FaultPl
         transport: Transport::Mem,
         faults,
         deadline: Duration::from_secs(20),
+        split_replay: None,
     }
 }
 

@@ -147,6 +147,8 @@ pub struct Trainer<B: Backend> {
     reported_shares: Option<Vec<usize>>,
     /// `--batch-split auto` over several ranks: the measurements and estimates that re-split the batch.
     auto_split: Option<AutoSplit>,
+    /// A recorded split history to follow instead ([`Trainer::replay_splits`]): shares by 1-based step.
+    split_replay: Option<std::collections::BTreeMap<u64, Vec<usize>>>,
     /// Optimizer steps completed (including skipped ones): the next step's index.
     step: u64,
     /// Tokens consumed so far, over all ranks.
@@ -293,6 +295,7 @@ impl<B: Backend> Trainer<B> {
             batch,
             reported_shares: None,
             auto_split,
+            split_replay: None,
             step,
             tokens_seen,
             world,
@@ -462,11 +465,40 @@ impl<B: Backend> Trainer<B> {
         changed.then_some(shares)
     }
 
+    /// Follows a recorded `--batch-split auto` history instead of measuring: from each step of `history`
+    /// (1-based, as the metrics count) the ranks use its shares, until the next. Every rank must be given the
+    /// same history; a run given its own history reproduces its bits. Only for a run split `auto`, whose
+    /// ring sums uneven shares.
+    pub fn replay_splits(&mut self, history: std::collections::BTreeMap<u64, Vec<usize>>) -> Result<()> {
+        ensure!(
+            self.opts.batch_split == BatchSplit::Auto,
+            "a split history can only be replayed by a run with --batch-split auto (it is {})",
+            self.opts.batch_split
+        );
+        for (step, shares) in &history {
+            BatchPlan::with_shares(self.batch.global, shares.clone())
+                .ok()
+                .filter(|_| shares.len() == self.world)
+                .with_context(|| {
+                    format!(
+                        "the split history's shares {shares:?} at step {step} do not split a global batch of {}                          over {} ranks",
+                        self.batch.global, self.world
+                    )
+                })?;
+        }
+        self.auto_split = None;
+        self.split_replay = Some(history);
+        Ok(())
+    }
+
     /// Forward and backward over this rank's micro-batches of the step's global batch; the gradients
     /// accumulate on the device, scaled as the sync asks, and with overlap the sync starts on each gradient
     /// bucket as soon as the last backward has finished it.
     fn local_compute(&mut self) -> Result<LocalStep> {
         let started = Instant::now();
+        if let Some(shares) = self.split_replay.as_ref().and_then(|h| h.get(&(self.step + 1))) {
+            self.batch = BatchPlan::with_shares(self.batch.global, shares.clone())?;
+        }
         let (b, t) = (self.opts.batch_size, self.opts.seq_len);
         let windows = self.sampler.windows_for_step(self.step);
         let micro = self.batch.micro_batches(&windows, self.rank, b)?;

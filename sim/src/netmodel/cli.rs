@@ -5,15 +5,22 @@ use super::Cli;
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
+use ringtrain::data::BatchSplit;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{bucket_elems, TrainOptions};
-use ringtrain_sim::netmodel::{predict_step, ComputeProfile, Network};
+use ringtrain_sim::netmodel::{auto_shares, predict_split, ComputeProfile, Network};
 use std::process::ExitCode;
 
 /// Forward and backward passes timed per layer when no `--compute-ms` is given.
 const MEASURED_PASSES: usize = 2;
 
-pub fn run(cli: &Cli, model: &ModelConfig, options: &TrainOptions, backends: &[BackendChoice]) -> Result<ExitCode> {
+pub fn run(
+    cli: &Cli,
+    model: &ModelConfig,
+    options: &TrainOptions,
+    backends: &[BackendChoice],
+    speeds: Option<&[f64]>,
+) -> Result<ExitCode> {
     if !cli.timing_only {
         bail!("--network, --compute-ms and --bucket-mb only apply with --timing-only");
     }
@@ -47,7 +54,8 @@ pub fn run(cli: &Cli, model: &ModelConfig, options: &TrainOptions, backends: &[B
             )?
         }
     };
-    let p = predict_step(model, &options, cli.workers, &net, &profile, DEFAULT_SUB_CHUNK)?;
+    let speeds = speeds.map_or_else(|| vec![1.0; cli.workers], <[f64]>::to_vec);
+    let p = predict_split(model, &options, &net, &profile, DEFAULT_SUB_CHUNK, &speeds, None)?;
     println!("network {} | compute {}", net.name, profile.source);
     println!(
         "compute profile | forward {:.1} ms | backward {:.1} ms | update {:.1} ms (all parameters) per micro-batch",
@@ -65,6 +73,44 @@ pub fn run(cli: &Cli, model: &ModelConfig, options: &TrainOptions, backends: &[B
         p.step_s * 1e3,
         p.tokens_per_s
     );
+    if cli.worker_speed.is_some() || options.batch_split == BatchSplit::Auto {
+        let shares = auto_shares(&options, &profile, &speeds);
+        let auto = predict_split(
+            model,
+            &options,
+            &net,
+            &profile,
+            DEFAULT_SUB_CHUNK,
+            &speeds,
+            Some(&shares),
+        )?;
+        let even = options.batch_plan(cli.workers)?;
+        let even = predict_split(
+            model,
+            &options,
+            &net,
+            &profile,
+            DEFAULT_SUB_CHUNK,
+            &speeds,
+            Some(&even.shares),
+        )?;
+        let speeds: Vec<String> = speeds.iter().map(|s| format!("{s:.2}")).collect();
+        let shares: Vec<String> = shares.iter().map(usize::to_string).collect();
+        let fixed = match &options.batch_split {
+            BatchSplit::Auto => "even".to_string(),
+            split => split.to_string(),
+        };
+        println!(
+            "worker speeds {} | {fixed} split: step {:.1} ms, {:.0} tokens/s | auto split {}: step {:.1} ms, {:.0} tokens/s ({:.2}x)",
+            speeds.join(","),
+            even.step_s * 1e3,
+            even.tokens_per_s,
+            shares.join("+"),
+            auto.step_s * 1e3,
+            auto.tokens_per_s,
+            even.step_s / auto.step_s
+        );
+    }
     if let Some(cores) = net.shared_cores {
         println!(
             "shared cores | {} ranks per machine of {cores} cores | compute slowed {:.2}x | the machine's CPU work allows a step of at least {:.1} ms",

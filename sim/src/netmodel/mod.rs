@@ -18,7 +18,9 @@ pub mod schedule;
 use anyhow::{bail, Result};
 pub use network::Network;
 pub use profile::ComputeProfile;
+use ringtrain::data::BatchPlan;
 use ringtrain::model::{ModelConfig, ParamLayout};
+use ringtrain::trainer::auto_split::best_split;
 use ringtrain::trainer::buckets::BucketPlan;
 use ringtrain::trainer::TrainOptions;
 pub use schedule::StepPrediction;
@@ -26,7 +28,8 @@ pub use schedule::StepPrediction;
 /// The largest world the model is meant for (the ring simulation is `O(N²)` per collective).
 pub const MAX_WORKERS: usize = 4096;
 
-/// Predicts one steady-state step of `workers` ranks training `model` with `options` on `net`.
+/// Predicts one steady-state step of `workers` ranks training `model` with `options` on `net`, every rank
+/// at the profile's speed.
 pub fn predict_step(
     model: &ModelConfig,
     options: &TrainOptions,
@@ -35,19 +38,58 @@ pub fn predict_step(
     profile: &ComputeProfile,
     sub_chunk: usize,
 ) -> Result<StepPrediction> {
+    predict_split(model, options, net, profile, sub_chunk, &vec![1.0; workers], None)
+}
+
+/// Predicts one steady-state step of ranks running at `speeds` (relative to the profile; one per rank),
+/// each taking its share of the global batch: `shares` when given, else the split of `options`
+/// (`auto` starts even; [`auto_shares`] gives where it settles).
+pub fn predict_split(
+    model: &ModelConfig,
+    options: &TrainOptions,
+    net: &Network,
+    profile: &ComputeProfile,
+    sub_chunk: usize,
+    speeds: &[f64],
+    shares: Option<&[usize]>,
+) -> Result<StepPrediction> {
+    let workers = speeds.len();
     if workers == 0 || workers > MAX_WORKERS {
         bail!("--workers {workers} must be between 1 and {MAX_WORKERS} with --timing-only");
     }
     if sub_chunk == 0 {
         bail!("the sub-chunk size must be at least one element");
     }
+    if let Some(bad) = speeds.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
+        bail!("--worker-speed {bad} is not a positive number");
+    }
+    let mut batch = options.batch_plan(workers)?;
+    if let Some(shares) = shares {
+        batch = BatchPlan::with_shares(batch.global, shares.to_vec())?;
+    }
+    let windows: Vec<u64> = (0..batch.global as u64).collect();
+    let b = options.batch_size;
+    let loads = (0..workers)
+        .map(|rank| {
+            let micro = batch.micro_batches(&windows, rank, b)?;
+            Ok(micro.iter().map(|m| m.len() as f64 / b as f64 / speeds[rank]).collect())
+        })
+        .collect::<Result<Vec<Vec<f64>>>>()?;
     let plan = schedule::StepPlan {
         buckets: BucketPlan::new(&ParamLayout::new(model), options.bucket_elems).buckets,
         update: options.update,
         world: workers,
-        grad_accum: options.grad_accum.max(1),
+        loads,
         sub_chunk,
-        tokens_per_micro_batch: options.batch_size * options.seq_len,
+        tokens_per_step: batch.global * options.seq_len,
     };
     Ok(schedule::predict(net, &plan, profile))
+}
+
+/// The shares `--batch-split auto` settles on for ranks at `speeds`: the trainer's best integer split
+/// for times per sequence of the profile's forward and backward over its batch, divided by each speed.
+pub fn auto_shares(options: &TrainOptions, profile: &ComputeProfile, speeds: &[f64]) -> Vec<usize> {
+    let per_sequence = (profile.forward_s() + profile.backward_s()) / options.batch_size as f64;
+    let costs: Vec<f64> = speeds.iter().map(|s| per_sequence / s).collect();
+    best_split(&costs, options.global_batch_for(speeds.len()))
 }

@@ -2,6 +2,7 @@
 //! [`super::ring::simulate`], in the order and with the overlap of `ringtrain::trainer`:
 //!
 //! - forward, then backward, per micro-batch; only the last micro-batch's backward hands buckets over;
+//!   each rank runs its own micro-batches (uneven shares) at its own speed (`StepPlan::loads`);
 //! - each bucket of the real `BucketPlan` goes to the rank's communication thread once backward has
 //!   finished it, and the thread runs one collective at a time, in plan order (`CommThread`): an
 //!   all-reduce (`replicated`) or a reduce-scatter (`sharded`);
@@ -34,11 +35,36 @@ pub struct StepPlan {
     pub buckets: Vec<Range<usize>>,
     pub update: UpdateMode,
     pub world: usize,
-    pub grad_accum: usize,
+    /// Per rank, the time of each of its micro-batches in run order, as a multiple of the profile's
+    /// micro-batch: its sequences over the profile's, divided by the rank's speed (uneven shares, slower
+    /// workers).
+    pub loads: Vec<Vec<f64>>,
     /// The transport's sub-chunk in f32 elements.
     pub sub_chunk: usize,
-    /// Tokens one rank processes per micro-batch (batch × sequence length).
-    pub tokens_per_micro_batch: usize,
+    /// Tokens of the whole job per step (the global batch × sequence length).
+    pub tokens_per_step: usize,
+}
+
+impl StepPlan {
+    /// Every rank at the profile's speed running `grad_accum` micro-batches of `tokens_per_micro_batch`
+    /// tokens, the profiled size.
+    pub fn equal(
+        buckets: Vec<Range<usize>>,
+        update: UpdateMode,
+        world: usize,
+        grad_accum: usize,
+        sub_chunk: usize,
+        tokens_per_micro_batch: usize,
+    ) -> Self {
+        StepPlan {
+            buckets,
+            update,
+            world,
+            loads: vec![vec![1.0; grad_accum.max(1)]; world],
+            sub_chunk,
+            tokens_per_step: world * grad_accum.max(1) * tokens_per_micro_batch,
+        }
+    }
 }
 
 /// One rank's step, in seconds.
@@ -128,30 +154,40 @@ impl Cluster {
         let mut comm_s = 0.0;
         let mut t = self.now.clone();
         let gathers = std::mem::take(&mut self.gathers);
-        for micro in 0..plan.grad_accum {
-            // Forward: the first micro-batch waits at each layer for the gathers of what it reads.
-            let mut waiting = gathers.iter().peekable();
-            for seg in &profile.forward {
-                while let Some((_, done)) = waiting.next_if(|(range, _)| micro == 0 && range.start < seg.bound) {
-                    t.iter_mut().zip(done).for_each(|(t, d)| *t = t.max(*d));
+        // When each rank's last backward has finished each bucket: [bucket][rank].
+        let mut ready = vec![vec![0.0; world]; plan.buckets.len()];
+        for (rank, loads) in plan.loads.iter().enumerate() {
+            for (micro, load) in loads.iter().enumerate() {
+                // Forward: the first micro-batch waits at each layer for the gathers of what it reads.
+                let mut waiting = gathers.iter().peekable();
+                for seg in &profile.forward {
+                    while let Some((_, done)) = waiting.next_if(|(range, _)| micro == 0 && range.start < seg.bound) {
+                        t[rank] = t[rank].max(done[rank]);
+                    }
+                    t[rank] += seg.seconds * load * stretch;
                 }
-                t.iter_mut().for_each(|t| *t += seg.seconds * stretch);
+                // Backward: the last micro-batch hands each bucket over as it is finished.
+                let mut next = 0;
+                for seg in &profile.backward {
+                    t[rank] += seg.seconds * load * stretch;
+                    if micro + 1 < loads.len() {
+                        continue;
+                    }
+                    while plan.buckets.get(next).is_some_and(|b| b.start >= seg.bound) {
+                        ready[next][rank] = t[rank];
+                        next += 1;
+                    }
+                }
             }
-            // Backward: the last micro-batch hands each bucket over as it is finished.
-            let mut next = 0;
-            for seg in &profile.backward {
-                t.iter_mut().for_each(|t| *t += seg.seconds * stretch);
-                if micro + 1 < plan.grad_accum || world == 1 {
-                    continue;
-                }
-                while plan.buckets.get(next).is_some_and(|b| b.start >= seg.bound) {
-                    let kind = match plan.update {
-                        UpdateMode::Replicated => RingKind::AllReduce,
-                        UpdateMode::Sharded => RingKind::ReduceScatter,
-                    };
-                    comm_s += self.collective(net, plan, kind, plan.buckets[next].len(), 4, &t);
-                    next += 1;
-                }
+        }
+        // Each bucket's collective, in plan order, once every rank has handed it over.
+        if world > 1 {
+            let kind = match plan.update {
+                UpdateMode::Replicated => RingKind::AllReduce,
+                UpdateMode::Sharded => RingKind::ReduceScatter,
+            };
+            for (bucket, ready) in plan.buckets.iter().zip(&ready) {
+                comm_s += self.collective(net, plan, kind, bucket.len(), 4, ready);
             }
         }
         // Wait for every bucket, then the scalars (loss and norm: two f64 per rank, gathered).
@@ -172,11 +208,14 @@ impl Cluster {
                 self.gathers.push((bucket.clone(), self.comm_free.clone()));
             }
         }
-        let compute_cpu_s = plan.grad_accum as f64 * (profile.forward_s() + profile.backward_s()) + update_cpu_s;
+        // Rank 0's compute, and the mean rank's for the machine's CPU work.
+        let pass_s = profile.forward_s() + profile.backward_s();
+        let compute_cpu_s = plan.loads[0].iter().sum::<f64>() * pass_s + update_cpu_s;
+        let mean_cpu_s = plan.loads.iter().flatten().sum::<f64>() / world as f64 * pass_s + update_cpu_s;
         let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
             // Rank 0's outgoing hop stands for every rank's (they differ only on two-tier fabrics).
             let comm_cpu_s = self.sent_bytes * net.rank_cpu_per_byte(0, world);
-            machine_ranks * (compute_cpu_s + comm_cpu_s) / cores as f64
+            machine_ranks * (mean_cpu_s + comm_cpu_s) / cores as f64
         });
         // Rank 0's step before the bound, less its compute: the communication it waited for.
         let exposed_s = (t[0] - starts[0] - compute_cpu_s * stretch).max(0.0);
@@ -190,7 +229,7 @@ impl Cluster {
             comm_s,
             exposed_s,
             step_s,
-            tokens_per_s: (world * plan.tokens_per_micro_batch * plan.grad_accum) as f64 / step_s,
+            tokens_per_s: plan.tokens_per_step as f64 / step_s,
             cpu_floor_s,
         }
     }
