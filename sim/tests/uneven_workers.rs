@@ -2,6 +2,7 @@
 //! the slow ones less, a recorded split history replays to the same bits without measuring, and the
 //! network prediction times each worker's share at its speed.
 
+use ringtrain::backend::factory::BackendChoice;
 use ringtrain::trainer::UpdateMode;
 use ringtrain_sim::cluster::Cluster;
 
@@ -51,5 +52,26 @@ fn the_prediction_times_each_share_at_its_worker_speed() -> anyhow::Result<()> {
     let (even, auto) = (predicted("even")?, predicted("auto")?);
     assert!((even - 0.120).abs() < 0.002, "even {even}");
     assert!((auto - 0.090).abs() < 0.002, "auto {auto}");
+    Ok(())
+}
+
+/// Mixed backends in one job split `auto`: a CPU rank and a wgpu rank, the wgpu one slowed, stay
+/// bit-identical (sharded update) while the split moves.
+#[test]
+fn auto_with_mixed_backends_keeps_the_replicas_identical() -> anyhow::Result<()> {
+    if !ringtrain::backend::testing::wgpu_available() {
+        return Ok(());
+    }
+    let run = Cluster::new(2)
+        .backends(&[BackendChoice::Cpu, BackendChoice::Wgpu])
+        .update(UpdateMode::Sharded)
+        .batch(1)
+        .batch_split(8, "auto")?
+        .worker_speeds(&[1.0, 0.1])?
+        .run(10)?;
+    assert!(run.replicas_identical());
+    assert!(run.max_loss_gap_to_single_worker() <= 1e-4);
+    let history = run.split_history();
+    assert!(history.values().last().unwrap()[1] <= 3, "{history:?}");
     Ok(())
 }

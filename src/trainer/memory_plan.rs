@@ -42,6 +42,9 @@ struct PlanShape {
     /// Gradient bucket size in elements: sharded ranks own a chunk of every bucket.
     bucket_elems: usize,
     resume: bool,
+    /// `--global-batch` given: a smaller micro-batch keeps the global batch by itself (more micro-batches
+    /// per share), with no --grad-accum to adjust.
+    global_batch: bool,
 }
 
 /// Free memory where a plan must fit, and where that figure came from.
@@ -62,6 +65,7 @@ impl MemoryPlan {
             optimizer_elems: optimizer_elems(config, opts.update, opts.bucket_elems, world, rank),
             bucket_elems: opts.bucket_elems,
             resume,
+            global_batch: opts.global_batch.is_some(),
         };
         Self::for_shape(shape, opts.batch_size, opts.grad_accum)
     }
@@ -171,6 +175,16 @@ impl MemoryPlan {
             Some(Self::for_shape(shape, self.batch_size, self.grad_accum)).filter(|plan| replicated && fits(plan))
         };
         match smaller {
+            Some(plan) if self.shape.global_batch => msg.push_str(&format!(
+                "; --batch-size {} fits ({}): this rank then runs its share of --global-batch in more, smaller \
+                 micro-batches",
+                plan.batch_size,
+                gib(if memory == BackendMemory::Host {
+                    plan.peak()
+                } else {
+                    plan.backend_peak()
+                })
+            )),
             Some(plan) => msg.push_str(&format!(
                 "; --batch-size {} --grad-accum {} keeps the global batch and needs {}",
                 plan.batch_size,
@@ -393,6 +407,18 @@ mod tests {
         let err = plan.check(BackendMemory::Host, host(GIB)).unwrap_err();
         assert!(err.contains("no smaller --batch-size fits"), "{err}");
         assert!(err.contains("the largest term is"), "{err}");
+    }
+
+    /// With --global-batch a smaller micro-batch keeps the global batch by itself: no --grad-accum advice.
+    #[test]
+    fn with_a_global_batch_a_smaller_micro_batch_is_the_advice() {
+        let cfg = ModelConfig::gpt2();
+        let mut opts = TrainOptions::for_model(&cfg);
+        (opts.batch_size, opts.seq_len, opts.global_batch) = (64, 1024, Some(96));
+        let plan = MemoryPlan::new(&cfg, &opts, 2, 1, false);
+        let err = plan.check(BackendMemory::Host, host(24 * GIB)).unwrap_err();
+        assert!(!err.contains("--grad-accum"), "{err}");
+        assert!(err.contains("in more, smaller micro-batches"), "{err}");
     }
 
     /// A replicated multi-rank run that only fits with sharded moments is told so.

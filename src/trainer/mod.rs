@@ -530,8 +530,19 @@ impl<B: Backend> Trainer<B> {
         let mut loss_sum = 0.0;
         // Time spent waiting for parameters in flight: communication, not this rank's compute.
         let mut param_wait = std::time::Duration::ZERO;
+        // The `speed` fault's stretch of a micro-batch: its compute (less its waits) × (100 / percent − 1).
+        let stretch = |since: Instant, waited: std::time::Duration| {
+            speed.map(|p| {
+                since
+                    .elapsed()
+                    .saturating_sub(waited)
+                    .mul_f64((100 - p) as f64 / p as f64)
+            })
+        };
+        let mut last_micro = (started, std::time::Duration::ZERO);
         for (i, windows) in micro.iter().enumerate() {
             let micro_started = Instant::now();
+            last_micro = (micro_started, param_wait);
             if let Some(delay) = compute_delay {
                 std::thread::sleep(delay);
             }
@@ -565,18 +576,22 @@ impl<B: Backend> Trainer<B> {
             } else {
                 self.model.backward(&mut self.be, dloss)?;
             }
-            if let Some(percent) = speed {
-                // The `speed` fault: this micro-batch's compute, stretched by 100 / percent.
+            // Before the last micro-batch's backward has begun any read-back (a backend may reclaim one
+            // that two synchronisations outlive), so the last one is stretched below.
+            if speed.is_some() && i + 1 < micro.len() {
                 self.be.synchronize()?;
-                let stretch = (100 - percent) as f64 / percent as f64;
-                std::thread::sleep(micro_started.elapsed().saturating_sub(param_wait).mul_f64(stretch));
+                std::thread::sleep(stretch(micro_started, param_wait - last_micro.1).unwrap_or_default());
             }
         }
         // Without overlap the local gradients are final here, before any of them is read back.
         write_if_final(&mut inject, &mut self.be, self.model.grads, 0)?;
-        if let Some(auto) = &mut self.auto_split {
-            // To the end of the last backward on the device, less the waits for parameters.
+        if speed.is_some() || self.auto_split.is_some() {
+            // The end of the last backward on the device: one synchronisation.
             self.be.synchronize()?;
+            std::thread::sleep(stretch(last_micro.0, param_wait - last_micro.1).unwrap_or_default());
+        }
+        if let Some(auto) = &mut self.auto_split {
+            // Less the waits for parameters: communication, not this rank's compute.
             let ms = started.elapsed().saturating_sub(param_wait).as_secs_f64() * 1e3;
             auto.record(ms, self.batch.shares[self.rank]);
         }
