@@ -75,25 +75,19 @@ pub fn run(
     );
     if cli.worker_speed.is_some() || options.batch_split == BatchSplit::Auto {
         let shares = auto_shares(&options, &profile, &speeds);
-        let auto = predict_split(
-            model,
-            &options,
-            &net,
-            &profile,
-            DEFAULT_SUB_CHUNK,
-            &speeds,
-            Some(&shares),
-        )?;
-        let even = options.batch_plan(cli.workers)?;
-        let even = predict_split(
-            model,
-            &options,
-            &net,
-            &profile,
-            DEFAULT_SUB_CHUNK,
-            &speeds,
-            Some(&even.shares),
-        )?;
+        let with_shares = |shares: &[usize]| {
+            predict_split(
+                model,
+                &options,
+                &net,
+                &profile,
+                DEFAULT_SUB_CHUNK,
+                &speeds,
+                Some(shares),
+            )
+        };
+        let auto = with_shares(&shares)?;
+        let even = with_shares(&options.batch_plan(cli.workers)?.shares)?;
         let speeds: Vec<String> = speeds.iter().map(|s| format!("{s:.2}")).collect();
         let shares: Vec<String> = shares.iter().map(usize::to_string).collect();
         let fixed = match &options.batch_split {
