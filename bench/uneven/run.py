@@ -15,7 +15,7 @@ In each round, in turn:
   alone        every rank's configuration trained alone (world 1, its own batch of --batch sequences per
                step, under its own limit). With --ranks 2 one at a time; with more, all at once, as
                bench/hosts/compare.py's single-rank baseline (the ranks share the machine's cores), so the
-               sum is what the machine does without communication.
+               sum is what the machine does without communication. --alone apart|together chooses.
   even         one job over the ranks, --global-batch G (default ranks x --batch) split even
   auto         the same with --batch-split auto
 Tokens/s is the median over the timed steps (after --warmup, which lets auto settle) of the metrics'
@@ -114,6 +114,7 @@ class Bench:
             f.write(secrets.token_hex(32))
         self.port = 29700
         self.global_batch = a.global_batch or a.ranks * a.batch
+        self.alone_apart = (a.alone or ("apart" if a.ranks == 2 else "together")) == "apart"
 
     def command(self, rank, limited, extra, metrics):
         a = self.a
@@ -156,7 +157,7 @@ class Bench:
                   "RAYON_NUM_THREADS": "1", "LP_NUM_THREADS": "1"}
         paths = [os.path.join(self.workdir, f"{label}.{r}.metrics.jsonl") for r in range(a.ranks)]
         cmds = [self.command(r, r == a.ranks - 1, [], paths[r]) for r in range(a.ranks)]
-        if a.ranks == 2:
+        if self.alone_apart:
             for r in range(a.ranks):
                 run_all([cmds[r]], [single], self.workdir, f"{label}.{r}")
         else:
@@ -202,6 +203,8 @@ def main():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int)
     p.add_argument("--sim", action="store_true")
+    p.add_argument("--alone", choices=["apart", "together"],
+                   help="run the alone baselines one at a time or all at once (default: apart for 2 ranks)")
     a = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/uneven/run.py needs root (a CPU cgroup; emulated hosts)")
@@ -241,6 +244,7 @@ def main():
             alone_sum = statistics.median(sum(r["alone_tokens_per_s"]) for r in rounds)
             print(json.dumps({
                 "summary": True, "net": rounds[0]["net"], "ranks": a.ranks, "quota_percent": a.quota,
+                "alone": "apart" if b.alone_apart else "together",
                 "alone_sum_tokens_per_s": round(alone_sum), "even_tokens_per_s": round(med("even_tokens_per_s")),
                 "auto_tokens_per_s": round(med("auto_tokens_per_s")),
                 "even_over_alone_sum": round(med("even_tokens_per_s") / alone_sum, 3),

@@ -28,8 +28,10 @@ use super::ring::{Msg, Payload};
 
 pub const MAGIC: [u8; 4] = *b"RTRF";
 /// Version 2: ring welcomes carry certificate fingerprints, every endpoint presents a client certificate,
-/// and a hello may carry the address the rank asks the others to dial.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// and a hello may carry the address the rank asks the others to dial. Version 3: hellos and welcomes carry
+/// each rank's host identity and shared-memory endpoint, and a peer hello says whether the link's data goes
+/// through shared memory.
+pub const PROTOCOL_VERSION: u16 = 3;
 pub const HEADER_LEN: usize = 48;
 /// Hard ceiling on any payload, whatever the caller allows (64 MiB).
 pub const ABSOLUTE_MAX_PAYLOAD: usize = 64 << 20;

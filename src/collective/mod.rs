@@ -5,6 +5,8 @@
 //! - [`frame`]: the bounded, versioned wire format.
 //! - [`quic`]: the QUIC transport (quinn), rendezvous and control plane included; [`buffer_pool`] recycles
 //!   its message buffers.
+//! - [`shm`]: ring links through shared memory between ranks of one host (the QUIC transport's data path
+//!   for such links).
 //! - [`comm_thread`]: a rank's collectives on their own thread, behind handles (overlap with backward).
 //! - [`bench`](mod@bench): the all-reduce benchmark behind `ringtrain bench allreduce`.
 //!
@@ -21,6 +23,7 @@ pub mod mem;
 pub mod quic;
 pub mod rank_runtime;
 pub mod ring;
+pub mod shm;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -51,7 +51,7 @@ impl QuicCollective {
             if engine.is_done() {
                 return Ok(());
             }
-            let (_, rx) = self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?;
+            let rx = &mut self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?.rx;
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 _ = tokio::time::sleep_until(round.deadline) =>
@@ -97,15 +97,19 @@ impl QuicCollective {
         }
         self.sent_msgs += 1;
         let lost = {
-            let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
-            let (_, rx) = self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?;
+            let send = &mut self
+                .right
+                .as_mut()
+                .ok_or_else(|| local("no right neighbour link"))?
+                .data;
+            let rx = &mut self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?.rx;
             let (guard, pool) = (&mut self.guard, &self.shared.pool);
             let mut write = std::pin::pin!(send.write_all_chunks(&mut chunks));
             loop {
                 tokio::select! {
                     r = &mut write => match r {
                         Ok(()) => break None,
-                        Err(e) => break Some((round.right_rank, e.to_string())),
+                        Err(e) => break Some((round.right_rank, e)),
                     },
                     ev = rx.recv(), if engine.wants_input() => {
                         match apply_event(ev, engine, guard, pool, round.left_rank) {

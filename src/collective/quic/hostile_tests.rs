@@ -138,6 +138,7 @@ fn a_second_claim_on_a_taken_rank_is_refused() {
             world,
             config_hash: 77,
             advertise: None,
+            local: None,
         })
     };
     let sums: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
@@ -169,7 +170,11 @@ fn a_second_claim_on_a_taken_rank_is_refused() {
         for _ in 0..2 {
             let reason = refused_reason(rogue.say(master, JOB, &hello(1), wait));
             assert!(reason.contains("rank 1 has already joined"), "{reason}");
-            let peer = Control::PeerHello { job_id: JOB, rank: 1 };
+            let peer = Control::PeerHello {
+                job_id: JOB,
+                rank: 1,
+                shm: false,
+            };
             let reason = refused_reason(rogue.say(addr2, JOB, &peer, wait));
             assert!(reason.contains("rank 1"), "{reason}");
         }
@@ -207,7 +212,11 @@ fn a_ring_link_from_another_certificate_is_refused_and_the_real_neighbour_gets_i
         let claims: Vec<_> = (0..2)
             .map(|_| {
                 s.spawn(move || {
-                    let peer = Control::PeerHello { job_id: JOB, rank: 1 };
+                    let peer = Control::PeerHello {
+                        job_id: JOB,
+                        rank: 1,
+                        shm: false,
+                    };
                     rogue.say(addr2, JOB, &peer, Duration::from_secs(8))
                 })
             })
@@ -384,7 +393,11 @@ fn garbage_at_every_port_leaves_the_result_unchanged() {
         failed_handshakes(&stranger, ports);
         for &p in ports {
             for _ in 0..2 {
-                let hello = Control::PeerHello { job_id: JOB, rank: 1 };
+                let hello = Control::PeerHello {
+                    job_id: JOB,
+                    rank: 1,
+                    shm: false,
+                };
                 let e = wrong_secret.say(p, JOB, &hello, Duration::from_secs(3)).unwrap_err();
                 assert!(e.contains("authentication"), "{e}");
             }

@@ -17,6 +17,39 @@ pub struct Hello {
     pub config_hash: u64,
     /// Where the other ranks should dial this rank; `None`: where rank 0 sees this hello come from.
     pub advertise: Option<SocketAddr>,
+    /// This rank's host and shared-memory endpoint; `None` when it uses QUIC on every link.
+    pub local: Option<LocalEndpoint>,
+}
+
+/// What ranks of one host need to link through shared memory: which host, which process, and where it
+/// listens for segments ([`crate::collective::shm::handoff`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalEndpoint {
+    /// [`crate::collective::shm::host_identity`]: ranks with equal identities share a host.
+    pub host: String,
+    pub pid: u32,
+    pub uid: u32,
+    /// The abstract Unix socket name the rank listens on.
+    pub socket: String,
+    /// What a rank offering this rank a segment must show.
+    pub nonce: [u8; 16],
+}
+
+/// Longest socket name accepted (an abstract Unix address holds at most 107 bytes after its NUL).
+const MAX_SOCKET_NAME: usize = 107;
+
+impl LocalEndpoint {
+    /// Bounds on what a peer may put in one.
+    pub fn check(&self) -> Result<(), String> {
+        // The identity is `given:` and the user's, or the machine's with its namespace.
+        if self.host.is_empty() || self.host.len() > 2 * crate::collective::shm::MAX_HOST_ID {
+            return Err(format!("host identity of {} bytes", self.host.len()));
+        }
+        if self.socket.is_empty() || self.socket.len() > MAX_SOCKET_NAME {
+            return Err(format!("shared-memory socket name of {} bytes", self.socket.len()));
+        }
+        Ok(())
+    }
 }
 
 impl Hello {
@@ -56,6 +89,9 @@ impl Hello {
         if let Some(a) = self.advertise.filter(|a| a.ip().is_unspecified() || a.port() == 0) {
             return Err(format!("rank {r} advertises {a}, which no rank can dial"));
         }
+        if let Some(Err(e)) = self.local.as_ref().map(LocalEndpoint::check) {
+            return Err(format!("rank {r} sends a bad shared-memory endpoint: {e}"));
+        }
         Ok(())
     }
 }
@@ -71,6 +107,8 @@ pub enum Control {
     Welcome {
         addrs: Vec<SocketAddr>,
         certs: Vec<[u8; 32]>,
+        /// Every rank's host and shared-memory endpoint, as its hello gave them (rank 0's own first).
+        locals: Vec<Option<LocalEndpoint>>,
     },
     /// Any rank → a peer it turns away (a hello that does not match, a rank already taken, a certificate
     /// other than the pinned one), naming why.
@@ -79,8 +117,9 @@ pub enum Control {
     /// that failed authentication meanwhile, so every rank can say what it is waiting for long before the
     /// rendezvous times out.
     Waiting { note: String },
-    /// Ring link opener → its right neighbour.
-    PeerHello { job_id: u64, rank: usize },
+    /// Ring link opener → its right neighbour; `shm`: the link's data goes through the shared segment the
+    /// opener has already attached, else through this QUIC stream.
+    PeerHello { job_id: u64, rank: usize, shm: bool },
     /// A rank leaving cleanly after its last collective → rank 0.
     Bye,
 }
@@ -98,6 +137,7 @@ mod tests {
             world: 4,
             config_hash: 9,
             advertise: None,
+            local: None,
         };
         let ok = Hello {
             rank: 2,
@@ -138,5 +178,30 @@ mod tests {
             let e = advertising(bad).check_against(&host).unwrap_err();
             assert!(e.contains("advertises") && e.contains(bad), "{e}");
         }
+        let endpoint = LocalEndpoint {
+            host: "m/net:[1]".into(),
+            pid: 10,
+            uid: 0,
+            socket: "ringtrain/x".into(),
+            nonce: [0; 16],
+        };
+        let with_local = |l: LocalEndpoint| Hello {
+            local: Some(l),
+            ..ok.clone()
+        };
+        assert!(with_local(endpoint.clone()).check_against(&host).is_ok());
+        let long_socket = LocalEndpoint {
+            socket: "s".repeat(200),
+            ..endpoint.clone()
+        };
+        let e = with_local(long_socket).check_against(&host).unwrap_err();
+        assert!(e.contains("socket name"), "{e}");
+        let e = with_local(LocalEndpoint {
+            host: String::new(),
+            ..endpoint
+        })
+        .check_against(&host)
+        .unwrap_err();
+        assert!(e.contains("host identity"), "{e}");
     }
 }

@@ -67,6 +67,9 @@ mod links;
 mod listener;
 mod messages;
 mod rendezvous;
+mod shm_links;
+#[cfg(all(test, target_os = "linux"))]
+mod shm_tests;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]
@@ -87,11 +90,13 @@ use super::buffer_pool::BufferPool;
 use super::frame::{self, SequenceGuard};
 use super::rank_runtime::RankRuntime;
 use super::ring::{Engine, RingOp};
+use super::shm::LinkTransport;
 use super::{run_ring, Collective, CollectiveError, ComputeBusy, Result};
 use crate::fault_plan::FaultPlan;
 use control::ControlPlane;
 use links::{LeftLink, RightLink, Ring, RingLinks};
 use listener::Listener;
+use shm_links::LocalSide;
 
 /// Largest byte-gather blob (hashes, scalars) accepted on a data link.
 pub const MAX_GATHER_BLOB: usize = 1 << 20;
@@ -126,6 +131,11 @@ pub struct QuicConfig {
     pub idle_timeout: Duration,
     /// Pipelining granularity in f32 elements.
     pub sub_chunk: usize,
+    /// Which links to ranks of this host go through shared memory ([`crate::collective::shm`]). `new` gives
+    /// [`LinkTransport::Quic`]; the launcher sets `--transport` (default `auto`).
+    pub transport: LinkTransport,
+    /// `RINGTRAIN_HOST_ID`, when the user gives the host identity; else it is read off the machine.
+    pub host_id: Option<String>,
 }
 
 impl QuicConfig {
@@ -143,6 +153,8 @@ impl QuicConfig {
             rendezvous_timeout: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(10),
             sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
+            transport: LinkTransport::Quic,
+            host_id: None,
         }
     }
 }
@@ -365,8 +377,12 @@ impl QuicCollective {
     fn send_raw_to_right(&mut self, bytes: &[u8]) -> Result<()> {
         let rt = self.rt.take().expect("runtime present until drop");
         let res = rt.block_on(async {
-            let (_, send) = self.right.as_mut().ok_or_else(|| local("no right neighbour link"))?;
-            send.write_all(bytes)
+            let send = &mut self
+                .right
+                .as_mut()
+                .ok_or_else(|| local("no right neighbour link"))?
+                .data;
+            send.write_all_chunks(&mut [bytes::Bytes::copy_from_slice(bytes)])
                 .await
                 .map_err(|e| local(format!("raw write to the right neighbour: {e}")))
         });
@@ -384,6 +400,22 @@ impl QuicCollective {
         self.shared.crashed.store(true, Ordering::SeqCst);
         self.shared.closing.store(true, Ordering::SeqCst);
         self.endpoint.close(2u32.into(), b"crashed");
+        // Shared-memory links close their sockets, as a dead process's would.
+        self.right = None;
+        if let Some(task) = self.left.as_mut().and_then(|l| l.shm_reader.take()) {
+            task.abort();
+        }
+    }
+
+    /// Where this rank's ring data goes: `[from the left, to the right]`, each "shm", "quic", or "none" in a
+    /// world of one.
+    pub fn data_links(&self) -> [&'static str; 2] {
+        let left = match &self.left {
+            Some(l) if l.shm_reader.is_some() => "shm",
+            Some(_) => "quic",
+            None => "none",
+        };
+        [left, self.right.as_ref().map_or("none", |r| r.data.kind())]
     }
 
     fn current_poison(&self) -> Option<CollectiveError> {
@@ -395,7 +427,8 @@ impl QuicCollective {
         let wait = self.cfg.timeout.min(Duration::from_secs(10));
         let failed = self.failed.is_some();
         // Make sure the right neighbour has everything we sent (pointless after a failure).
-        if let Some((_, send)) = self.right.as_mut() {
+        // A shared segment needs no flush: the neighbour's mapping keeps what was written.
+        if let Some(links::RightData::Quic(send)) = self.right.as_mut().map(|r| &mut r.data) {
             let _ = send.finish();
             if !failed {
                 let _ = tokio::time::timeout(wait, send.stopped()).await;
@@ -464,21 +497,25 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
     let (endpoint, own_cert) = endpoint::start(socket, cfg.idle_timeout, &shared.compute_busy).map_err(local)?;
     let mut listener = Listener::start(&endpoint, key);
     let deadline = Instant::now() + cfg.rendezvous_timeout;
+    let local_side = LocalSide::prepare(cfg)?;
+    let own_local = local_side.endpoint.clone();
     let (ring, control) = if cfg.world == 1 {
         let ring = Ring {
             addrs: vec![cfg.master],
             certs: vec![own_cert],
+            locals: vec![own_local],
         };
         (ring, ControlPlane::Alone)
     } else if cfg.rank == 0 {
-        let (ring, joined) = rendezvous::host(cfg, &mut listener, own_cert, deadline).await?;
+        let (ring, joined) = rendezvous::host(cfg, &mut listener, own_cert, own_local, deadline).await?;
         (ring, ControlPlane::start_host(cfg.job_id, cfg.world, joined, &shared))
     } else {
-        let (ring, host) = rendezvous::join(cfg, &endpoint, &key, deadline).await?;
+        let (ring, host) = rendezvous::join(cfg, &endpoint, &key, own_local, deadline).await?;
         (ring, ControlPlane::start_client(host, &shared))
     };
-    let (links, ring_error) = match links::connect(cfg, &endpoint, &key, &ring, &mut listener, &shared, deadline).await
-    {
+    let shm = local_side.listener.as_ref();
+    let connected = links::connect(cfg, &endpoint, &key, &ring, &mut listener, shm, &shared, deadline).await;
+    let (links, ring_error) = match connected {
         Ok(links) => (links, None),
         Err(e) => (RingLinks::default(), Some(e)),
     };

@@ -14,13 +14,13 @@ use super::auth::{check_pinned, dial, peer_fingerprint, Fingerprint};
 use super::framing::{control_frame, read_control};
 use super::links::Ring;
 use super::listener::{Cause, Joined, Listener, Refusals};
-use super::messages::{Control, Hello};
+use super::messages::{Control, Hello, LocalEndpoint};
 use super::{local, QuicConfig};
 use crate::collective::frame::PROTOCOL_VERSION;
 use crate::collective::Result;
 
-/// This rank's hello.
-fn hello(cfg: &QuicConfig) -> Hello {
+/// This rank's hello, with its shared-memory endpoint `local`.
+fn hello(cfg: &QuicConfig, local: Option<LocalEndpoint>) -> Hello {
     Hello {
         version: PROTOCOL_VERSION,
         job_id: cfg.job_id,
@@ -28,15 +28,18 @@ fn hello(cfg: &QuicConfig) -> Hello {
         world: cfg.world,
         config_hash: cfg.config_hash,
         advertise: cfg.advertise_addr,
+        local,
     }
 }
 
-/// Rank 0 (whose endpoint presents the certificate `own_cert`): waits until every other rank has joined,
-/// then welcomes them all. Returns the ring and the joined ranks' connections (entry `r - 1` is rank `r`'s).
+/// Rank 0 (whose endpoint presents the certificate `own_cert`, and whose shared-memory endpoint is
+/// `own_local`): waits until every other rank has joined, then welcomes them all. Returns the ring and the
+/// joined ranks' connections (entry `r - 1` is rank `r`'s).
 pub(super) async fn host(
     cfg: &QuicConfig,
     listener: &mut Listener,
     own_cert: Fingerprint,
+    own_local: Option<LocalEndpoint>,
     deadline: Instant,
 ) -> Result<(Ring, Vec<Joined>)> {
     let slots = collect_hellos(cfg, listener, deadline).await?;
@@ -44,6 +47,7 @@ pub(super) async fn host(
     let mut ring = Ring {
         addrs: vec![cfg.master],
         certs: vec![own_cert],
+        locals: vec![own_local],
     };
     for j in &joined {
         // The address the others dial (advertised, else observed), and the certificate the rank presented
@@ -51,12 +55,17 @@ pub(super) async fn host(
         ring.addrs.push(listen_addr(j));
         ring.certs
             .push(peer_fingerprint(&j.conn).expect("checked in collect_hellos"));
+        ring.locals.push(match &j.msg {
+            Control::Hello(h) => h.local.clone(),
+            _ => None,
+        });
     }
     let welcome = control_frame(
         cfg.job_id,
         &Control::Welcome {
             addrs: ring.addrs.clone(),
             certs: ring.certs.clone(),
+            locals: ring.locals.clone(),
         },
     );
     for j in &mut joined {
@@ -86,7 +95,7 @@ fn listen_addr(j: &Joined) -> SocketAddr {
 /// `r`'s connection), refusing the others. Peer hellos that arrive meanwhile are kept for the ring stage.
 async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Instant) -> Result<Vec<Option<Joined>>> {
     let n = cfg.world;
-    let me = hello(cfg);
+    let me = hello(cfg, None);
     let mut slots: Vec<Option<Joined>> = (0..n).map(|_| None).collect();
     let mut joined = 0;
     let mut progress = Progress::new();
@@ -214,10 +223,11 @@ pub(super) async fn join(
     cfg: &QuicConfig,
     endpoint: &Endpoint,
     key: &[u8; 32],
+    own_local: Option<LocalEndpoint>,
     deadline: Instant,
 ) -> Result<(Ring, HostLink)> {
     let (conn, mut send, mut recv) = dial_host(cfg, endpoint, key, deadline).await?;
-    send.write_all(&control_frame(cfg.job_id, &Control::Hello(hello(cfg))))
+    send.write_all(&control_frame(cfg.job_id, &Control::Hello(hello(cfg, own_local))))
         .await
         .map_err(|e| local(format!("rendezvous: {e}")))?;
     let reply = loop {
@@ -289,11 +299,21 @@ async fn dial_host(
 /// The ring from rank 0's reply, or why there is none.
 fn welcomed_ring(reply: Control, world: usize) -> Result<Ring> {
     match reply {
-        Control::Welcome { addrs, certs } if addrs.len() == world && certs.len() == world => Ok(Ring { addrs, certs }),
-        Control::Welcome { addrs, certs } => Err(local(format!(
-            "rendezvous: rank 0 sent {} addresses and {} certificates for world size {world}",
+        Control::Welcome { addrs, certs, locals }
+            if addrs.len() == world && certs.len() == world && locals.len() == world =>
+        {
+            if let Some(e) = locals.iter().flatten().find_map(|l| l.check().err()) {
+                return Err(local(format!(
+                    "rendezvous: rank 0 sent a bad shared-memory endpoint: {e}"
+                )));
+            }
+            Ok(Ring { addrs, certs, locals })
+        }
+        Control::Welcome { addrs, certs, locals } => Err(local(format!(
+            "rendezvous: rank 0 sent {} addresses, {} certificates and {} endpoints for world size {world}",
             addrs.len(),
-            certs.len()
+            certs.len(),
+            locals.len()
         ))),
         Control::Refused { reason } => Err(local(format!("rendezvous refused by rank 0: {reason}"))),
         other => Err(local(format!("rendezvous: unexpected reply {other:?}"))),

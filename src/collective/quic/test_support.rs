@@ -80,7 +80,7 @@ impl Rogue {
         let deadline = Instant::now() + cfg.rendezvous_timeout;
         let (ring, host) = self
             .rt
-            .block_on(rendezvous::join(cfg, &self.endpoint, &self.key, deadline))
+            .block_on(rendezvous::join(cfg, &self.endpoint, &self.key, None, deadline))
             .map_err(|e| e.to_string())?;
         self.host = Some(host);
         Ok(ring.addrs)

@@ -1,0 +1,225 @@
+//! Ring links through shared memory: the same bits as QUIC and the in-memory transport, links chosen by host
+//! identity, a dead local rank named, and `--transport shm` refused where it cannot hold.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::time::{Duration, Instant};
+
+use crate::collective::mem::{run_cluster, MemOptions};
+use crate::collective::quic::{QuicCollective, QuicConfig};
+use crate::collective::shm::LinkTransport;
+use crate::collective::{Collective, CollectiveError};
+use crate::fault_plan::FaultPlan;
+
+fn input(r: usize, len: usize) -> Vec<f32> {
+    (0..len).map(|i| ((i * 37 + r * 11) % 29) as f32 * 0.37 - 5.1).collect()
+}
+
+fn cfg(rank: usize, world: usize, master: SocketAddr, transport: LinkTransport) -> QuicConfig {
+    let mut c = QuicConfig::new(rank, world, master);
+    c.job_id = 0x5eed;
+    c.config_hash = 3;
+    // Small sub-chunks and a ring smaller than one collective's traffic, so links wrap and wait for space.
+    c.sub_chunk = 999;
+    c.timeout = Duration::from_secs(10);
+    c.rendezvous_timeout = Duration::from_secs(10);
+    c.idle_timeout = Duration::from_secs(3);
+    c.secret = Some(b"shm test secret".to_vec());
+    c.transport = transport;
+    c
+}
+
+/// Runs `f` on every rank of `cfgs` over QUIC (with its shared-memory links), each in its own thread.
+fn run_ranks<T: Send>(
+    cfgs: Vec<QuicConfig>,
+    sock0: UdpSocket,
+    f: impl Fn(&mut QuicCollective) -> T + Sync,
+) -> Vec<Result<T, CollectiveError>> {
+    let mut sock0 = Some(sock0);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = cfgs
+            .into_iter()
+            .map(|c| {
+                let sock = if c.rank == 0 { sock0.take() } else { None };
+                let f = &f;
+                s.spawn(move || {
+                    let mut q = match sock {
+                        Some(sock) => QuicCollective::connect_with_socket(c, sock)?,
+                        None => QuicCollective::connect(c)?,
+                    };
+                    Ok(f(&mut q))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn master_socket() -> (UdpSocket, SocketAddr) {
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let a = s.local_addr().unwrap();
+    (s, a)
+}
+
+/// Every collective the trainer uses, over lengths that leave some ranks empty chunks and others wrap the
+/// ring; returns the bits each produced.
+fn exercise(c: &mut dyn Collective) -> Vec<Vec<u32>> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut out = Vec::new();
+    for (step, len) in [0usize, 1, 5, 1000, 70_001].into_iter().enumerate() {
+        c.set_step(step as u64);
+        let mut m = input(c.rank(), len);
+        c.all_reduce_mean(&mut m).unwrap();
+        out.push(bits(&m));
+        let mut s = input(c.rank(), len);
+        c.all_reduce_sum(&mut s).unwrap();
+        out.push(bits(&s));
+        let mut rs = input(c.rank(), len);
+        let mine = c.reduce_scatter_sum(&mut rs).unwrap();
+        out.push(bits(&rs[mine]));
+        let mut g = input(c.rank(), len);
+        c.all_gather(&mut g).unwrap();
+        out.push(bits(&g));
+    }
+    let mut b = input(c.rank(), 77);
+    c.broadcast(&mut b, c.world() - 1).unwrap();
+    out.push(bits(&b));
+    let mut sc = [c.rank() as f64 + 0.25, -1.0];
+    c.all_reduce_scalars(&mut sc).unwrap();
+    out.push(
+        sc.iter()
+            .map(|x| x.to_bits() as u32 ^ (x.to_bits() >> 32) as u32)
+            .collect(),
+    );
+    out
+}
+
+fn over_quic(
+    world: usize,
+    transport: LinkTransport,
+    host: impl Fn(usize) -> Option<String>,
+) -> Vec<(Vec<Vec<u32>>, [&'static str; 2])> {
+    let (sock, master) = master_socket();
+    let cfgs = (0..world)
+        .map(|r| {
+            let mut c = cfg(r, world, master, transport);
+            c.host_id = host(r);
+            c
+        })
+        .collect();
+    run_ranks(cfgs, sock, |q| (exercise(q), q.data_links()))
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+#[test]
+fn a_ring_over_shared_memory_gives_the_bits_of_quic_and_of_the_in_memory_transport() {
+    for world in 1..=4usize {
+        let mem = run_cluster(
+            world,
+            MemOptions {
+                sub_chunk: 999,
+                ..MemOptions::default()
+            },
+            |c| exercise(c),
+        );
+        let shm = over_quic(world, LinkTransport::Shm, |_| None);
+        let quic = over_quic(world, LinkTransport::Quic, |_| None);
+        let auto = over_quic(world, LinkTransport::Auto, |_| None);
+        for r in 0..world {
+            let want = if world == 1 { ["none", "none"] } else { ["shm", "shm"] };
+            assert_eq!(shm[r].1, want, "world {world} rank {r}");
+            assert_eq!(
+                auto[r].1, want,
+                "world {world} rank {r}: auto takes shared memory on one host"
+            );
+            if world > 1 {
+                assert_eq!(quic[r].1, ["quic", "quic"]);
+            }
+            assert!(
+                shm[r].0 == mem[r],
+                "world {world} rank {r}: shared memory differs from in-memory"
+            );
+            assert!(
+                quic[r].0 == mem[r],
+                "world {world} rank {r}: QUIC differs from in-memory"
+            );
+            assert!(auto[r].0 == mem[r], "world {world} rank {r}");
+            // All-reduced buffers (every fourth entry, from the first) are the same on every rank.
+            for i in (0..shm[r].0.len() - 2).step_by(4) {
+                assert!(shm[r].0[i] == shm[0].0[i], "world {world}: rank {r} differs from rank 0");
+            }
+        }
+    }
+}
+
+#[test]
+fn links_between_hosts_stay_quic_and_links_within_one_use_shared_memory() {
+    // Uneven groups: ranks 0-2 on host a, rank 3 on host b.
+    let host = |r: usize| Some(if r < 3 { "a" } else { "b" }.to_string());
+    let res = over_quic(4, LinkTransport::Auto, host);
+    let links: Vec<_> = res.iter().map(|r| r.1).collect();
+    assert_eq!(
+        links,
+        [["quic", "shm"], ["shm", "shm"], ["shm", "quic"], ["quic", "quic"]],
+        "[from the left, to the right] per rank"
+    );
+    let quic = over_quic(4, LinkTransport::Quic, |_| None);
+    for r in 0..4 {
+        assert!(res[r].0 == quic[r].0, "rank {r}: mixed links change the bits");
+    }
+}
+
+#[test]
+fn forced_shared_memory_without_a_neighbour_on_the_host_is_refused_naming_why() {
+    let (sock, master) = master_socket();
+    let cfgs = (0..2)
+        .map(|r| {
+            let mut c = cfg(r, 2, master, LinkTransport::Shm);
+            c.host_id = Some(format!("host-{r}"));
+            c
+        })
+        .collect();
+    for r in run_ranks(cfgs, sock, |_| ()) {
+        let e = r.expect_err("no link can use shared memory").to_string();
+        assert!(e.contains("--transport shm") && e.contains("shares its host"), "{e}");
+    }
+}
+
+#[test]
+fn a_dead_local_rank_is_named_by_the_others_within_the_deadline() {
+    for (world, dead) in [(3usize, 1usize), (2, 0)] {
+        let (sock, master) = master_socket();
+        let deadline = Duration::from_secs(6);
+        let cfgs = (0..world)
+            .map(|r| {
+                let mut c = cfg(r, world, master, LinkTransport::Shm);
+                c.timeout = deadline;
+                c.idle_timeout = Duration::from_secs(2);
+                c
+            })
+            .collect();
+        let plan = FaultPlan::parse(&[format!("drop={dead}:30")]).unwrap();
+        let res = run_ranks(cfgs, sock, |c| {
+            c.inject_faults(&plan).unwrap();
+            let t = Instant::now();
+            let mut b = input(c.rank(), 40_000);
+            let r = (|| {
+                for _ in 0..3 {
+                    c.all_reduce_mean(&mut b)?;
+                }
+                Ok::<_, CollectiveError>(())
+            })();
+            (r, t.elapsed(), c.data_links())
+        });
+        for (r, out) in res.into_iter().enumerate() {
+            let (out, took, links) = out.expect("the ring formed");
+            assert_eq!(links[1], if r == dead { "none" } else { "shm" });
+            let e = out.expect_err("every rank fails");
+            assert!(took < deadline, "rank {r} took {took:?}");
+            if r != dead {
+                assert_eq!(e.peer(), Some(dead), "world {world} rank {r}: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! A link's two ends as async byte streams over the segment's ring: [`ShmSender::write_all`] and
+//! [`ShmReceiver::read_exact`]. A side that finds the ring full (or empty) wakes its peer, then sleeps on its
+//! own eventfd in the rank's reactor, never spinning: the compute threads fill the cores. While it sleeps
+//! it also watches the link's socket, whose end-of-file means the peer process is gone.
+
+use std::os::fd::OwnedFd;
+
+use tokio::io::unix::AsyncFd;
+use tokio::net::UnixStream;
+
+use super::handoff::Attached;
+use super::segment::{Consumer, Producer};
+
+/// What both ends share: the socket kept open, the eventfd this side wakes its peer with, and the one it
+/// sleeps on.
+struct Wakes {
+    socket: UnixStream,
+    wake_peer: OwnedFd,
+    wait: AsyncFd<OwnedFd>,
+}
+
+impl Wakes {
+    fn new(socket: UnixStream, wake_peer: OwnedFd, wait: OwnedFd) -> std::io::Result<Wakes> {
+        // SAFETY: the `OwnedFd` owns its descriptor, which stays open, and the same, until the `AsyncFd`
+        // that owns it is dropped.
+        let wait = unsafe { AsyncFd::register_with_interest(wait, tokio::io::Interest::READABLE) }
+            .map_err(std::io::Error::from)?;
+        Ok(Wakes {
+            socket,
+            wake_peer,
+            wait,
+        })
+    }
+
+    fn wake_peer(&self) -> Result<(), String> {
+        match rustix::io::write(&self.wake_peer, &1u64.to_ne_bytes()) {
+            // A counter at its maximum wakes the peer as well as one more would.
+            Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(()),
+            Err(e) => Err(format!("waking the peer: {e}")),
+        }
+    }
+
+    /// Sleeps until the peer wakes this side, or fails when the peer's process is gone.
+    async fn sleep(&self) -> Result<(), String> {
+        loop {
+            tokio::select! {
+                r = self.wait.readable() => {
+                    let mut guard = r.map_err(|e| e.to_string())?;
+                    match rustix::io::read(self.wait.get_ref(), &mut [0u8; 8]) {
+                        Ok(_) => return Ok(()),
+                        Err(rustix::io::Errno::AGAIN) => guard.clear_ready(),
+                        Err(e) => return Err(format!("reading the eventfd: {e}")),
+                    }
+                }
+                r = self.socket.readable() => {
+                    r.map_err(|e| e.to_string())?;
+                    match self.socket.try_read(&mut [0u8; 1]) {
+                        Ok(0) => return Err("the peer closed its shared-memory link (process gone)".into()),
+                        Ok(_) => return Err("the peer wrote on the link's socket, which it must not".into()),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) => return Err(format!("link socket: {e}")),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The sending end of a link.
+pub struct ShmSender {
+    ring: Producer,
+    wakes: Wakes,
+}
+
+/// The receiving end of a link.
+pub struct ShmReceiver {
+    ring: Consumer,
+    wakes: Wakes,
+    /// Bytes freed since the peer was last woken.
+    freed: bool,
+}
+
+impl ShmSender {
+    /// The sending end from what [`super::handoff::offer`] attached. Must run inside the rank's runtime.
+    pub fn new(a: Attached) -> std::io::Result<ShmSender> {
+        Ok(ShmSender {
+            ring: Producer::new(a.segment),
+            wakes: Wakes::new(a.socket, a.data_ready, a.space_ready)?,
+        })
+    }
+
+    /// Writes every byte of `src`, waiting for space as needed; the peer is woken before this side sleeps,
+    /// and [`ShmSender::flush`] wakes it at the end of a message.
+    pub async fn write_all(&mut self, mut src: &[u8]) -> Result<(), String> {
+        loop {
+            let n = self.ring.try_write(src).map_err(|e| e.to_string())?;
+            src = &src[n..];
+            if src.is_empty() {
+                return Ok(());
+            }
+            if n == 0 {
+                self.wakes.wake_peer()?;
+                self.wakes.sleep().await?;
+            }
+        }
+    }
+
+    /// Wakes the peer for what has been written.
+    pub fn flush(&mut self) -> Result<(), String> {
+        self.wakes.wake_peer()
+    }
+
+    /// Writes the pieces of one message in order, then wakes the peer.
+    pub async fn write_all_chunks(&mut self, chunks: &[bytes::Bytes]) -> Result<(), String> {
+        for c in chunks {
+            self.write_all(c).await?;
+        }
+        self.flush()
+    }
+}
+
+impl ShmReceiver {
+    /// The receiving end from what [`super::handoff::ShmListener::accept`] attached. Must run inside the
+    /// rank's runtime.
+    pub fn new(a: Attached) -> std::io::Result<ShmReceiver> {
+        Ok(ShmReceiver {
+            ring: Consumer::new(a.segment),
+            wakes: Wakes::new(a.socket, a.space_ready, a.data_ready)?,
+            freed: false,
+        })
+    }
+
+    /// Fills `dst`, waiting for the peer as needed. Freed space is announced before this side sleeps and
+    /// once `dst` is full.
+    pub async fn read_exact(&mut self, dst: &mut [u8]) -> Result<(), String> {
+        let mut filled = 0;
+        loop {
+            let n = self.ring.try_read(&mut dst[filled..]).map_err(|e| e.to_string())?;
+            filled += n;
+            self.freed |= n > 0;
+            if filled == dst.len() {
+                return self.announce_freed();
+            }
+            if n == 0 {
+                self.announce_freed()?;
+                if let Err(gone) = self.wakes.sleep().await {
+                    // What the peer wrote before it left is still in the ring: the error only once it is
+                    // drained and more is wanted.
+                    if self.ring.is_empty() {
+                        return Err(gone);
+                    }
+                }
+            }
+        }
+    }
+
+    fn announce_freed(&mut self) -> Result<(), String> {
+        if std::mem::take(&mut self.freed) {
+            self.wakes.wake_peer()?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::handoff::{offer, Expected, ShmListener};
+    use super::super::segment::MIN_CAPACITY;
+    use super::*;
+
+    async fn link() -> (ShmSender, ShmReceiver) {
+        let me = |rank| Expected {
+            job_id: 1,
+            rank,
+            pid: std::process::id(),
+            uid: rustix::process::getuid().as_raw(),
+        };
+        let l = ShmListener::bind(1, 1).unwrap();
+        let (from, to) = (me(0), me(1));
+        let (a, o) = tokio::join!(
+            l.accept(&from, |r| panic!("{r}")),
+            offer(&l.name, &to, 0, l.nonce, MIN_CAPACITY)
+        );
+        (
+            ShmSender::new(o.unwrap()).unwrap(),
+            ShmReceiver::new(a.unwrap()).unwrap(),
+        )
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_stream_larger_than_the_ring_arrives_whole_while_both_sides_sleep_and_wake() {
+        let (mut tx, mut rx) = link().await;
+        let data: Vec<u8> = (0..7 * MIN_CAPACITY + 11).map(|i| (i % 253) as u8).collect();
+        let want = data.clone();
+        let writer = async move {
+            for piece in data.chunks(50_000) {
+                tx.write_all(piece).await.unwrap();
+            }
+            tx.flush().unwrap();
+            tx
+        };
+        let reader = async move {
+            let mut got = vec![0u8; want.len()];
+            for piece in got.chunks_mut(30_001) {
+                rx.read_exact(piece).await.unwrap();
+            }
+            assert_eq!(got, want);
+        };
+        tokio::join!(writer, reader);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_dropped_peer_is_reported_not_waited_for() {
+        let (tx, mut rx) = link().await;
+        drop(tx);
+        let e = tokio::time::timeout(std::time::Duration::from_secs(5), rx.read_exact(&mut [0u8; 4]))
+            .await
+            .expect("end-of-file seen at once")
+            .unwrap_err();
+        assert!(e.contains("process gone"), "{e}");
+    }
+}
