@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use cli::{
     args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, selftest, tokenize, train,
 };
+use ringtrain::collective::shm::LinkTransport;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -120,7 +121,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
-    /// All-reduce bandwidth over QUIC between N local processes (nccl-tests style table)
+    /// All-reduce bandwidth between N local processes, over shared memory or QUIC (nccl-tests style table)
     Allreduce {
         #[arg(long, default_value_t = 2)]
         nproc: usize,
@@ -129,6 +130,9 @@ enum BenchCommand {
         size: String,
         #[arg(long, default_value_t = 10)]
         iters: usize,
+        /// Ring links between the processes: auto (shared memory), shm, or quic
+        #[arg(long, value_enum, default_value_t = LinkTransport::Auto)]
+        transport: LinkTransport,
     },
     /// ms/step, tokens/s and GFLOP/s of training steps (takes the train flags; --steps = timed steps)
     Step {
@@ -202,9 +206,12 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Kernels { backend, sizes, iters }) => {
             bench_kernels::run_bench_kernels(&backend, &sizes, iters)
         }
-        Command::Bench(BenchCommand::Allreduce { nproc, size, iters }) => {
-            bench_allreduce::run_bench_allreduce(nproc, &size, iters)
-        }
+        Command::Bench(BenchCommand::Allreduce {
+            nproc,
+            size,
+            iters,
+            transport,
+        }) => bench_allreduce::run_bench_allreduce(nproc, &size, iters, transport),
         Command::Plot { metrics, output } => plot::plot_file(&metrics, &output),
         Command::Info => info::run_info(),
         Command::Selftest { backend, json } => selftest::run_selftest(&backend, json.as_deref()),

@@ -37,6 +37,7 @@ fn job_with_rank_0_bound_to(bind: &str, wildcard: &str, world: usize) -> Vec<Vec
         secret: Some(b"bind address test".to_vec()),
         timeout: Duration::from_secs(15),
         faults: Default::default(),
+        transport: ringtrain::collective::shm::LinkTransport::Quic,
     };
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -109,6 +110,7 @@ fn an_invalid_bind_address_is_refused_naming_the_variable() {
         secret: None,
         timeout: Duration::from_secs(2),
         faults: Default::default(),
+        transport: ringtrain::collective::shm::LinkTransport::Quic,
     };
     let e = format!("{:#}", join_with(&launch, &opts, &network).err().unwrap());
     assert!(e.contains("RINGTRAIN_BIND_ADDR=127.0.0.1 is a loopback address"), "{e}");
@@ -123,6 +125,7 @@ fn join_from_launch_env() {
         secret: None,
         timeout: Duration::from_secs(10),
         faults: Default::default(),
+        transport: ringtrain::collective::shm::LinkTransport::Quic,
     };
     // World size 1: no network at all.
     let solo = LaunchEnv {

@@ -127,6 +127,8 @@ fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: Link
                     secret: Some(b"lossy link test".to_vec()),
                     timeout: Duration::from_secs(60),
                     faults: FaultPlan::default(),
+                    // The relay or the addresses under test are QUIC's; shared memory would bypass them.
+                    transport: ringtrain::collective::shm::LinkTransport::Quic,
                 };
                 // Each rank advertises its own front of the relay, whose port differs from the one it binds.
                 let front = relay.front(rank);
@@ -136,6 +138,7 @@ fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: Link
                         host: front.ip().to_string(),
                         port: Some(front.port()),
                     }),
+                    host_id: None,
                 };
                 s.spawn(move || {
                     let comm = join_on(&launch, &opts, &network, socket)

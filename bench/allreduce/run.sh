@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Same-run comparison of all-reduce over loopback: ringtrain (QUIC), PyTorch Gloo (TCP) and nexar (QUIC),
+# Same-run comparison of all-reduce on one host: ringtrain over shared memory and over QUIC, PyTorch Gloo
+# (TCP) and nexar (QUIC),
 # alternating implementations, for N=2 and N=4. 64 MiB of f32 for bandwidth (busbw), 4 KiB for latency.
 #
 #   bench/allreduce/run.sh [ROUNDS] [ITERS_BIG] [ITERS_SMALL]
@@ -22,10 +23,12 @@ echo "== $(date -u +%FT%TZ)  $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2
 for round in $(seq 1 "$ROUNDS"); do
   for n in 2 4; do
     echo; echo "=== round $round, N=$n  load: $(uptime | sed 's/.*load average: //')"
-    echo "--- ringtrain (QUIC) 64MiB"; "$RT" bench allreduce --nproc "$n" --size 64MiB --iters "$IT_BIG"
+    echo "--- ringtrain (shm) 64MiB"; "$RT" bench allreduce --nproc "$n" --size 64MiB --iters "$IT_BIG" --transport shm
+    echo "--- ringtrain (QUIC) 64MiB"; "$RT" bench allreduce --nproc "$n" --size 64MiB --iters "$IT_BIG" --transport quic
     echo "--- gloo (TCP) 64MiB"; python3 "$ROOT/bench/allreduce/gloo.py" "$n" 67108864 "$IT_BIG"
     echo "--- nexar (QUIC) 64MiB"; "$NX" "$n" 67108864 "$IT_BIG"
-    echo "--- ringtrain (QUIC) 4KiB"; "$RT" bench allreduce --nproc "$n" --size 4KiB --iters "$IT_SMALL"
+    echo "--- ringtrain (shm) 4KiB"; "$RT" bench allreduce --nproc "$n" --size 4KiB --iters "$IT_SMALL" --transport shm
+    echo "--- ringtrain (QUIC) 4KiB"; "$RT" bench allreduce --nproc "$n" --size 4KiB --iters "$IT_SMALL" --transport quic
     echo "--- gloo (TCP) 4KiB"; python3 "$ROOT/bench/allreduce/gloo.py" "$n" 4096 "$IT_SMALL"
     echo "--- nexar (QUIC) 4KiB"; "$NX" "$n" 4096 "$IT_SMALL"
   done

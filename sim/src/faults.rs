@@ -40,7 +40,7 @@ pub fn validate(
         }
     }
     match transport {
-        Transport::Quic => {
+        Transport::Quic | Transport::Shm => {
             if let Some(kind) = plan.mem_only_kind() {
                 bail!(
                     "--fault {kind} is supported by --transport mem only (QUIC's streams deliver in order on their \

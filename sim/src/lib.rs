@@ -16,6 +16,7 @@ use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
 use ringtrain::collective::mem::single_rank;
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
+use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::dist::{self, JoinOptions, LaunchEnv, LaunchSource, NetworkEnv};
@@ -31,7 +32,10 @@ pub mod faults;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
     Mem,
+    /// QUIC on every link.
     Quic,
+    /// QUIC's control plane with every ring link through shared memory (`--transport shm`).
+    Shm,
 }
 
 #[derive(Clone, Debug)]
@@ -185,6 +189,10 @@ fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collecti
         secret: Some(b"ringtrain-sim".to_vec()),
         timeout: cfg.deadline,
         faults: cfg.faults.clone(),
+        transport: match cfg.transport {
+            Transport::Shm => LinkTransport::Shm,
+            _ => LinkTransport::Quic,
+        },
     };
     dist::join_with(&launch, &opts, &NetworkEnv::default())
 }
@@ -214,7 +222,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
                     .collect()
             })
         }
-        Transport::Quic => {
+        Transport::Quic | Transport::Shm => {
             let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
             std::thread::scope(|s| {
                 let handles: Vec<_> = (0..cfg.workers)

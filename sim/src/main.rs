@@ -1,4 +1,4 @@
-//! `ringtrain-sim --workers N [--update sharded|replicated] [--steps S] [--transport mem|quic] [--fault ...]
+//! `ringtrain-sim --workers N [--update sharded|replicated] [--steps S] [--transport mem|quic|shm] [--fault ...]
 //! [--on-nonfinite skip|abort]`
 
 use anyhow::{bail, Context, Result};
@@ -160,7 +160,8 @@ fn real_main() -> Result<ExitCode> {
     let transport = match cli.transport.as_str() {
         "mem" => Transport::Mem,
         "quic" => Transport::Quic,
-        other => bail!("--transport {other:?}: expected mem or quic"),
+        "shm" => Transport::Shm,
+        other => bail!("--transport {other:?}: expected mem, quic or shm"),
     };
     if !(cli.timeout.is_finite() && cli.timeout > 0.0) {
         bail!("--timeout must be a positive number of seconds");

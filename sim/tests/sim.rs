@@ -88,6 +88,26 @@ fn quic_transport_keeps_replicas_identical() {
 }
 
 #[test]
+fn shared_memory_links_give_the_bits_of_the_in_memory_ring() {
+    for workers in [1, 2, 4] {
+        for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
+            for overlap in [true, false] {
+                let mut cfg = config(workers, update, 1, FaultPlan::default());
+                cfg.options.overlap = overlap;
+                let mem = run(&cfg).unwrap();
+                cfg.transport = Transport::Shm;
+                let shm = run(&cfg).unwrap();
+                assert_eq!(shm.first_divergence(), None);
+                assert_eq!(
+                    shm.ranks, mem.ranks,
+                    "{workers} workers, {update:?}, overlap {overlap}: shared memory changed a bit"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn mixed_cpu_and_wgpu_ranks_stay_bit_identical_with_sharded_update() {
     if !wgpu_available() {
         return;

@@ -3,6 +3,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
+use ringtrain::collective::shm::LinkTransport;
 use ringtrain::data::{BatchSplit, TokenizerKind};
 use ringtrain::model::ModelConfig;
 use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
@@ -160,6 +161,10 @@ pub struct TrainArgs {
     /// File holding the cluster secret (or set RINGTRAIN_SECRET)
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
+    /// Ring links to ranks on this host: auto (shared memory where it attaches, else QUIC with a line
+    /// saying why), shm (shared memory or fail), quic. Never changes the bits.
+    #[arg(long, value_enum)]
+    pub transport: Option<LinkTransport>,
     /// Compute threads of this rank (default: RAYON_NUM_THREADS, else the host's cores / ranks on this host)
     #[arg(long, allow_negative_numbers = true)]
     pub threads: Option<usize>,

@@ -1,12 +1,14 @@
-//! `ringtrain bench allreduce --nproc N [--size 1MiB,16MiB,64MiB] [--iters K]`: N local processes that
-//! all-reduce over QUIC on loopback; rank 0 prints an nccl-tests style table (size, time, algbw, busbw).
+//! `ringtrain bench allreduce --nproc N [--size 1MiB,16MiB,64MiB] [--iters K] [--transport auto|shm|quic]`:
+//! N local processes that all-reduce over shared memory or QUIC on loopback; rank 0 prints an nccl-tests
+//! style table (size, time, algbw, busbw) titled with the links that ran.
 //!
 //! The launcher re-runs this same command in each child with `RINGTRAIN_BENCH_RANK` set; a child with that
 //! variable is a rank, not a launcher.
 
 use super::launch::{free_udp_port, supervise};
 use anyhow::{ensure, Context, Result};
-use ringtrain::collective::bench::{format_table, parse_sizes, run_rank};
+use ringtrain::collective::bench::{format_table, parse_sizes, path_name, run_rank};
+use ringtrain::collective::shm::LinkTransport;
 use ringtrain::dist::generate_secret;
 use std::net::SocketAddr;
 use std::process::Command;
@@ -14,7 +16,7 @@ use std::process::Command;
 const RANK_VAR: &str = "RINGTRAIN_BENCH_RANK";
 const MAX_BENCH_BYTES: usize = 4 << 30;
 
-pub fn run_bench_allreduce(nproc: usize, sizes: &str, iters: usize) -> Result<()> {
+pub fn run_bench_allreduce(nproc: usize, sizes: &str, iters: usize, transport: LinkTransport) -> Result<()> {
     ensure!((1..=64).contains(&nproc), "--nproc {nproc} must be between 1 and 64");
     ensure!(
         (1..=100_000).contains(&iters),
@@ -26,7 +28,7 @@ pub fn run_bench_allreduce(nproc: usize, sizes: &str, iters: usize) -> Result<()
         "--size: every size must be a multiple of 4 bytes (f32) and at most 4 GiB"
     );
     if let Ok(rank) = std::env::var(RANK_VAR) {
-        return run_as_rank(rank.parse().context("bad rank")?, nproc, &parsed, iters);
+        return run_as_rank(rank.parse().context("bad rank")?, nproc, &parsed, iters, transport);
     }
     let port = free_udp_port()?;
     let secret = generate_secret();
@@ -35,7 +37,7 @@ pub fn run_bench_allreduce(nproc: usize, sizes: &str, iters: usize) -> Result<()
     for rank in 0..nproc {
         let child = Command::new(&exe)
             .args(["bench", "allreduce", "--nproc", &nproc.to_string(), "--size", sizes])
-            .args(["--iters", &iters.to_string()])
+            .args(["--iters", &iters.to_string(), "--transport", &transport.to_string()])
             .env(RANK_VAR, rank.to_string())
             .env("MASTER_PORT", port.to_string())
             .env("RINGTRAIN_SECRET", &secret)
@@ -46,16 +48,15 @@ pub fn run_bench_allreduce(nproc: usize, sizes: &str, iters: usize) -> Result<()
     supervise(children)
 }
 
-fn run_as_rank(rank: usize, nproc: usize, sizes: &[usize], iters: usize) -> Result<()> {
+fn run_as_rank(rank: usize, nproc: usize, sizes: &[usize], iters: usize, transport: LinkTransport) -> Result<()> {
     let port: u16 = std::env::var("MASTER_PORT").context("MASTER_PORT not set")?.parse()?;
     let secret = std::env::var("RINGTRAIN_SECRET").ok().map(String::into_bytes);
     let master = SocketAddr::from(([127, 0, 0, 1], port));
-    let rows = run_rank(rank, nproc, master, secret, sizes, iters).map_err(|e| anyhow::anyhow!("rank {rank}: {e}"))?;
+    let (rows, links) = run_rank(rank, nproc, master, secret, sizes, iters, transport)
+        .map_err(|e| anyhow::anyhow!("rank {rank}: {e}"))?;
     if rank == 0 {
-        print!(
-            "{}",
-            format_table(nproc, "QUIC (loopback, one process per rank)", &rows)
-        );
+        let path = format!("{}, one process per rank", path_name(links));
+        print!("{}", format_table(nproc, &path, &rows));
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ use super::progress::{eprint_line, format_skip_line, format_spike_line, Progress
 use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::Backend;
+use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, BatchPlan, BatchSplit, DataSplits};
 use ringtrain::dist::{
@@ -28,6 +29,8 @@ struct RunSetup {
     launch: LaunchEnv,
     secret_file: Option<std::path::PathBuf>,
     timeout: Duration,
+    /// `--transport`: shared memory or QUIC between ranks of this host.
+    transport: LinkTransport,
     /// Digest of everything the ranks must agree on (model shape and batch layout), sent in the hello.
     job_hash: u64,
     /// This rank's compute threads, already installed.
@@ -98,6 +101,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         launch,
         secret_file: args.secret_file.clone(),
         timeout: Duration::from_secs_f64(timeout_secs),
+        transport: args.transport.unwrap_or_default(),
         job_hash,
         threads,
         plan,
@@ -157,6 +161,7 @@ fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
         secret,
         timeout: s.timeout,
         faults: s.faults.clone(),
+        transport: s.transport,
     };
     join(&s.launch, &opts)
 }
@@ -167,6 +172,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     check_memory_plan(&s, &*be)?;
     let resuming = s.source.is_resume();
     let comm = connect(&s)?;
+    let links = links_note(comm.ring_links());
     let is_rank0 = s.launch.rank == 0;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_faults(&mut trainer, &s.faults);
@@ -180,6 +186,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         metrics: None,
         is_rank0,
         backend_reason: format!("{}; {}", selection.reason, s.threads),
+        links,
         comm: CommTotals::default(),
     };
     let last = trainer.run(&mut observer).map_err(with_flag_hints)?;
@@ -235,7 +242,19 @@ struct CliObserver {
     is_rank0: bool,
     /// Why this backend, and the thread budget, for the start line.
     backend_reason: String,
+    /// Rank 0's ring links, for the start line ([`links_note`]).
+    links: String,
     comm: CommTotals,
+}
+
+/// ` (ring data over shm)`, ` (ring data over quic)`, or both directions when they differ; nothing for a
+/// single process.
+fn links_note(links: Option<[&str; 2]>) -> String {
+    match links {
+        Some([left, right]) if left == right => format!(" (ring data over {left})"),
+        Some([left, right]) => format!(" (ring data from the left over {left}, to the right over {right})"),
+        None => String::new(),
+    }
 }
 
 impl<B: Backend> RunObserver<B> for CliObserver {
@@ -246,13 +265,14 @@ impl<B: Backend> RunObserver<B> for CliObserver {
         let (opts, cfg, plan) = (trainer.options(), trainer.model_config(), trainer.batch_plan());
         let shares = shares_note(plan, &opts.batch_split);
         self.progress.message(&format!(
-            "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s), {} update, global batch {}{shares} x {} tokens, {} steps from step {}",
+            "ringtrain: {} params ({} layers, {} wide), backend {} [{}], {} rank(s){}, {} update, global batch {}{shares} x {} tokens, {} steps from step {}",
             trainer.param_count(),
             cfg.n_layer,
             cfg.n_embd,
             trainer.backend_name(),
             self.backend_reason,
             trainer.world(),
+            self.links,
             opts.update.as_str(),
             plan.global,
             opts.seq_len,

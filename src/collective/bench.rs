@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::quic::{QuicCollective, QuicConfig};
+use super::shm::LinkTransport;
 use super::{Collective, CollectiveError};
 
 /// One row of the table.
@@ -102,7 +103,9 @@ pub fn bench_collective(
     Ok(rows)
 }
 
-/// Runs one rank of the benchmark over QUIC: joins the job at `master` (rank 0 binds it), benchmarks, leaves.
+/// Runs one rank of the benchmark: joins the job at `master` (rank 0 binds it) with ring links to the
+/// other local ranks over `transport`, benchmarks, leaves. Returns the rows and where this rank's data went
+/// ([`QuicCollective::data_links`]).
 pub fn run_rank(
     rank: usize,
     world: usize,
@@ -110,13 +113,26 @@ pub fn run_rank(
     secret: Option<Vec<u8>>,
     sizes: &[usize],
     iters: usize,
-) -> Result<Vec<BenchRow>, CollectiveError> {
+    transport: LinkTransport,
+) -> Result<(Vec<BenchRow>, [&'static str; 2]), CollectiveError> {
     let mut cfg = QuicConfig::new(rank, world, master);
     cfg.secret = secret;
     cfg.timeout = Duration::from_secs(120);
     cfg.rendezvous_timeout = Duration::from_secs(60);
+    cfg.transport = transport;
     let mut q = QuicCollective::connect(cfg)?;
-    bench_collective(&mut q, sizes, iters)
+    let rows = bench_collective(&mut q, sizes, iters)?;
+    Ok((rows, q.data_links()))
+}
+
+/// What a rank's links (`[from the left, to the right]`) say the table measured.
+pub fn path_name(links: [&str; 2]) -> &'static str {
+    match links {
+        ["shm", "shm"] => "shared memory",
+        ["quic", "quic"] => "QUIC (loopback)",
+        ["none", "none"] => "no links (one rank)",
+        _ => "shared memory and QUIC",
+    }
 }
 
 fn human(bytes: usize) -> String {
@@ -152,12 +168,19 @@ pub fn format_table(world: usize, transport: &str, rows: &[BenchRow]) -> String 
 
 /// Runs the whole benchmark in this process: `nproc` ranks as threads over QUIC on 127.0.0.1, authenticated
 /// with `secret`. Returns the table.
-pub fn run_allreduce_bench(nproc: usize, sizes: &[usize], iters: usize, secret: &[u8]) -> anyhow::Result<String> {
+pub fn run_allreduce_bench(
+    nproc: usize,
+    sizes: &[usize],
+    iters: usize,
+    secret: &[u8],
+    transport: LinkTransport,
+) -> anyhow::Result<String> {
     anyhow::ensure!(nproc >= 1, "--nproc must be at least 1");
     let sock = std::net::UdpSocket::bind("127.0.0.1:0")?;
     let master = sock.local_addr()?;
     let mut sock = Some(sock);
-    let results: Vec<Result<Vec<BenchRow>, CollectiveError>> = std::thread::scope(|s| {
+    type RankResult = Result<(Vec<BenchRow>, [&'static str; 2]), CollectiveError>;
+    let results: Vec<RankResult> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..nproc)
             .map(|rank| {
                 let secret = secret.to_vec();
@@ -167,11 +190,12 @@ pub fn run_allreduce_bench(nproc: usize, sizes: &[usize], iters: usize, secret: 
                     cfg.secret = Some(secret);
                     cfg.timeout = Duration::from_secs(120);
                     cfg.rendezvous_timeout = Duration::from_secs(60);
+                    cfg.transport = transport;
                     let mut q = match sock {
                         Some(sock) => QuicCollective::connect_with_socket(cfg, sock)?,
                         None => QuicCollective::connect(cfg)?,
                     };
-                    bench_collective(&mut q, sizes, iters)
+                    Ok((bench_collective(&mut q, sizes, iters)?, q.data_links()))
                 })
             })
             .collect();
@@ -187,7 +211,8 @@ pub fn run_allreduce_bench(nproc: usize, sizes: &[usize], iters: usize, secret: 
         let r = r.map_err(|e| anyhow::anyhow!("rank {rank}: {e}"))?;
         rows.get_or_insert(r);
     }
-    Ok(format_table(nproc, "QUIC (loopback)", &rows.unwrap_or_default()))
+    let (rows, links) = rows.unwrap_or_default();
+    Ok(format_table(nproc, path_name(links), &rows))
 }
 
 #[cfg(test)]

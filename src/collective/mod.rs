@@ -86,6 +86,12 @@ pub trait Collective: Send {
     /// are the transport's own business: [`run_ring`] runs it with the defaults.
     fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()>;
 
+    /// Where this rank's ring data travels, `[from the left, to the right]` ("shm", "quic"), for transports
+    /// that choose per link.
+    fn ring_links(&self) -> Option<[&'static str; 2]> {
+        None
+    }
+
     /// The flag through which the caller says its compute runs while collectives do ("the caller is
     /// computing"), for transports that trade latency for fewer wake-ups of busy cores then.
     fn compute_busy(&self) -> Option<ComputeBusy> {

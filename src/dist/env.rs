@@ -9,6 +9,9 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 pub const BIND_ADDR_VAR: &str = "RINGTRAIN_BIND_ADDR";
 /// Where the other ranks should dial this rank: `host:port`, or a host alone for the bound port.
 pub const ADVERTISE_ADDR_VAR: &str = "RINGTRAIN_ADVERTISE_ADDR";
+/// Names this rank's host: ranks with the same value link through shared memory (default: the machine id
+/// and the network namespace).
+pub const HOST_ID_VAR: &str = "RINGTRAIN_HOST_ID";
 
 /// Launch-related command-line flags (all optional).
 #[derive(Clone, Debug, Default)]
@@ -204,6 +207,8 @@ pub fn generate_secret() -> String {
 pub struct NetworkEnv {
     pub bind_ip: Option<IpAddr>,
     pub advertise: Option<AdvertiseAddr>,
+    /// [`HOST_ID_VAR`]: which ranks share a host, when the machine cannot tell (`None`: it can).
+    pub host_id: Option<String>,
 }
 
 /// A host the other ranks should dial this rank at, and the port unless it is the one this rank binds.
@@ -277,7 +282,18 @@ pub fn detect_network(getenv: impl Fn(&str) -> Option<String>) -> Result<Network
     let advertise = getenv(ADVERTISE_ADDR_VAR)
         .map(|v| AdvertiseAddr::parse(&v))
         .transpose()?;
-    Ok(NetworkEnv { bind_ip, advertise })
+    let host_id = getenv(HOST_ID_VAR)
+        .map(|v| {
+            crate::collective::shm::check_host_id(&v)
+                .map(|()| v.clone())
+                .map_err(|e| format!("environment variable {HOST_ID_VAR}: {e}"))
+        })
+        .transpose()?;
+    Ok(NetworkEnv {
+        bind_ip,
+        advertise,
+        host_id,
+    })
 }
 
 /// Resolves `host:port`, preferring IPv4.

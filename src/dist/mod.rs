@@ -7,7 +7,7 @@ pub mod threads;
 
 pub use env::{
     detect_launch, detect_network, generate_secret, load_secret, resolve_master, AdvertiseAddr, LaunchEnv, LaunchFlags,
-    LaunchSource, NetworkEnv, ADVERTISE_ADDR_VAR, BIND_ADDR_VAR,
+    LaunchSource, NetworkEnv, ADVERTISE_ADDR_VAR, BIND_ADDR_VAR, HOST_ID_VAR,
 };
 pub use threads::{thread_budget, ThreadBudget};
 
@@ -19,6 +19,7 @@ use anyhow::Context;
 
 use crate::collective::mem::single_rank;
 use crate::collective::quic::{QuicCollective, QuicConfig};
+use crate::collective::shm::LinkTransport;
 use crate::collective::Collective;
 
 /// The environment variable holding the job id (a decimal number), which every rank of a job must share.
@@ -37,6 +38,8 @@ pub struct JoinOptions {
     pub timeout: Duration,
     /// Faults to inject: the transport applies the message kinds that name this rank (the trainer the rest).
     pub faults: FaultPlan,
+    /// Shared memory or QUIC between ranks of one host (`--transport`).
+    pub transport: LinkTransport,
 }
 
 /// The job id: the value of [`JOB_ID_VAR`] when it is set (`value`), else `config_hash`. A value that is not
@@ -106,6 +109,8 @@ fn join_ring(
     cfg.rendezvous_timeout = opts.timeout;
     cfg.config_hash = opts.config_hash;
     cfg.job_id = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
+    cfg.transport = opts.transport;
+    cfg.host_id = network.host_id.clone();
     let connected = match socket {
         Some(socket) => QuicCollective::connect_with_socket(cfg, socket),
         None => QuicCollective::connect(cfg),

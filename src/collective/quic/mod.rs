@@ -548,6 +548,10 @@ impl Collective for QuicCollective {
         Some(self.shared.compute_busy.clone())
     }
 
+    fn ring_links(&self) -> Option<[&'static str; 2]> {
+        Some(self.data_links())
+    }
+
     fn set_step(&mut self, step: u64) {
         self.step = step;
         if self.faults.crash_at_step == Some(step) && !self.crashed {

@@ -147,7 +147,10 @@ fn a_ring_over_shared_memory_gives_the_bits_of_quic_and_of_the_in_memory_transpo
             assert!(auto[r].0 == mem[r], "world {world} rank {r}");
             // All-reduced buffers (every fourth entry, from the first) are the same on every rank.
             for i in (0..shm[r].0.len() - 2).step_by(4) {
-                assert!(shm[r].0[i] == shm[0].0[i], "world {world}: rank {r} differs from rank 0");
+                assert!(
+                    shm[r].0[i] == shm[0].0[i],
+                    "world {world}: rank {r} differs from rank 0"
+                );
             }
         }
     }

@@ -7,6 +7,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 use crate::collective::quic::{QuicCollective, QuicConfig};
+use crate::collective::shm::LinkTransport;
 use crate::collective::{chunk_range, Collective, CollectiveError};
 
 fn input(r: usize, len: usize) -> Vec<f32> {
@@ -270,7 +271,8 @@ fn abort_reaches_everyone() {
 
 #[test]
 fn allreduce_bench_table() {
-    let t = crate::collective::bench::run_allreduce_bench(3, &[4096, 1 << 20], 3, b"bench secret").unwrap();
+    let t = crate::collective::bench::run_allreduce_bench(3, &[4096, 1 << 20], 3, b"bench secret", LinkTransport::Quic)
+        .unwrap();
     eprintln!("{t}");
     let lines: Vec<&str> = t.lines().collect();
     assert_eq!(lines.len(), 4, "{t}");
@@ -285,8 +287,14 @@ fn allreduce_bench_table() {
 #[ignore]
 fn allreduce_bench_large() {
     for n in [2, 4] {
-        let t = crate::collective::bench::run_allreduce_bench(n, &[1 << 20, 16 << 20, 64 << 20], 5, b"bench secret")
-            .unwrap();
+        let t = crate::collective::bench::run_allreduce_bench(
+            n,
+            &[1 << 20, 16 << 20, 64 << 20],
+            5,
+            b"bench secret",
+            LinkTransport::Quic,
+        )
+        .unwrap();
         eprintln!("{t}");
     }
 }
