@@ -6,7 +6,8 @@
 #   bench/allreduce/run.sh [ROUNDS] [ITERS_BIG] [ITERS_SMALL]
 #
 # Builds ringtrain (release) and the standalone nexar harness (bench/allreduce/nexar, its own workspace;
-# target dir $NEXAR_TARGET, default /tmp/ringtrain-nexar-target). Prints every table and the load average.
+# target dir $NEXAR_TARGET, default /tmp/ringtrain-nexar-target); SKIP_NEXAR=1 leaves nexar out. Prints every
+# table and the load average.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 ROUNDS=${1:-2}
@@ -17,7 +18,9 @@ RT=${RINGTRAIN_BIN:-$ROOT/target/release/ringtrain}
 NX=$NEXAR_TARGET/release/ringtrain-bench-nexar
 if [ -z "${NO_BUILD:-}" ]; then
   (cd "$ROOT" && cargo build --release --bin ringtrain)
-  (cd "$ROOT/bench/allreduce/nexar" && CARGO_TARGET_DIR=$NEXAR_TARGET cargo build --release)
+  if [ -z "${SKIP_NEXAR:-}" ]; then
+    (cd "$ROOT/bench/allreduce/nexar" && CARGO_TARGET_DIR=$NEXAR_TARGET cargo build --release)
+  fi
 fi
 echo "== $(date -u +%FT%TZ)  $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
 for round in $(seq 1 "$ROUNDS"); do
@@ -26,11 +29,11 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "--- ringtrain (shm) 64MiB"; "$RT" bench allreduce --nproc "$n" --size 64MiB --iters "$IT_BIG" --transport shm
     echo "--- ringtrain (QUIC) 64MiB"; "$RT" bench allreduce --nproc "$n" --size 64MiB --iters "$IT_BIG" --transport quic
     echo "--- gloo (TCP) 64MiB"; python3 "$ROOT/bench/allreduce/gloo.py" "$n" 67108864 "$IT_BIG"
-    echo "--- nexar (QUIC) 64MiB"; "$NX" "$n" 67108864 "$IT_BIG"
+    if [ -z "${SKIP_NEXAR:-}" ]; then echo "--- nexar (QUIC) 64MiB"; "$NX" "$n" 67108864 "$IT_BIG"; fi
     echo "--- ringtrain (shm) 4KiB"; "$RT" bench allreduce --nproc "$n" --size 4KiB --iters "$IT_SMALL" --transport shm
     echo "--- ringtrain (QUIC) 4KiB"; "$RT" bench allreduce --nproc "$n" --size 4KiB --iters "$IT_SMALL" --transport quic
     echo "--- gloo (TCP) 4KiB"; python3 "$ROOT/bench/allreduce/gloo.py" "$n" 4096 "$IT_SMALL"
-    echo "--- nexar (QUIC) 4KiB"; "$NX" "$n" 4096 "$IT_SMALL"
+    if [ -z "${SKIP_NEXAR:-}" ]; then echo "--- nexar (QUIC) 4KiB"; "$NX" "$n" 4096 "$IT_SMALL"; fi
   done
 done
 echo; echo "load at end: $(uptime | sed 's/.*load average: //')"

@@ -102,11 +102,6 @@ impl PooledLeF32 {
         }
         PooledLeF32 { data, pool }
     }
-
-    /// `data` whose memory already holds little-endian f32 bytes (as received), kept as they are.
-    pub fn from_le_memory(data: Vec<f32>, pool: Arc<BufferPool>) -> Self {
-        PooledLeF32 { data, pool }
-    }
 }
 
 impl AsRef<[u8]> for PooledLeF32 {

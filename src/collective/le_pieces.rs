@@ -16,6 +16,10 @@ pub struct LePieces {
     pub pieces: Vec<Bytes>,
     /// Where the engine takes the buffers it writes sums into (`None`: plain allocations).
     pub pool: Option<Arc<BufferPool>>,
+    /// The pieces lie in memory the transport lent and needs back promptly (a shared-memory ring, whose
+    /// space returns in order): the engine must not hold them while it waits to send, so it stores them
+    /// and forwards from its own buffer instead of forwarding the pieces.
+    pub lent: bool,
 }
 
 impl LePieces {
@@ -24,6 +28,7 @@ impl LePieces {
         LePieces {
             pieces: vec![le_bytes(values)],
             pool: None,
+            lent: false,
         }
     }
 
@@ -170,6 +175,7 @@ mod tests {
         LePieces {
             pieces: at.windows(2).map(|w| bytes.slice(w[0]..w[1])).collect(),
             pool: None,
+            lent: false,
         }
     }
 

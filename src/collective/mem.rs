@@ -173,7 +173,11 @@ impl MemCollective {
             pieces.push(bytes.slice(at..end));
             at = end;
         }
-        msg.payload = Payload::F32Le(LePieces { pieces, pool: None });
+        msg.payload = Payload::F32Le(LePieces {
+            pieces,
+            pool: None,
+            lent: false,
+        });
         msg
     }
 

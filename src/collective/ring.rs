@@ -255,9 +255,11 @@ enum Outgoing {
     /// Sub-chunk `sub` of `phase`'s send chunk, copied out of the caller's buffer only when the transport
     /// takes it: the copy is then still in cache when the transport reads it, and a large phase 0 does not
     /// hold a second copy of the whole chunk before its first byte leaves. The region is not written before
-    /// that: only phase 0 sends from the buffer, the chunk a rank sends in phase 0 is never one it receives
-    /// in the reduce-scatter, and the finished sum of a sub-chunk it gets back in the all-gather includes
-    /// this very contribution, so it can only arrive after the copy was sent.
+    /// that. In phase 0: the chunk a rank sends in phase 0 is never one it receives in the reduce-scatter,
+    /// and the finished sum of a sub-chunk it gets back in the all-gather includes this very contribution,
+    /// so it can only arrive after the copy was sent. In a later gather or broadcast phase (forwarding
+    /// lent pieces, [`RingEngine::queue_forward`]): the region was just stored from the received message,
+    /// and each region is received once.
     FromBuffer {
         phase: usize,
         sub: usize,
@@ -375,6 +377,17 @@ impl<'a> RingEngine<'a> {
         self.outbox.push_back(Outgoing::Ready(msg));
     }
 
+    /// Queues the forward of received data just stored in sub-chunk `sub` of this phase's send chunk: as
+    /// received, unless the transport lent the pieces, which go back to it now; then the bytes are copied
+    /// out of the buffer when the transport takes the message (the same bits: the region holds exactly
+    /// what arrived, and nothing writes it again in this collective).
+    fn queue_forward(&mut self, phase: usize, sub: usize, incoming: Incoming) {
+        match incoming {
+            Incoming::Pieces(p) if p.lent => self.outbox.push_back(Outgoing::FromBuffer { phase, sub }),
+            other => self.queue_payload(phase, sub, other.into_payload()),
+        }
+    }
+
     fn msg(&self, phase: usize, sub: usize, payload: Payload) -> Msg {
         let c = self.send_chunk(phase);
         debug_assert_eq!(payload.len_bytes(), 4 * self.sub_range(c, sub).len());
@@ -482,7 +495,7 @@ impl Engine for RingEngine<'_> {
         if let RingOp::Broadcast { root } = self.op {
             incoming.store_into(dst);
             if (self.rank + 1) % n != root {
-                self.queue_payload(0, sub, incoming.into_payload());
+                self.queue_forward(0, sub, incoming);
             }
             return Ok(());
         }
@@ -491,7 +504,7 @@ impl Engine for RingEngine<'_> {
             incoming.store_into(dst);
             if forward {
                 debug_assert_eq!(self.send_chunk(next), chunk);
-                self.queue_payload(next, sub, incoming.into_payload());
+                self.queue_forward(next, sub, incoming);
             }
             return Ok(());
         }
@@ -777,6 +790,76 @@ mod tests {
         }
     }
 
+    /// Every message becomes received pieces, `lent` or not, on its way; returns the buffers and whether
+    /// any message sent on had kept lent pieces.
+    fn run_as_pieces(n: usize, op: RingOp, lent: bool) -> (Vec<Vec<f32>>, bool) {
+        let mut bufs: Vec<Vec<f32>> = (0..n)
+            .map(|r| (0..23).map(|i| (i * 5 + r * 7) as f32 * 0.3).collect())
+            .collect();
+        let mut kept_lent = false;
+        {
+            let mut engines: Vec<RingEngine> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, b)| RingEngine::new(op, r, n, b, 4).unwrap())
+                .collect();
+            let mut queues: Vec<std::collections::VecDeque<Msg>> = vec![Default::default(); n];
+            loop {
+                let mut progressed = false;
+                for r in 0..n {
+                    while let Some(mut m) = engines[r].poll_transmit(&Allocate) {
+                        if let Payload::F32Le(p) = &m.payload {
+                            kept_lent |= p.lent;
+                        }
+                        let values = match &m.payload {
+                            Payload::F32(v) => v.clone(),
+                            Payload::F32Le(p) => p.to_f32(),
+                            Payload::Bytes(_) => unreachable!(),
+                        };
+                        m.payload = Payload::F32Le(LePieces {
+                            lent,
+                            ..LePieces::from_f32(&values)
+                        });
+                        queues[(r + 1) % n].push_back(m);
+                        progressed = true;
+                    }
+                }
+                for r in 0..n {
+                    if let Some(m) = queues[r].pop_front() {
+                        engines[r].handle(m).unwrap();
+                        progressed = true;
+                    }
+                }
+                if !progressed {
+                    break;
+                }
+            }
+            assert!(engines.iter().all(|e| e.is_done()));
+        }
+        (bufs, kept_lent)
+    }
+
+    #[test]
+    fn lent_pieces_are_forwarded_from_the_buffer_with_the_same_bits() {
+        for n in [2, 3, 4] {
+            for op in [
+                RingOp::AllReduce(Reduce::Mean),
+                RingOp::AllGather,
+                RingOp::Broadcast { root: 1 },
+            ] {
+                let (owned, _) = run_as_pieces(n, op, false);
+                let (lent, kept) = run_as_pieces(n, op, true);
+                assert!(!kept, "n={n} {op:?}: lent pieces were sent on");
+                let bits = |b: &Vec<Vec<f32>>| {
+                    b.iter()
+                        .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&owned), bits(&lent), "n={n} {op:?}");
+            }
+        }
+    }
+
     #[test]
     fn phase_zero_copies_come_from_the_pool() {
         let pool = BufferPool::new(1 << 20);
@@ -859,6 +942,7 @@ mod tests {
                 bytes::Bytes::from_static(&[63]),
             ],
             pool: None,
+            lent: false,
         };
         let mut ragged_short = ragged.clone();
         ragged_short.pieces[1] = bytes::Bytes::new();

@@ -180,7 +180,7 @@ fn apply_event(
             let msg = frame::decode_msg(&h, &payload).map_err(|e| proto(e.to_string()))?;
             engine.handle(msg).map_err(|e| proto(e.to_string()))
         }
-        LinkEvent::F32Le(h, pieces) => {
+        LinkEvent::F32Le(h, pieces, lent) => {
             check(&h, h.len as usize)?;
             let msg = Msg {
                 phase: h.phase,
@@ -189,6 +189,7 @@ fn apply_event(
                 payload: Payload::F32Le(LePieces {
                     pieces,
                     pool: Some(pool.clone()),
+                    lent,
                 }),
             };
             engine.handle(msg).map_err(|e| proto(e.to_string()))

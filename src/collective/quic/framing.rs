@@ -48,8 +48,11 @@ fn closed_reason(e: &quinn::ReadExactError) -> String {
 /// What the left link's reader hands the collective loop.
 pub(super) enum LinkEvent {
     Frame(Header, Vec<u8>),
-    /// A data frame of kind F32: its payload as received, `h.len` bytes in all (a multiple of 4).
-    F32Le(Header, Vec<bytes::Bytes>),
+    /// A data frame of kind F32: its payload as received, `h.len` bytes in all (a multiple of 4), and
+    /// whether the pieces are lent from a shared-memory ring (see [`LePieces::lent`]).
+    ///
+    /// [`LePieces::lent`]: crate::collective::le_pieces::LePieces::lent
+    F32Le(Header, Vec<bytes::Bytes>, bool),
     Closed(String),
     Bad(FrameError),
 }
@@ -82,7 +85,7 @@ pub(super) async fn read_data_frame(recv: &mut RecvStream, max_payload: usize) -
     let len = h.len as usize;
     if h.kind == Kind::F32 && len % 4 == 0 {
         let pieces = read_pieces(recv, len).await?;
-        return Ok(LinkEvent::F32Le(h, pieces));
+        return Ok(LinkEvent::F32Le(h, pieces, false));
     }
     let mut payload = vec![0u8; len];
     recv.read_exact(&mut payload)

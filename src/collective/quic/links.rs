@@ -179,7 +179,7 @@ pub(super) async fn connect(
         },
         #[cfg(target_os = "linux")]
         LeftData::Shm(receiver, _recv) => {
-            let (rx, task) = shm_links::spawn_reader(receiver, max_payload, MAX_QUEUED_FRAMES, shared.pool.clone());
+            let (rx, task) = shm_links::spawn_reader(receiver, max_payload, MAX_QUEUED_FRAMES);
             LeftLink {
                 _conn: conn,
                 rx,

@@ -8,7 +8,6 @@
 //! `--transport auto` a local link that does not attach stays QUIC, with one line saying why; under `shm`
 //! that fails the start, naming the cause.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -18,7 +17,6 @@ use tokio::time::Instant;
 use super::framing::LinkEvent;
 use super::messages::LocalEndpoint;
 use super::{local, QuicConfig};
-use crate::collective::buffer_pool::{BufferPool, PooledLeF32};
 use crate::collective::frame::{Header, Kind, HEADER_LEN};
 use crate::collective::shm::handoff::{offer, Expected, ShmListener};
 use crate::collective::shm::link::{ShmReceiver, ShmSender};
@@ -157,18 +155,17 @@ pub(super) fn not_attached(cfg: &QuicConfig, peer: usize, why: &str) -> Result<(
 }
 
 /// Reads the left link's frames (payloads of at most `max_payload` bytes) out of the segment into a bounded
-/// queue, as the QUIC reader does from its stream. Each frame is copied out of the shared ring into this
-/// rank's own memory before its header is decoded; f32 payloads land in buffers from `pool`.
+/// queue, as the QUIC reader does from its stream. Each frame's header is copied out of the shared ring
+/// before it is decoded; an f32 payload is lent in place, other payloads are copied.
 pub(super) fn spawn_reader(
     mut rx: ShmReceiver,
     max_payload: usize,
     queue: usize,
-    pool: Arc<BufferPool>,
 ) -> (mpsc::Receiver<LinkEvent>, JoinHandle<()>) {
     let (tx, events) = mpsc::channel(queue);
     let task = tokio::spawn(async move {
         loop {
-            let ev = read_frame(&mut rx, max_payload, &pool).await;
+            let ev = read_frame(&mut rx, max_payload).await;
             let last = matches!(ev, LinkEvent::Closed(_) | LinkEvent::Bad(_));
             if tx.send(ev).await.is_err() || last {
                 break;
@@ -178,7 +175,7 @@ pub(super) fn spawn_reader(
     (events, task)
 }
 
-async fn read_frame(rx: &mut ShmReceiver, max_payload: usize, pool: &Arc<BufferPool>) -> LinkEvent {
+async fn read_frame(rx: &mut ShmReceiver, max_payload: usize) -> LinkEvent {
     let mut hb = [0u8; HEADER_LEN];
     if let Err(e) = rx.read_exact(&mut hb).await {
         return LinkEvent::Closed(e);
@@ -190,12 +187,12 @@ async fn read_frame(rx: &mut ShmReceiver, max_payload: usize, pool: &Arc<BufferP
     // `h.len` is bounded by `max_payload` here.
     let len = h.len as usize;
     if h.kind == Kind::F32 && len % 4 == 0 {
-        let mut values = pool.take(len / 4);
-        if let Err(e) = rx.read_exact(bytemuck::cast_slice_mut(&mut values)).await {
-            return LinkEvent::Closed(e);
-        }
-        let piece = bytes::Bytes::from_owner(PooledLeF32::from_le_memory(values, pool.clone()));
-        return LinkEvent::F32Le(h, vec![piece]);
+        // The values stay in the segment: the engine sums or stores straight from it, and their space
+        // returns to the sender once it is done with them.
+        return match rx.read_lent(len).await {
+            Ok(pieces) => LinkEvent::F32Le(h, pieces, true),
+            Err(e) => LinkEvent::Closed(e),
+        };
     }
     let mut payload = vec![0u8; len];
     match rx.read_exact(&mut payload).await {

@@ -226,3 +226,32 @@ fn a_dead_local_rank_is_named_by_the_others_within_the_deadline() {
         }
     }
 }
+
+#[test]
+fn collectives_many_times_larger_than_the_segment_complete_on_every_world_size() {
+    // The last case mixes links: two hosts of two ranks, so gathers go from shared memory to QUIC and back.
+    for (world, two_hosts) in [(2usize, false), (3, false), (4, false), (4, true)] {
+        let (sock, master) = master_socket();
+        let cfgs = (0..world)
+            .map(|r| {
+                let mut c = cfg(r, world, master, LinkTransport::Auto);
+                c.sub_chunk = crate::collective::ring::DEFAULT_SUB_CHUNK;
+                c.timeout = Duration::from_secs(30);
+                c.host_id = two_hosts.then(|| format!("host-{}", r / 2));
+                c
+            })
+            .collect();
+        let len = 12 << 20;
+        let res = run_ranks(cfgs, sock, |c| {
+            let mut b = input(c.rank(), len);
+            c.all_reduce_sum(&mut b).unwrap();
+            let mut g = input(c.rank(), len);
+            c.all_gather(&mut g).unwrap();
+            (b[..16].to_vec(), b[len - 16..].to_vec())
+        });
+        let first = res[0].as_ref().unwrap().clone();
+        for r in res {
+            assert_eq!(r.unwrap(), first, "world {world}");
+        }
+    }
+}

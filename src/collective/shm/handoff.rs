@@ -326,7 +326,7 @@ mod tests {
         );
         let (a, o) = (accepted.unwrap(), offered.unwrap());
         let mut p = super::super::segment::Producer::new(o.segment);
-        let mut c = super::super::segment::Consumer::new(a.segment);
+        let mut c = super::super::segment::Consumer::new(a.segment, || {});
         assert_eq!(p.try_write(b"hello").unwrap(), 5);
         let mut got = [0u8; 5];
         assert_eq!(c.try_read(&mut got).unwrap(), 5);

@@ -4,6 +4,7 @@
 //! it also watches the link's socket, whose end-of-file means the peer process is gone.
 
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 use tokio::io::unix::AsyncFd;
 use tokio::net::UnixStream;
@@ -15,12 +16,21 @@ use super::segment::{Consumer, Producer};
 /// sleeps on.
 struct Wakes {
     socket: UnixStream,
-    wake_peer: OwnedFd,
+    wake_peer: Arc<OwnedFd>,
     wait: AsyncFd<OwnedFd>,
 }
 
+/// Wakes the peer sleeping on `fd`.
+fn wake(fd: &OwnedFd) -> Result<(), String> {
+    match rustix::io::write(fd, &1u64.to_ne_bytes()) {
+        // A counter at its maximum wakes the peer as well as one more would.
+        Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(()),
+        Err(e) => Err(format!("waking the peer: {e}")),
+    }
+}
+
 impl Wakes {
-    fn new(socket: UnixStream, wake_peer: OwnedFd, wait: OwnedFd) -> std::io::Result<Wakes> {
+    fn new(socket: UnixStream, wake_peer: Arc<OwnedFd>, wait: OwnedFd) -> std::io::Result<Wakes> {
         // SAFETY: the `OwnedFd` owns its descriptor, which stays open, and the same, until the `AsyncFd`
         // that owns it is dropped.
         let wait = unsafe { AsyncFd::register_with_interest(wait, tokio::io::Interest::READABLE) }
@@ -33,11 +43,7 @@ impl Wakes {
     }
 
     fn wake_peer(&self) -> Result<(), String> {
-        match rustix::io::write(&self.wake_peer, &1u64.to_ne_bytes()) {
-            // A counter at its maximum wakes the peer as well as one more would.
-            Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(()),
-            Err(e) => Err(format!("waking the peer: {e}")),
-        }
+        wake(&self.wake_peer)
     }
 
     /// Sleeps until the peer wakes this side, or fails when the peer's process is gone.
@@ -72,12 +78,10 @@ pub struct ShmSender {
     wakes: Wakes,
 }
 
-/// The receiving end of a link.
+/// The receiving end of a link. Space it frees (bytes copied out, or lent bytes dropped) wakes the peer.
 pub struct ShmReceiver {
     ring: Consumer,
     wakes: Wakes,
-    /// Bytes freed since the peer was last woken.
-    freed: bool,
 }
 
 impl ShmSender {
@@ -85,7 +89,7 @@ impl ShmSender {
     pub fn new(a: Attached) -> std::io::Result<ShmSender> {
         Ok(ShmSender {
             ring: Producer::new(a.segment),
-            wakes: Wakes::new(a.socket, a.data_ready, a.space_ready)?,
+            wakes: Wakes::new(a.socket, Arc::new(a.data_ready), a.space_ready)?,
         })
     }
 
@@ -123,42 +127,63 @@ impl ShmReceiver {
     /// The receiving end from what [`super::handoff::ShmListener::accept`] attached. Must run inside the
     /// rank's runtime.
     pub fn new(a: Attached) -> std::io::Result<ShmReceiver> {
+        let space_ready = Arc::new(a.space_ready);
+        let waker = space_ready.clone();
+        // A failed wake leaves the producer to its own timeout; the link's socket reports why it failed.
+        let ring = Consumer::new(a.segment, move || {
+            let _ = wake(&waker);
+        });
         Ok(ShmReceiver {
-            ring: Consumer::new(a.segment),
-            wakes: Wakes::new(a.socket, a.space_ready, a.data_ready)?,
-            freed: false,
+            ring,
+            wakes: Wakes::new(a.socket, space_ready, a.data_ready)?,
         })
     }
 
-    /// Fills `dst`, waiting for the peer as needed. Freed space is announced before this side sleeps and
-    /// once `dst` is full.
+    /// Fills `dst` with a copy of the next bytes, waiting for the peer as needed.
     pub async fn read_exact(&mut self, dst: &mut [u8]) -> Result<(), String> {
         let mut filled = 0;
-        loop {
+        while filled < dst.len() {
             let n = self.ring.try_read(&mut dst[filled..]).map_err(|e| e.to_string())?;
             filled += n;
-            self.freed |= n > 0;
-            if filled == dst.len() {
-                return self.announce_freed();
+            if n == 0 && filled < dst.len() {
+                self.wait().await?;
             }
-            if n == 0 {
-                self.announce_freed()?;
-                if let Err(gone) = self.wakes.sleep().await {
-                    // What the peer wrote before it left is still in the ring: the error only once it is
-                    // drained and more is wanted.
-                    if self.ring.is_empty() {
-                        return Err(gone);
-                    }
-                }
-            }
-        }
-    }
-
-    fn announce_freed(&mut self) -> Result<(), String> {
-        if std::mem::take(&mut self.freed) {
-            self.wakes.wake_peer()?;
         }
         Ok(())
+    }
+
+    /// The next `len` bytes lent in place, as one piece, or two where they wrap around the ring; their
+    /// space returns to the peer when the pieces are dropped. While half the ring is already out, they are
+    /// copied instead: whoever holds lent bytes (a ring engine forwarding them to a neighbour that is itself
+    /// waiting) must never hold the whole ring, or the peer could wait for space that only its own progress
+    /// would free.
+    pub async fn read_lent(&mut self, len: usize) -> Result<Vec<bytes::Bytes>, String> {
+        if self.ring.outstanding() + len > self.ring.capacity() / 2 {
+            let mut copy = vec![0u8; len];
+            self.read_exact(&mut copy).await?;
+            return Ok(vec![bytes::Bytes::from(copy)]);
+        }
+        let mut pieces = Vec::with_capacity(2);
+        let mut left = len;
+        while left > 0 {
+            match self.ring.try_lend(left).map_err(|e| e.to_string())? {
+                Some(lent) => {
+                    left -= lent.as_ref().len();
+                    pieces.push(bytes::Bytes::from_owner(lent));
+                }
+                None => self.wait().await?,
+            }
+        }
+        Ok(pieces)
+    }
+
+    /// Sleeps until the peer publishes more. What a peer wrote before it left is still in the ring: the
+    /// error comes only once that is drained.
+    async fn wait(&mut self) -> Result<(), String> {
+        match self.wakes.sleep().await {
+            Err(gone) if self.ring.is_empty() => Err(gone),
+            _ => Ok(()),
+        }
     }
 }
 

@@ -17,9 +17,11 @@
 //! the other's counter as untrusted: a counter that runs backwards or past the capacity is a protocol error,
 //! never an out-of-bounds access.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use memmap2::{MmapMut, MmapOptions};
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -150,13 +152,6 @@ pub struct Producer {
     head: u64,
 }
 
-/// The receiving end of a segment's ring.
-pub struct Consumer {
-    seg: Segment,
-    /// Bytes read so far (our own copy of `tail`).
-    tail: u64,
-}
-
 impl Producer {
     pub fn new(seg: Segment) -> Producer {
         Producer { head: 0, seg }
@@ -197,45 +192,183 @@ impl Producer {
     }
 }
 
+/// The receiving end of a segment's ring. Bytes are either copied out ([`Consumer::try_read`]) or lent in
+/// place ([`Consumer::try_lend`]); either way their space returns to the producer only when every byte
+/// before them has been given back too, so `tail` only ever moves forward over finished bytes.
+pub struct Consumer {
+    releases: Arc<Releases>,
+    /// Bytes handed out so far, copied or lent.
+    read: u64,
+}
+
+/// The ranges handed out and not yet given back, in order, and what to do when `tail` moves.
+struct Releases {
+    seg: Segment,
+    state: Mutex<ReleaseState>,
+    /// Called after `tail` has moved (wakes a producer waiting for space).
+    on_release: Box<dyn Fn() + Send + Sync>,
+}
+
+#[derive(Default)]
+struct ReleaseState {
+    tail: u64,
+    /// `(end, given back)` of every range handed out past `tail`, in order; entry 0 is number `first`.
+    pending: VecDeque<(u64, bool)>,
+    first: u64,
+}
+
+impl Releases {
+    /// Records the range ending at `end` as handed out; returns its number.
+    fn hand_out(&self, end: u64) -> u64 {
+        let mut st = self.lock();
+        st.pending.push_back((end, false));
+        st.first + st.pending.len() as u64 - 1
+    }
+
+    /// Gives range `number` back; moves `tail` over every leading range given back.
+    fn give_back(&self, number: u64) {
+        let moved = {
+            let mut st = self.lock();
+            let i = (number - st.first) as usize;
+            st.pending[i].1 = true;
+            let mut moved = false;
+            while let Some(&(end, true)) = st.pending.front() {
+                st.tail = end;
+                st.pending.pop_front();
+                st.first += 1;
+                moved = true;
+            }
+            if moved {
+                self.seg.counter(TAIL_OFFSET).store(st.tail, Ordering::Release);
+            }
+            moved
+        };
+        if moved {
+            (self.on_release)();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReleaseState> {
+        // The state is a list of numbers, consistent after every statement: a panic elsewhere cannot
+        // leave it half-updated.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Bytes of the ring lent in place; their space is given back when this is dropped.
+pub struct Lent {
+    releases: Arc<Releases>,
+    number: u64,
+    /// `[len]` bytes inside the ring of `releases.seg`.
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: `Lent` only reads its range of a mapping that `releases` keeps alive; the producer does not write
+// the range until it has been given back (on drop), and giving back is synchronised by the mutex.
+unsafe impl Send for Lent {}
+// SAFETY: as above; `as_ref` only reads.
+unsafe impl Sync for Lent {}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr + len` lies inside the ring (checked by `try_lend`), the mapping lives as long as
+        // `releases`, and the producer leaves these bytes alone until this `Lent` gives them back. A peer
+        // that broke that rule could change them under us, which cannot make a `u8` invalid; the bytes are
+        // f32 payload values, read as such and never trusted as lengths or offsets.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        self.releases.give_back(self.number);
+    }
+}
+
 impl Consumer {
-    pub fn new(seg: Segment) -> Consumer {
-        Consumer { tail: 0, seg }
+    /// The receiving end; `on_release` runs whenever freed space returns to the producer.
+    pub fn new(seg: Segment, on_release: impl Fn() + Send + Sync + 'static) -> Consumer {
+        Consumer {
+            releases: Arc::new(Releases {
+                seg,
+                state: Mutex::new(ReleaseState::default()),
+                on_release: Box::new(on_release),
+            }),
+            read: 0,
+        }
     }
 
-    /// Whether nothing published is left to read.
-    pub fn is_empty(&self) -> bool {
-        self.seg.counter(HEAD_OFFSET).load(Ordering::Acquire) == self.tail
-    }
-
-    /// Copies up to `dst.len()` published bytes out of the ring and frees their space; returns how many
-    /// (0 when nothing new has been published).
-    pub fn try_read(&mut self, dst: &mut [u8]) -> Result<usize, RingCorrupt> {
-        let cap = self.seg.capacity as u64;
-        let head = self.seg.counter(HEAD_OFFSET).load(Ordering::Acquire);
-        let avail = head.wrapping_sub(self.tail);
-        if avail > cap {
+    /// Published bytes not yet handed out, checked against the capacity.
+    fn available(&self) -> Result<usize, RingCorrupt> {
+        let seg = &self.releases.seg;
+        let head = seg.counter(HEAD_OFFSET).load(Ordering::Acquire);
+        let avail = head.wrapping_sub(self.read);
+        if avail > seg.capacity as u64 {
             return Err(RingCorrupt(format!(
-                "the producer reports {head} bytes written, but {} were read and the ring holds {cap}",
-                self.tail
+                "the producer reports {head} bytes written, but {} were read and the ring holds {}",
+                self.read, seg.capacity
             )));
         }
-        let n = (avail as usize).min(dst.len());
+        Ok(avail as usize)
+    }
+
+    /// Bytes handed out whose space has not returned to the producer yet (lent, or behind lent bytes).
+    pub fn outstanding(&self) -> usize {
+        (self.read - self.releases.lock().tail) as usize
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.releases.seg.capacity
+    }
+
+    /// Whether nothing published is left to hand out.
+    pub fn is_empty(&self) -> bool {
+        matches!(self.available(), Ok(0))
+    }
+
+    /// Copies up to `dst.len()` published bytes out of the ring into `dst` and gives their space back;
+    /// returns how many (0 when nothing new has been published).
+    pub fn try_read(&mut self, dst: &mut [u8]) -> Result<usize, RingCorrupt> {
+        let n = self.available()?.min(dst.len());
         if n == 0 {
             return Ok(0);
         }
-        let start = (self.tail % cap) as usize;
-        let first = n.min(self.seg.capacity - start);
-        // SAFETY: both copies stay inside the ring (as in `try_write`) and inside `dst`; the bytes are
-        // plain `u8`, valid whatever a misbehaving peer writes into them meanwhile, and are validated only
-        // after they have been copied into our own memory.
+        let seg = &self.releases.seg;
+        let start = (self.read % seg.capacity as u64) as usize;
+        let first = n.min(seg.capacity - start);
+        // SAFETY: both copies stay inside the ring (`start + first <= capacity`, `n - first <= start`) and
+        // inside `dst`; the bytes are plain `u8`, valid whatever a misbehaving peer writes into them
+        // meanwhile, and are validated only after they have been copied into our own memory.
         unsafe {
-            let ring = self.seg.map.as_ptr().add(HEADER_BYTES);
+            let ring = seg.map.as_ptr().add(HEADER_BYTES);
             std::ptr::copy_nonoverlapping(ring.add(start), dst.as_mut_ptr(), first);
             std::ptr::copy_nonoverlapping(ring, dst.as_mut_ptr().add(first), n - first);
         }
-        self.tail += n as u64;
-        self.seg.counter(TAIL_OFFSET).store(self.tail, Ordering::Release);
+        self.read += n as u64;
+        let number = self.releases.hand_out(self.read);
+        self.releases.give_back(number);
         Ok(n)
+    }
+
+    /// Lends up to `max` published bytes in place, as far as the end of the ring; `None` when nothing new
+    /// has been published.
+    pub fn try_lend(&mut self, max: usize) -> Result<Option<Lent>, RingCorrupt> {
+        let seg = &self.releases.seg;
+        let start = (self.read % seg.capacity as u64) as usize;
+        let n = self.available()?.min(max).min(seg.capacity - start);
+        if n == 0 {
+            return Ok(None);
+        }
+        self.read += n as u64;
+        let number = self.releases.hand_out(self.read);
+        Ok(Some(Lent {
+            releases: self.releases.clone(),
+            number,
+            // Inside the ring: `start + n <= capacity`.
+            ptr: seg.map.as_ptr().wrapping_add(HEADER_BYTES + start),
+            len: n,
+        }))
     }
 }
 
@@ -247,7 +380,7 @@ mod tests {
         let seg = Segment::create(capacity).unwrap();
         let fd = seg.memfd().try_clone_to_owned().unwrap();
         let peer = Segment::attach(fd, capacity).unwrap();
-        (Producer::new(seg), Consumer::new(peer))
+        (Producer::new(seg), Consumer::new(peer, || {}))
     }
 
     #[test]
@@ -278,10 +411,47 @@ mod tests {
     }
 
     #[test]
+    fn lent_bytes_hold_their_space_until_every_earlier_byte_is_given_back() {
+        let (mut p, mut c) = pair(MIN_CAPACITY);
+        let data: Vec<u8> = (0..MIN_CAPACITY).map(|i| (i % 241) as u8).collect();
+        assert_eq!(p.try_write(&data).unwrap(), MIN_CAPACITY);
+        let a = c.try_lend(1000).unwrap().unwrap();
+        let b = c.try_lend(3000).unwrap().unwrap();
+        assert_eq!(a.as_ref(), &data[..1000]);
+        assert_eq!(b.as_ref(), &data[1000..4000]);
+        // Giving back the later range frees nothing while the earlier one is out.
+        drop(b);
+        assert_eq!(p.try_write(&[7u8; 10]).unwrap(), 0);
+        drop(a);
+        assert_eq!(p.try_write(&[7u8; 5000]).unwrap(), 4000);
+        // A copy after lent bytes waits for them too.
+        let d = c.try_lend(100).unwrap().unwrap();
+        assert_eq!(c.try_read(&mut [0u8; 100]).unwrap(), 100);
+        assert_eq!(p.try_write(&[7u8; 10]).unwrap(), 0);
+        drop(d);
+        assert_eq!(p.try_write(&[7u8; 500]).unwrap(), 200);
+    }
+
+    #[test]
+    fn a_lend_stops_at_the_end_of_the_ring() {
+        let (mut p, mut c) = pair(MIN_CAPACITY);
+        p.try_write(&vec![1u8; MIN_CAPACITY - 10]).unwrap();
+        assert_eq!(
+            c.try_read(&mut vec![0u8; MIN_CAPACITY - 10]).unwrap(),
+            MIN_CAPACITY - 10
+        );
+        p.try_write(&[2u8; 30]).unwrap();
+        assert_eq!(c.try_lend(100).unwrap().unwrap().as_ref(), &[2u8; 10]);
+        assert_eq!(c.try_lend(100).unwrap().unwrap().as_ref(), &[2u8; 20]);
+        assert!(c.try_lend(100).unwrap().is_none());
+    }
+
+    #[test]
     fn a_peer_counter_out_of_range_is_refused_not_followed() {
         let (mut p, mut c) = pair(MIN_CAPACITY);
         // A producer claiming more bytes than the ring holds.
-        c.seg
+        c.releases
+            .seg
             .counter(HEAD_OFFSET)
             .store(MIN_CAPACITY as u64 + 1, Ordering::Release);
         assert!(c.try_read(&mut [0u8; 8]).is_err());
