@@ -2,11 +2,13 @@
 """ringtrain against PyTorch DDP (Gloo) on this machine's loopback, in one run.
 
     python3 bench/loopback.py ROUNDS [--models tiny,small] [--ranks 1,2,4] [--steps 15] [--warmup 5]
-                              [--bucket-mb 1] [--update replicated]
+                              [--bucket-mb 1] [--update replicated] [--impls ringtrain,ringtrain-off,ddp]
 
-For each model and rank count, ROUNDS rounds of three measurements, in an order that rotates per round:
-  ringtrain       `ringtrain launch --nproc N -- train ... --overlap on` (QUIC on 127.0.0.1)
+For each model and rank count, ROUNDS rounds of these measurements (--impls), in an order that rotates per
+round:
+  ringtrain       `ringtrain launch --nproc N -- train ... --overlap on --transport quic` (QUIC on 127.0.0.1)
   ringtrain-off   the same with `--overlap off`
+  ringtrain-shm   `--overlap on --transport shm`: the ring links through shared memory
   ddp             N processes of bench/hosts/ddp.py over Gloo on 127.0.0.1 (bucket_cap_mb = --bucket-mb)
 Every rank has one compute thread, the same preset, per-rank batch 8 and sequence length (the preset's
 n_positions, at most 128), and the same gradient bucket size. With one rank there is no communication:
@@ -53,13 +55,13 @@ class Bench:
     def seq_len(self, model):
         return min(PRESETS[model]["n_positions"], 128)
 
-    def ringtrain(self, model, ranks, overlap, label):
+    def ringtrain(self, model, ranks, overlap, transport, label):
         a = self.a
         metrics = os.path.join(self.workdir, f"{label}.jsonl")
         cmd = [self.binary, "launch", "--nproc", str(ranks), "--", "train", "--model", model, "--batch-size",
                str(a.batch_size), "--seq-len", str(self.seq_len(model)), "--steps", str(a.warmup + a.steps),
                "--backend", "cpu", "--threads", "1", "--metrics", metrics, "--eval-batches", "1", "--bucket-mb",
-               str(a.bucket_mb), "--update", a.update, "--overlap", overlap]
+               str(a.bucket_mb), "--update", a.update, "--overlap", overlap, "--transport", transport]
         with open(os.path.join(self.workdir, f"{label}.log"), "w") as log:
             subprocess.run(cmd, stdout=log, stderr=log, check=True, timeout=JOB_TIMEOUT_S)
         with open(metrics) as f:
@@ -95,7 +97,8 @@ class Bench:
         if impl == "ddp":
             res = self.ddp(model, ranks, label)
         else:
-            res = self.ringtrain(model, ranks, "off" if impl == "ringtrain-off" else "on", label)
+            transport = "shm" if impl == "ringtrain-shm" and ranks > 1 else "quic"
+            res = self.ringtrain(model, ranks, "off" if impl == "ringtrain-off" else "on", transport, label)
         step = statistics.median(res["step_ms"])
         tokens = ranks * self.a.batch_size * self.seq_len(model)
         out = {"round": rnd, "model": model, "ranks": ranks, "impl": impl, "step_ms": round(step, 3),
@@ -110,8 +113,9 @@ class Bench:
 def summarise(results, models, ranks_list, impls):
     for model in models:
         for impl in impls:
-            # ringtrain-off's one-rank run is ringtrain's: one rank sends nothing.
-            own = "ringtrain" if impl.startswith("ringtrain") else impl
+            # ringtrain-off's and ringtrain-shm's one-rank runs are ringtrain's: one rank sends nothing.
+            own = impl if impl == "ddp" or (model, 1, impl) in {(r["model"], r["ranks"], r["impl"]) for r in results} \
+                else "ringtrain"
             base = [r["step_ms"] for r in results if (r["model"], r["ranks"], r["impl"]) == (model, 1, own)]
             for ranks in ranks_list:
                 rows = [r for r in results if (r["model"], r["ranks"], r["impl"]) == (model, ranks, impl)]
@@ -139,6 +143,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--update", choices=["replicated", "sharded"], default="replicated")
+    ap.add_argument("--impls", default="ringtrain,ringtrain-off,ddp")
     a = ap.parse_args()
     models = [m for m in a.models.split(",") if m]
     ranks_list = [int(n) for n in a.ranks.split(",") if n]
@@ -147,7 +152,9 @@ def main():
     binary = os.environ.get("RINGTRAIN_BIN", os.path.join(ROOT, "target", "release", "ringtrain"))
     if not os.access(binary, os.X_OK):
         ap.error(f"{binary} not found: run `cargo build --release` (or set RINGTRAIN_BIN)")
-    impls = ["ringtrain", "ringtrain-off", "ddp"]
+    impls = [i for i in a.impls.split(",") if i]
+    if any(i not in ("ringtrain", "ringtrain-off", "ringtrain-shm", "ddp") for i in impls):
+        ap.error("--impls: ringtrain, ringtrain-off, ringtrain-shm, ddp")
     print(json.dumps({"machine": f"{os.cpu_count()} cores", "binary": binary, "steps": a.steps,
                       "warmup": a.warmup, "batch": a.batch_size, "bucket_mb": a.bucket_mb, "update": a.update,
                       "threads_per_rank": 1}), flush=True)
@@ -159,7 +166,7 @@ def main():
                 for ranks in ranks_list:
                     shift = (rnd - 1) % len(impls)
                     for impl in impls[shift:] + impls[:shift]:
-                        if ranks == 1 and impl == "ringtrain-off":
+                        if ranks == 1 and impl in ("ringtrain-off", "ringtrain-shm") and "ringtrain" in impls:
                             continue  # one rank sends nothing: overlap changes nothing
                         results.append(bench.measure(rnd, model, ranks, impl))
     summarise(results, models, ranks_list, impls)
