@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# CPU cost of one 64 MiB f32 all-reduce on loopback, for ringtrain (QUIC), PyTorch Gloo (TCP) and nexar
-# (QUIC): each command runs twice, with LO and HI iterations, and the difference of their CPU seconds (user +
+# CPU cost of one 64 MiB f32 all-reduce on loopback, for ringtrain (QUIC, or `ringtrain-shm`: shared
+# memory), PyTorch Gloo (TCP) and nexar (QUIC): each command runs twice, with LO and HI iterations, and the difference of their CPU seconds (user +
 # system, all processes) divided by HI - LO is the CPU time of one all-reduce, free of start-up costs (Python's
 # torch import, TLS handshakes). Unlike bandwidth, this figure barely moves when other work shares the cores.
 #
 #   bench/allreduce/cpu_cost.sh [LO] [HI]    (defaults 5 and 25; bench/allreduce/run.sh builds the binaries)
 #   IMPLS="ringtrain" RINGTRAIN_BIN=path/to/other/ringtrain bench/allreduce/cpu_cost.sh   (one build only)
+#   IMPLS="ringtrain-shm ringtrain gloo" bench/allreduce/cpu_cost.sh                     (shared memory)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 LO=${1:-5}
@@ -29,11 +30,12 @@ cpu_of() {
 
 tick=$(getconf CLK_TCK)
 echo "== $(date -u +%FT%TZ)  $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores; ${LO} vs ${HI} iterations"
-printf '%-10s %3s %18s %22s\n' impl N "cpu ms / allreduce" "cpu s per GB of busbw"
+printf '%-14s %3s %18s %22s\n' impl N "cpu ms / allreduce" "cpu s per GB of busbw"
 for n in 2 4; do
   for impl in $IMPLS; do
     case $impl in
-      ringtrain) cmd=("$RT" bench allreduce --nproc "$n" --size 64MiB --iters) ;;
+      ringtrain) cmd=("$RT" bench allreduce --nproc "$n" --size 64MiB --transport quic --iters) ;;
+      ringtrain-shm) cmd=("$RT" bench allreduce --nproc "$n" --size 64MiB --transport shm --iters) ;;
       gloo) cmd=(python3 "$ROOT/bench/allreduce/gloo.py" "$n" "$BYTES") ;;
       nexar) cmd=("$NX" "$n" "$BYTES") ;;
     esac
@@ -42,7 +44,7 @@ for n in 2 4; do
     awk -v impl="$impl" -v n="$n" -v d="$((hi - lo))" -v k="$((HI - LO))" -v tick="$tick" -v b="$BYTES" 'BEGIN {
       ms = d / tick / k * 1000
       gb = b * 2 * (n - 1) / n / 1e9
-      printf "%-10s %3d %18.1f %22.2f\n", impl, n, ms, ms / 1000 / gb
+      printf "%-14s %3d %18.1f %22.2f\n", impl, n, ms, ms / 1000 / gb
     }'
   done
 done

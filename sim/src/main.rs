@@ -71,8 +71,9 @@ struct Cli {
     /// Predict step times on a modelled fabric instead of training (needs --network)
     #[arg(long)]
     timing_only: bool,
-    /// Fabric for --timing-only: a preset (10gbe, 100gbe-quic, ib-hdr100, wan, dgx) or
-    /// latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..]
+    /// Fabric for --timing-only: a preset (shm, 10gbe, 100gbe-quic, ib-hdr100, wan, dgx) or
+    /// latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..
+    /// [,intra-cpu-per-byte=..]]
     /// [,shared-cores=C[,rank-cpu-per-byte=..]] (C cores shared by a host's ranks, or by every rank
     /// without hosts-of; a rank's CPU per byte sent on all its threads, default cpu-per-byte)
     #[arg(long)]
@@ -83,6 +84,10 @@ struct Cli {
     /// Gradient bucket size in MiB for --timing-only (the trainer's --bucket-mb)
     #[arg(long)]
     bucket_mb: Option<f64>,
+    /// With --timing-only: predict one f32 all-reduce of each of these sizes (B, KiB, MiB, GiB) over
+    /// --workers ranks, as `ringtrain bench allreduce` measures it, instead of a training step
+    #[arg(long)]
+    allreduce_size: Option<String>,
 }
 
 /// `--worker-speed`: one positive number per worker, scaled so that the fastest is 1.
@@ -189,7 +194,12 @@ fn real_main() -> Result<ExitCode> {
         on_nonfinite,
         ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
-    if cli.timing_only || cli.network.is_some() || cli.compute_ms.is_some() || cli.bucket_mb.is_some() {
+    if cli.timing_only
+        || cli.network.is_some()
+        || cli.compute_ms.is_some()
+        || cli.bucket_mb.is_some()
+        || cli.allreduce_size.is_some()
+    {
         return timing::run(&cli, &model, &options, &backends, speeds.as_deref());
     }
     let mut fault_specs = cli.fault.clone();

@@ -535,3 +535,32 @@ fn the_model_times_the_messages_the_real_ring_sends() {
         }
     }
 }
+
+#[test]
+fn presets_price_ringtrains_own_path_not_nvlink() {
+    use ringtrain_sim::netmodel::network::{QUIC_CPU_S_PER_BYTE, SHM_CPU_S_PER_BYTE};
+    use ringtrain_sim::netmodel::predict_all_reduce;
+    let dgx = Network::parse("dgx").unwrap();
+    // Ranks 0 → 1 share a host (shared memory); rank 7 → 8 crosses to the next host (QUIC).
+    assert_eq!(dgx.hop(0, 16).cpu_s_per_byte, SHM_CPU_S_PER_BYTE);
+    assert_eq!(dgx.hop(7, 16).cpu_s_per_byte, QUIC_CPU_S_PER_BYTE);
+    for name in ["10gbe", "ib-hdr100", "100gbe-quic", "wan"] {
+        assert_eq!(
+            Network::parse(name).unwrap().inter.cpu_s_per_byte,
+            QUIC_CPU_S_PER_BYTE,
+            "{name}"
+        );
+    }
+    // gpt2's gradient (124,439,808 f32) all-reduced by the 8 ranks of one node: each rank sends
+    // 2 × 7/8 of 498 MB through shared memory, at least 183 ms of copying at the measured cost.
+    let secs = predict_all_reduce(&dgx, 8, 124_439_808, ringtrain::collective::ring::DEFAULT_SUB_CHUNK);
+    assert!(secs > 0.15, "dgx all-reduce of gpt2 predicted in {:.1} ms", secs * 1e3);
+    let with_intra = Network::parse(
+        "latency=20us,bandwidth=10Gbit,cpu-per-byte=1ns,hosts-of=2,intra-latency=1us,intra-bandwidth=100GB,\
+         intra-cpu-per-byte=0.2ns",
+    )
+    .unwrap();
+    assert!((with_intra.hop(0, 4).cpu_s_per_byte - 0.2e-9).abs() < 1e-15);
+    assert!((with_intra.hop(1, 4).cpu_s_per_byte - 1e-9).abs() < 1e-15);
+    assert!(Network::parse("latency=1us,bandwidth=1GB,intra-cpu-per-byte=1ns").is_err());
+}

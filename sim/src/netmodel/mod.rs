@@ -25,6 +25,31 @@ use ringtrain::trainer::buckets::BucketPlan;
 use ringtrain::trainer::TrainOptions;
 pub use schedule::StepPrediction;
 
+/// Seconds one f32 all-reduce of `elems` values takes over `world` ranks that all start it together, as
+/// `ringtrain bench allreduce` times it: the ring's messages in virtual time, and with `shared-cores` no
+/// sooner than the machine's CPU work (every rank's CPU per byte sent) over its cores.
+pub fn predict_all_reduce(net: &Network, world: usize, elems: usize, sub_chunk: usize) -> f64 {
+    let shape = ring::RingShape {
+        kind: ring::RingKind::AllReduce,
+        elems,
+        elem_bytes: 4,
+        sub_chunk,
+    };
+    let done = ring::simulate(net, &shape, &vec![0.0; world]);
+    let ring_s = done.iter().copied().fold(0.0, f64::max);
+    let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
+        let per_machine = net.ranks_per_machine(world);
+        let busiest: f64 = (0..world)
+            .map(|r| {
+                let sent: usize = shape.sends(world, r).iter().map(|m| m.bytes).sum();
+                sent as f64 * net.rank_cpu_per_byte(r, world)
+            })
+            .fold(0.0, f64::max);
+        per_machine as f64 * busiest / cores as f64
+    });
+    ring_s.max(cpu_floor_s)
+}
+
 /// The largest world the model is meant for (the ring simulation is `O(N²)` per collective).
 pub const MAX_WORKERS: usize = 4096;
 

@@ -56,20 +56,25 @@ const fn gbit(g: f64) -> f64 {
     g * 1e9 / 8.0
 }
 
-/// The named fabrics. Figures are nominal line rates and typical one-way latencies; the CPU term is the
-/// reference machine's measured QUIC ring cost where a preset models it, zero where the fabric's own
-/// transport (RDMA, NVLink) does not touch the CPU per byte.
+/// The named fabrics, as ringtrain crosses them: between hosts every byte goes through QUIC, whose measured
+/// CPU cost per byte ([`QUIC_CPU_S_PER_BYTE`]) comes on top of the wire (ringtrain uses no RDMA or NVLink);
+/// between ranks of one host through shared memory ([`SHM_CPU_S_PER_BYTE`]). Line rates are nominal, the
+/// latencies typical one-way figures. Device-to-host copies of GPU ranks are not in the model yet.
 pub const PRESETS: &[(&str, &str)] = &[
-    ("10gbe", "10 Gb/s Ethernet, 50 µs, no CPU term"),
     (
-        "100gbe-quic",
-        "100 Gb/s Ethernet, 20 µs, with the measured QUIC CPU cost per byte",
+        "shm",
+        "ranks of one host over shared memory (measured CPU per byte and latency)",
     ),
-    ("ib-hdr100", "100 Gb/s InfiniBand HDR100, 2 µs, RDMA (no CPU term)"),
-    ("wan", "1 Gb/s WAN, 30 ms"),
+    ("10gbe", "10 Gb/s Ethernet, 50 µs, QUIC's CPU per byte"),
+    ("100gbe-quic", "100 Gb/s Ethernet, 20 µs, QUIC's CPU per byte"),
+    (
+        "ib-hdr100",
+        "100 Gb/s InfiniBand HDR100 carrying UDP (IPoIB), 20 µs, QUIC's CPU per byte",
+    ),
+    ("wan", "1 Gb/s WAN, 30 ms, QUIC's CPU per byte"),
     (
         "dgx",
-        "8 ranks per host on 300 GB/s NVLink (2 µs), hosts on 200 Gb/s InfiniBand (2 µs)",
+        "8 ranks per host over shared memory, hosts on 200 Gb/s InfiniBand (IPoIB, 20 µs) with QUIC's CPU per byte",
     ),
 ];
 
@@ -78,6 +83,27 @@ pub const PRESETS: &[(&str, &str)] = &[
 /// which each rank sends (and receives) 64 MiB: about 75 ms / 67.1 MB ≈ 1.1 ns per byte, receive side and
 /// sum included.
 pub const QUIC_CPU_S_PER_BYTE: f64 = 1.1e-9;
+
+/// Seconds of CPU per byte sent by a rank of the ring over shared memory: BENCHMARKS.md "All-reduce CPU cost"
+/// measures 19.0 ms of CPU over both ranks for one 64 MiB all-reduce at N=2 (0.14 ns per byte sent) and 83.5
+/// ms over four at N=4 (0.21 ns, four ranks on two cores); the larger figure, since a host's ranks share its
+/// memory bandwidth.
+pub const SHM_CPU_S_PER_BYTE: f64 = 0.21e-9;
+
+/// One hop over shared memory: half of the 4 KiB all-reduce at N=2 (two hops, 64.8–178.3 µs measured,
+/// BENCHMARKS.md "Over shared memory"), rounded to its median round's.
+pub const SHM_LATENCY_S: f64 = 38e-6;
+
+/// The wire term of a shared-memory hop: none to speak of (the copy is the CPU term), but the model needs a
+/// finite rate; at 1 TB/s it adds 1 ns per KB.
+const SHM_BANDWIDTH_BYTES_PER_S: f64 = 1e12;
+
+/// A hop over shared memory.
+pub const SHM_LINK: Link = Link {
+    latency_s: SHM_LATENCY_S,
+    bandwidth_bytes_per_s: SHM_BANDWIDTH_BYTES_PER_S,
+    cpu_s_per_byte: SHM_CPU_S_PER_BYTE,
+};
 
 impl Network {
     /// A uniform fabric.
@@ -95,8 +121,10 @@ impl Network {
     ///
     /// Sources: Ethernet and InfiniBand line rates are the IEEE 802.3ae (10GBASE) / 802.3ba (100GBASE) and
     /// InfiniBand Trade Association HDR figures; the latencies are the order of magnitude vendors quote for
-    /// a switched hop (tens of µs for kernel TCP/UDP, ~1-2 µs for RDMA). NVLink 3 gives 300 GB/s per
-    /// direction per A100 (NVIDIA A100 datasheet). The WAN figure is the example link.
+    /// a switched hop with kernel UDP (tens of µs). The CPU terms and the shared-memory hop are this
+    /// project's measurements (the constants above). The WAN figure is the example link. NCCL on a
+    /// DGX would reach far more (nccl-tests publishes NVLink bus bandwidths in the hundreds of GB/s), but
+    /// that is not the path ringtrain takes.
     pub fn preset(name: &str) -> Result<Self> {
         let link = |lat_us: f64, gbps: f64, cpu: f64| Link {
             latency_s: lat_us * 1e-6,
@@ -104,26 +132,28 @@ impl Network {
             cpu_s_per_byte: cpu,
         };
         Ok(match name {
-            "10gbe" => Self::uniform(name, link(50.0, 10.0, 0.0)),
+            "shm" => Self::uniform(name, SHM_LINK),
+            "10gbe" => Self::uniform(name, link(50.0, 10.0, QUIC_CPU_S_PER_BYTE)),
             "100gbe-quic" => Self::uniform(name, link(20.0, 100.0, QUIC_CPU_S_PER_BYTE)),
-            "ib-hdr100" => Self::uniform(name, link(2.0, 100.0, 0.0)),
-            "wan" => Self::uniform(name, link(30_000.0, 1.0, 0.0)),
+            "ib-hdr100" => Self::uniform(name, link(20.0, 100.0, QUIC_CPU_S_PER_BYTE)),
+            "wan" => Self::uniform(name, link(30_000.0, 1.0, QUIC_CPU_S_PER_BYTE)),
             "dgx" => Network {
                 name: name.to_string(),
-                inter: link(2.0, 200.0, 0.0),
-                intra: Some((8, link(2.0, 300.0 * 8.0, 0.0))),
+                inter: link(20.0, 200.0, QUIC_CPU_S_PER_BYTE),
+                intra: Some((8, SHM_LINK)),
                 shared_cores: None,
                 rank_cpu_s_per_byte: None,
             },
             other => bail!(
-                "unknown network preset {other:?}: expected one of {}, or latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..][,shared-cores=..[,rank-cpu-per-byte=..]]",
+                "unknown network preset {other:?}: expected one of {}, or latency=..,bandwidth=..[,cpu-per-byte=..][,hosts-of=..,intra-latency=..,intra-bandwidth=..[,intra-cpu-per-byte=..]][,shared-cores=..[,rank-cpu-per-byte=..]]",
                 PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
             ),
         })
     }
 
     /// A preset name, or `latency=30ms,bandwidth=1Gbit[,cpu-per-byte=0.9ns][,hosts-of=8,intra-latency=2us,
-    /// intra-bandwidth=100Gbit][,shared-cores=2[,rank-cpu-per-byte=8ns]]`. Times take `s`, `ms`, `us` or
+    /// intra-bandwidth=100Gbit[,intra-cpu-per-byte=0.2ns]][,shared-cores=2[,rank-cpu-per-byte=8ns]]`
+    /// (`intra-cpu-per-byte` defaults to `cpu-per-byte`). Times take `s`, `ms`, `us` or
     /// `ns`; bandwidths `Gbit`, `Mbit`, `GB` or `MB` (per second).
     pub fn parse(spec: &str) -> Result<Self> {
         if !spec.contains('=') {
@@ -131,6 +161,7 @@ impl Network {
         }
         let (mut latency, mut bandwidth, mut cpu) = (None, None, 0.0);
         let (mut hosts_of, mut intra_latency, mut intra_bandwidth) = (None, None, None);
+        let mut intra_cpu = None;
         let (mut shared_cores, mut rank_cpu) = (None, None);
         for field in spec.split(',') {
             let Some((key, value)) = field.split_once('=') else {
@@ -147,14 +178,18 @@ impl Network {
                 }
                 "intra-latency" => intra_latency = Some(seconds(value).with_context(what)?),
                 "intra-bandwidth" => intra_bandwidth = Some(bytes_per_s(value).with_context(what)?),
+                "intra-cpu-per-byte" => intra_cpu = Some(seconds(value).with_context(what)?),
                 "shared-cores" => {
                     shared_cores = Some(positive_count(value, "a machine has at least one core").with_context(what)?)
                 }
                 "rank-cpu-per-byte" => rank_cpu = Some(seconds(value).with_context(what)?),
                 other => bail!(
-                    "--network: unknown field {other:?} (expected latency, bandwidth, cpu-per-byte, hosts-of, intra-latency, intra-bandwidth, shared-cores, rank-cpu-per-byte)"
+                    "--network: unknown field {other:?} (expected latency, bandwidth, cpu-per-byte, hosts-of, intra-latency, intra-bandwidth, intra-cpu-per-byte, shared-cores, rank-cpu-per-byte)"
                 ),
             }
+        }
+        if intra_cpu.is_some() && hosts_of.is_none() {
+            bail!("--network {spec:?}: intra-cpu-per-byte only applies with hosts-of");
         }
         if rank_cpu.is_some() && shared_cores.is_none() {
             bail!("--network {spec:?}: rank-cpu-per-byte only applies with shared-cores");
@@ -174,7 +209,7 @@ impl Network {
                 Link {
                     latency_s,
                     bandwidth_bytes_per_s,
-                    cpu_s_per_byte: cpu,
+                    cpu_s_per_byte: intra_cpu.unwrap_or(cpu),
                 },
             )),
             _ => bail!("--network {spec:?}: hosts-of, intra-latency and intra-bandwidth go together"),
