@@ -1,5 +1,5 @@
 //! A rank lost mid-training, as a user meets it under `ringtrain launch`: frozen with SIGSTOP or killed with
-//! SIGKILL. Every other rank must exit non-zero within `--timeout` plus a few seconds, naming the lost rank
+//! SIGKILL, with the ring links on shared memory (launch's default on one host) and on QUIC. Every other rank must exit non-zero within `--timeout` plus a few seconds, naming the lost rank
 //! (not a healthy neighbour that was only waiting on it); `launch` then ends the rest, a stopped child
 //! included, and exits non-zero; no partial checkpoint is left.
 
@@ -46,8 +46,9 @@ fn steps_logged(metrics: &Path) -> usize {
     std::fs::read_to_string(metrics).map_or(0, |s| s.lines().count())
 }
 
-/// Starts 3 ranks, lets them train, sends `signal` to rank 2, and checks how the job ends.
-fn lose_rank_two(signal: &str) {
+/// Starts 3 ranks with their ring links over `transport`, lets them train, sends `signal` to rank 2, and
+/// checks how the job ends.
+fn lose_rank_two(signal: &str, transport: &str) {
     let dir = tempfile::tempdir().unwrap();
     let metrics = dir.path().join("m.jsonl");
     let ckpt = dir.path().join("ckpt");
@@ -73,6 +74,8 @@ fn lose_rank_two(signal: &str) {
             "1",
             "--timeout",
             &timeout,
+            "--transport",
+            transport,
         ])
         .args(["--save-every", "1000000", "--save"])
         .arg(&ckpt)
@@ -131,17 +134,27 @@ fn lose_rank_two(signal: &str) {
         );
     }
     assert!(!ckpt.exists(), "a checkpoint appeared: {}", ckpt.display());
-    eprintln!("rank 2 lost by {signal}: job ended {took:.1?} later; survivors said {errors:?}");
+    eprintln!("rank 2 lost by {signal} over {transport}: job ended {took:.1?} later; survivors said {errors:?}");
 }
 
 #[test]
 fn a_frozen_rank_is_named_by_every_survivor_and_ended_by_launch() {
-    lose_rank_two("-STOP");
+    lose_rank_two("-STOP", "shm");
 }
 
 #[test]
 fn a_killed_rank_is_named_by_every_survivor() {
-    lose_rank_two("-KILL");
+    lose_rank_two("-KILL", "shm");
+}
+
+#[test]
+fn a_frozen_rank_is_named_over_quic_links_too() {
+    lose_rank_two("-STOP", "quic");
+}
+
+#[test]
+fn a_killed_rank_is_named_over_quic_links_too() {
+    lose_rank_two("-KILL", "quic");
 }
 
 /// The fault plan armed in real processes through `RINGTRAIN_INJECT_FAULT`: a rank crashed at the start of
