@@ -132,7 +132,10 @@ fn lose_rank_two(signal: &str, transport: &str) {
         // as the witness (over shared memory the survivor sees the link's end at once); any other mention of
         // a healthy rank blames it.
         let (blamed, _witness) = line.split_once(" lost its link to it").unwrap_or((line, ""));
-        let blamed = blamed.strip_suffix("rank 0").or(blamed.strip_suffix("rank 1")).unwrap_or(blamed);
+        let blamed = blamed
+            .strip_suffix("rank 0")
+            .or(blamed.strip_suffix("rank 1"))
+            .unwrap_or(blamed);
         assert!(
             !blamed.contains("rank 0 ") && !blamed.contains("rank 1 "),
             "names a healthy rank: {line}"

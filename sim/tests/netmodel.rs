@@ -1,7 +1,7 @@
 //! The sim's network model: the ring's virtual time against the α-β(-γ) closed forms, with and without
 //! sub-chunk pipelining; bucket overlap against a hand-built schedule; a 1024-rank gpt2 prediction.
 
-use ringtrain::collective::ring::{Allocate, Engine, Reduce, RingEngine, RingOp};
+use ringtrain::collective::ring::{run_local_with, Reduce, RingEngine, RingOp};
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
 use ringtrain_sim::netmodel::network::{Link, Network};
@@ -466,7 +466,7 @@ fn timing_only_command_prints_a_prediction_for_1024_workers() {
 }
 
 /// Every message each rank's real ring engine hands out, in order, run to completion in one thread with
-/// FIFO delivery (as `collective::ring::run_local` drives them): (phase, chunk, sub, bytes) per rank.
+/// FIFO delivery (`collective::ring::run_local_with`): (phase, chunk, sub, bytes) per rank.
 fn engine_sends(op: RingOp, world: usize, elems: usize, sub_chunk: usize) -> Vec<Vec<ModelSend>> {
     let mut bufs: Vec<Vec<f32>> = (0..world).map(|r| vec![r as f32; elems]).collect();
     let mut engines: Vec<RingEngine> = bufs
@@ -475,32 +475,15 @@ fn engine_sends(op: RingOp, world: usize, elems: usize, sub_chunk: usize) -> Vec
         .map(|(r, b)| RingEngine::new(op, r, world, b, sub_chunk).unwrap())
         .collect();
     let mut sent = vec![Vec::new(); world];
-    let mut queues: Vec<std::collections::VecDeque<_>> = vec![Default::default(); world];
-    loop {
-        let mut progressed = false;
-        for r in 0..world {
-            while let Some(m) = engines[r].poll_transmit(&Allocate) {
-                sent[r].push(ModelSend {
-                    phase: m.phase as usize,
-                    chunk: m.chunk as usize,
-                    sub: m.sub as usize,
-                    bytes: m.payload.len_bytes(),
-                });
-                queues[(r + 1) % world].push_back(m);
-                progressed = true;
-            }
-        }
-        for r in 0..world {
-            if let Some(m) = queues[r].pop_front() {
-                engines[r].handle(m).unwrap();
-                progressed = true;
-            }
-        }
-        if !progressed {
-            break;
-        }
-    }
-    assert!(engines.iter().all(|e| e.is_done()));
+    run_local_with(&mut engines, |r, m| {
+        sent[r].push(ModelSend {
+            phase: m.phase as usize,
+            chunk: m.chunk as usize,
+            sub: m.sub as usize,
+            bytes: m.payload.len_bytes(),
+        })
+    })
+    .unwrap();
     sent
 }
 

@@ -682,12 +682,19 @@ pub fn sum_scalar_blobs(blobs: &[Vec<u8>], out: &mut [f64]) {
 /// Runs a set of engines, one per rank, to completion in a single thread, delivering messages in FIFO
 /// order. A reference driver for tests and for the simulator; real transports have their own loops.
 pub fn run_local<E: Engine>(engines: &mut [E]) -> Result<(), RingError> {
+    run_local_with(engines, |_, _| {})
+}
+
+/// [`run_local`], handing every message to `on_send(sender, message)` on its way (tests inspect or
+/// reshape messages there).
+pub fn run_local_with<E: Engine>(engines: &mut [E], mut on_send: impl FnMut(usize, &mut Msg)) -> Result<(), RingError> {
     let n = engines.len();
     let mut queues: Vec<std::collections::VecDeque<Msg>> = vec![Default::default(); n];
     loop {
         let mut progressed = false;
         for r in 0..n {
-            while let Some(m) = engines[r].poll_transmit(&Allocate) {
+            while let Some(mut m) = engines[r].poll_transmit(&Allocate) {
+                on_send(r, &mut m);
                 queues[(r + 1) % n].push_back(m);
                 progressed = true;
             }
@@ -803,38 +810,21 @@ mod tests {
                 .enumerate()
                 .map(|(r, b)| RingEngine::new(op, r, n, b, 4).unwrap())
                 .collect();
-            let mut queues: Vec<std::collections::VecDeque<Msg>> = vec![Default::default(); n];
-            loop {
-                let mut progressed = false;
-                for r in 0..n {
-                    while let Some(mut m) = engines[r].poll_transmit(&Allocate) {
-                        if let Payload::F32Le(p) = &m.payload {
-                            kept_lent |= p.lent;
-                        }
-                        let values = match &m.payload {
-                            Payload::F32(v) => v.clone(),
-                            Payload::F32Le(p) => p.to_f32(),
-                            Payload::Bytes(_) => unreachable!(),
-                        };
-                        m.payload = Payload::F32Le(LePieces {
-                            lent,
-                            ..LePieces::from_f32(&values)
-                        });
-                        queues[(r + 1) % n].push_back(m);
-                        progressed = true;
-                    }
+            run_local_with(&mut engines, |_, m| {
+                if let Payload::F32Le(p) = &m.payload {
+                    kept_lent |= p.lent;
                 }
-                for r in 0..n {
-                    if let Some(m) = queues[r].pop_front() {
-                        engines[r].handle(m).unwrap();
-                        progressed = true;
-                    }
-                }
-                if !progressed {
-                    break;
-                }
-            }
-            assert!(engines.iter().all(|e| e.is_done()));
+                let values = match &m.payload {
+                    Payload::F32(v) => v.clone(),
+                    Payload::F32Le(p) => p.to_f32(),
+                    Payload::Bytes(_) => unreachable!(),
+                };
+                m.payload = Payload::F32Le(LePieces {
+                    lent,
+                    ..LePieces::from_f32(&values)
+                });
+            })
+            .unwrap();
         }
         (bufs, kept_lent)
     }

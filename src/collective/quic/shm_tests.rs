@@ -1,11 +1,13 @@
 //! Ring links through shared memory: the same bits as QUIC and the in-memory transport, links chosen by host
 //! identity, a dead local rank named, and `--transport shm` refused where it cannot hold.
 
-use std::net::{SocketAddr, UdpSocket};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use super::transport_tests::{master_socket, run_ranks};
+
 use crate::collective::mem::{run_cluster, MemOptions};
-use crate::collective::quic::{QuicCollective, QuicConfig};
+use crate::collective::quic::QuicConfig;
 use crate::collective::shm::LinkTransport;
 use crate::collective::{Collective, CollectiveError};
 use crate::fault_plan::FaultPlan;
@@ -26,38 +28,6 @@ fn cfg(rank: usize, world: usize, master: SocketAddr, transport: LinkTransport) 
     c.secret = Some(b"shm test secret".to_vec());
     c.transport = transport;
     c
-}
-
-/// Runs `f` on every rank of `cfgs` over QUIC (with its shared-memory links), each in its own thread.
-fn run_ranks<T: Send>(
-    cfgs: Vec<QuicConfig>,
-    sock0: UdpSocket,
-    f: impl Fn(&mut QuicCollective) -> T + Sync,
-) -> Vec<Result<T, CollectiveError>> {
-    let mut sock0 = Some(sock0);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = cfgs
-            .into_iter()
-            .map(|c| {
-                let sock = if c.rank == 0 { sock0.take() } else { None };
-                let f = &f;
-                s.spawn(move || {
-                    let mut q = match sock {
-                        Some(sock) => QuicCollective::connect_with_socket(c, sock)?,
-                        None => QuicCollective::connect(c)?,
-                    };
-                    Ok(f(&mut q))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
-fn master_socket() -> (UdpSocket, SocketAddr) {
-    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let a = s.local_addr().unwrap();
-    (s, a)
 }
 
 /// Every collective the trainer uses, over lengths that leave some ranks empty chunks and others wrap the

@@ -27,14 +27,14 @@ fn cfg(rank: usize, world: usize, master: SocketAddr) -> QuicConfig {
 }
 
 /// Binds rank 0's socket first so the others know the port.
-fn master_socket() -> (UdpSocket, SocketAddr) {
+pub(super) fn master_socket() -> (UdpSocket, SocketAddr) {
     let s = UdpSocket::bind("127.0.0.1:0").unwrap();
     let a = s.local_addr().unwrap();
     (s, a)
 }
 
 /// Runs `f` on every rank (configs from `cfgs`), each in its own thread.
-fn run_ranks<T: Send>(
+pub(super) fn run_ranks<T: Send>(
     cfgs: Vec<QuicConfig>,
     sock0: UdpSocket,
     f: impl Fn(&mut QuicCollective) -> T + Sync,
