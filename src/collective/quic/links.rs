@@ -15,12 +15,8 @@ use super::framing::{control_frame, read_data_frame, LinkEvent, ReadFail};
 use super::listener::{Cause, Listener, Refusals};
 use super::messages::Control;
 use super::messages::LocalEndpoint;
-use super::shm_links::{self, same_host};
+use super::shm_links::{self, ShmListener, ShmReceiver, ShmSender};
 use super::{local, QuicConfig, Shared, MAX_GATHER_BLOB};
-#[cfg(target_os = "linux")]
-use crate::collective::shm::handoff::ShmListener;
-#[cfg(target_os = "linux")]
-use crate::collective::shm::link::{ShmReceiver, ShmSender};
 use crate::collective::shm::LinkTransport;
 use crate::collective::{CollectiveError, Result};
 
@@ -42,7 +38,6 @@ pub(super) enum RightData {
     /// The QUIC stream the link opened with.
     Quic(SendStream),
     /// The shared segment (the QUIC stream stays open beside it, unused).
-    #[cfg(target_os = "linux")]
     Shm { sender: ShmSender, _stream: SendStream },
 }
 
@@ -51,7 +46,6 @@ impl RightData {
     pub(super) async fn write_all_chunks(&mut self, chunks: &mut [bytes::Bytes]) -> std::result::Result<(), String> {
         match self {
             RightData::Quic(send) => send.write_all_chunks(chunks).await.map_err(|e| e.to_string()),
-            #[cfg(target_os = "linux")]
             RightData::Shm { sender, .. } => sender.write_all_chunks(chunks).await,
         }
     }
@@ -60,7 +54,6 @@ impl RightData {
     pub(super) fn kind(&self) -> &'static str {
         match self {
             RightData::Quic(_) => "quic",
-            #[cfg(target_os = "linux")]
             RightData::Shm { .. } => "shm",
         }
     }
@@ -177,7 +170,6 @@ pub(super) async fn connect(
             rx: spawn_reader(recv, max_payload),
             shm_reader: None,
         },
-        #[cfg(target_os = "linux")]
         LeftData::Shm(receiver, _recv) => {
             let (rx, task) = shm_links::spawn_reader(receiver, max_payload, MAX_QUEUED_FRAMES);
             LeftLink {
@@ -202,7 +194,6 @@ pub(super) async fn connect(
 /// Where the left link's frames arrive.
 enum LeftData {
     Quic(RecvStream),
-    #[cfg(target_os = "linux")]
     Shm(ShmReceiver, RecvStream),
 }
 
@@ -250,7 +241,7 @@ async fn accept_left_any(
         }),
         (false, local) => {
             if local {
-                shm_links::not_attached(cfg, left_rank, "the left neighbour did not hand over a segment")?;
+                not_attached(cfg, left_rank, "the left neighbour did not hand over a segment")?;
             }
             Ok((conn, send, LeftData::Quic(recv)))
         }
@@ -300,9 +291,8 @@ async fn open_right(
     })?;
     drop(recv);
     let data = match shm {
-        #[cfg(target_os = "linux")]
         Some(sender) => RightData::Shm { sender, _stream: send },
-        _ => RightData::Quic(send),
+        None => RightData::Quic(send),
     };
     Ok(RightLink { _conn: conn, data })
 }
@@ -380,4 +370,22 @@ fn spawn_reader(mut recv: RecvStream, max_payload: usize) -> mpsc::Receiver<Link
         }
     });
     rx
+}
+
+/// Whether ranks with these endpoints share a host (and a user, without which the peer check fails).
+pub(super) fn same_host(a: &Option<LocalEndpoint>, b: &Option<LocalEndpoint>) -> bool {
+    matches!((a, b), (Some(a), Some(b)) if a.host == b.host && a.uid == b.uid)
+}
+
+/// A local link that did not attach: the start's error under `--transport shm`, one line under `auto`.
+pub(super) fn not_attached(cfg: &QuicConfig, peer: usize, why: &str) -> Result<()> {
+    let msg = format!(
+        "rank {}: the link with rank {peer} (same host) stays on QUIC: shared memory did not attach: {why}",
+        cfg.rank
+    );
+    if cfg.transport == LinkTransport::Shm {
+        return Err(local(format!("--transport shm: {msg}")));
+    }
+    tracing::warn!("{msg}");
+    Ok(())
 }

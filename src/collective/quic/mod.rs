@@ -67,6 +67,10 @@ mod links;
 mod listener;
 mod messages;
 mod rendezvous;
+#[cfg(target_os = "linux")]
+mod shm_links;
+#[cfg(not(target_os = "linux"))]
+#[path = "shm_links_unsupported.rs"]
 mod shm_links;
 #[cfg(all(test, target_os = "linux"))]
 mod shm_tests;

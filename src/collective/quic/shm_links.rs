@@ -15,11 +15,13 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::framing::LinkEvent;
+use super::links::not_attached;
 use super::messages::LocalEndpoint;
 use super::{local, QuicConfig};
 use crate::collective::frame::{Header, Kind, HEADER_LEN};
-use crate::collective::shm::handoff::{offer, Expected, ShmListener};
-use crate::collective::shm::link::{ShmReceiver, ShmSender};
+pub(super) use crate::collective::shm::handoff::ShmListener;
+use crate::collective::shm::handoff::{offer, Expected};
+pub(super) use crate::collective::shm::link::{ShmReceiver, ShmSender};
 use crate::collective::shm::segment::DEFAULT_CAPACITY;
 use crate::collective::shm::{host_identity, LinkTransport};
 use crate::collective::Result;
@@ -75,11 +77,6 @@ impl LocalSide {
             }
         }
     }
-}
-
-/// Whether ranks with these endpoints share a host (and a user, without which the peer check fails).
-pub(super) fn same_host(a: &Option<LocalEndpoint>, b: &Option<LocalEndpoint>) -> bool {
-    matches!((a, b), (Some(a), Some(b)) if a.host == b.host && a.uid == b.uid)
 }
 
 /// What the rendezvous says of `rank`'s process, for the peer check.
@@ -139,19 +136,6 @@ pub(super) async fn accept_left(
         })?
         .map_err(|e| local(format!("accepting rank {left}'s shared segment: {e}")))?;
     ShmReceiver::new(attached).map_err(|e| local(format!("rank {left}'s shared segment: {e}")))
-}
-
-/// A local link that did not attach: the start's error under `--transport shm`, one line under `auto`.
-pub(super) fn not_attached(cfg: &QuicConfig, peer: usize, why: &str) -> Result<()> {
-    let msg = format!(
-        "rank {}: the link with rank {peer} (same host) stays on QUIC: shared memory did not attach: {why}",
-        cfg.rank
-    );
-    if cfg.transport == LinkTransport::Shm {
-        return Err(local(format!("--transport shm: {msg}")));
-    }
-    tracing::warn!("{msg}");
-    Ok(())
 }
 
 /// Reads the left link's frames (payloads of at most `max_payload` bytes) out of the segment into a bounded
