@@ -7,6 +7,7 @@ use cli::{
     args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, selftest, tokenize, train,
 };
 use ringtrain::collective::shm::LinkTransport;
+use ringtrain::collective::CollectiveChoice;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -133,6 +134,13 @@ enum BenchCommand {
         /// Ring links between the processes: auto (shared memory), shm, or quic
         #[arg(long, value_enum, default_value_t = LinkTransport::Auto)]
         transport: LinkTransport,
+        /// The flat ring, the two-level one (needs several hosts), or auto
+        #[arg(long, value_enum, default_value_t = CollectiveChoice::Auto)]
+        collective: CollectiveChoice,
+        /// Emulated hosts the local processes are spread over (contiguous blocks of ranks, each block with
+        /// its own RINGTRAIN_HOST_ID), so that a two-level ring can be measured on one machine
+        #[arg(long, default_value_t = 1)]
+        hosts: usize,
     },
     /// ms/step, tokens/s and GFLOP/s of training steps (takes the train flags; --steps = timed steps)
     Step {
@@ -211,7 +219,16 @@ fn main() -> ExitCode {
             size,
             iters,
             transport,
-        }) => bench_allreduce::run_bench_allreduce(nproc, &size, iters, transport),
+            collective,
+            hosts,
+        }) => bench_allreduce::run_bench_allreduce(&bench_allreduce::BenchAllreduce {
+            nproc,
+            sizes: size,
+            iters,
+            transport,
+            collective,
+            hosts,
+        }),
         Command::Plot { metrics, output } => plot::plot_file(&metrics, &output),
         Command::Info => info::run_info(),
         Command::Selftest { backend, json } => selftest::run_selftest(&backend, json.as_deref()),

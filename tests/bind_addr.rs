@@ -38,6 +38,7 @@ fn job_with_rank_0_bound_to(bind: &str, wildcard: &str, world: usize) -> Vec<Vec
         timeout: Duration::from_secs(15),
         faults: Default::default(),
         transport: ringtrain::collective::shm::LinkTransport::Quic,
+        collective: Default::default(),
     };
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -111,6 +112,7 @@ fn an_invalid_bind_address_is_refused_naming_the_variable() {
         timeout: Duration::from_secs(2),
         faults: Default::default(),
         transport: ringtrain::collective::shm::LinkTransport::Quic,
+        collective: Default::default(),
     };
     let e = format!("{:#}", join_with(&launch, &opts, &network).err().unwrap());
     assert!(e.contains("RINGTRAIN_BIND_ADDR=127.0.0.1 is a loopback address"), "{e}");
@@ -126,6 +128,7 @@ fn join_from_launch_env() {
         timeout: Duration::from_secs(10),
         faults: Default::default(),
         transport: ringtrain::collective::shm::LinkTransport::Quic,
+        collective: Default::default(),
     };
     // World size 1: no network at all.
     let solo = LaunchEnv {

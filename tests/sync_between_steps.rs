@@ -93,8 +93,8 @@ impl GradientSync<Be> for CarrySync {
         Ok(())
     }
 
-    fn membership_changed(&mut self, plan: &BucketPlan, world: usize, rank: usize) -> anyhow::Result<()> {
-        self.inner.membership_changed(plan, world, rank)
+    fn membership_changed(&mut self, plan: &BucketPlan, owner: &ringtrain::collective::Owner) -> anyhow::Result<()> {
+        self.inner.membership_changed(plan, owner)
     }
 }
 

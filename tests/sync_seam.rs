@@ -82,8 +82,8 @@ impl<B: Backend> GradientSync<B> for EveryOtherStep<B> {
         self.inner.clear_comm_time();
     }
 
-    fn membership_changed(&mut self, plan: &BucketPlan, world: usize, rank: usize) -> anyhow::Result<()> {
-        self.inner.membership_changed(plan, world, rank)
+    fn membership_changed(&mut self, plan: &BucketPlan, owner: &ringtrain::collective::Owner) -> anyhow::Result<()> {
+        self.inner.membership_changed(plan, owner)
     }
 }
 

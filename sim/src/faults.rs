@@ -35,7 +35,8 @@ pub fn validate(
         } = *f
         {
             let layout = ParamLayout::new(model);
-            let owned = BucketPlan::new(&layout, opts.bucket_elems).owned(opts.update, workers, rank);
+            let owned = BucketPlan::new(&layout, opts.bucket_elems)
+                .owned(opts.update, &ringtrain::collective::Owner::flat(workers, rank));
             flip_offset(rank, target, element, layout.total, &owned).map_err(|e| anyhow::anyhow!("--fault {e:#}"))?;
         }
     }

@@ -193,6 +193,7 @@ fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collecti
             Transport::Shm => LinkTransport::Shm,
             _ => LinkTransport::Quic,
         },
+        collective: cfg.options.collective,
     };
     dist::join_with(&launch, &opts, &NetworkEnv::default())
 }

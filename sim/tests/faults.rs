@@ -189,7 +189,8 @@ fn replicated_a_flipped_parameter_or_moment_is_named_by_the_replica_check() {
 
 /// Rank `rank`'s shard of the flat parameters in `cfg`'s run.
 fn shard(cfg: &SimConfig, rank: usize) -> Vec<std::ops::Range<usize>> {
-    BucketPlan::new(&ParamLayout::new(&cfg.model), cfg.options.bucket_elems).owned(UpdateMode::Sharded, WORKERS, rank)
+    BucketPlan::new(&ParamLayout::new(&cfg.model), cfg.options.bucket_elems)
+        .owned(UpdateMode::Sharded, &ringtrain::collective::Owner::flat(WORKERS, rank))
 }
 
 #[test]

@@ -4,6 +4,7 @@
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use ringtrain::collective::shm::LinkTransport;
+use ringtrain::collective::CollectiveChoice;
 use ringtrain::data::{BatchSplit, TokenizerKind};
 use ringtrain::model::ModelConfig;
 use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
@@ -165,6 +166,11 @@ pub struct TrainArgs {
     /// saying why), shm (shared memory or fail), quic. Never changes the bits.
     #[arg(long, value_enum)]
     pub transport: Option<LinkTransport>,
+    /// How gradients are summed: flat (one ring over every rank), hierarchical (within each host, then
+    /// across hosts: needs several hosts with equal rank counts), auto (hierarchical where it fits, else
+    /// flat). Changes the bits: every rank must give the same value.
+    #[arg(long, value_enum)]
+    pub collective: Option<CollectiveChoice>,
     /// Compute threads of this rank (default: RAYON_NUM_THREADS, else the host's cores / ranks on this host)
     #[arg(long, allow_negative_numbers = true)]
     pub threads: Option<usize>,
@@ -354,6 +360,7 @@ impl TrainArgs {
             save: self.save.clone(),
             save_every: self.save_every.unwrap_or(d.save_every),
             update,
+            collective: self.collective.unwrap_or(d.collective),
             verify_every: self.verify_every.unwrap_or(d.verify_every),
             on_divergence,
             bucket_elems,

@@ -8,7 +8,7 @@ use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::Backend;
 use ringtrain::collective::shm::LinkTransport;
-use ringtrain::collective::Collective;
+use ringtrain::collective::{Collective, TwoLevel};
 use ringtrain::data::{load_splits, BatchPlan, BatchSplit, DataSplits};
 use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
@@ -162,6 +162,7 @@ fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
         timeout: s.timeout,
         faults: s.faults.clone(),
         transport: s.transport,
+        collective: s.opts.collective,
     };
     join(&s.launch, &opts)
 }
@@ -172,7 +173,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     check_memory_plan(&s, &*be)?;
     let resuming = s.source.is_resume();
     let comm = connect(&s)?;
-    let links = links_note(comm.ring_links());
+    let links = format!("{}{}", links_note(comm.ring_links()), layout_note(comm.two_level()));
     let is_rank0 = s.launch.rank == 0;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_faults(&mut trainer, &s.faults);
@@ -253,6 +254,14 @@ fn links_note(links: Option<[&str; 2]>) -> String {
     match links {
         Some([left, right]) if left == right => format!(" (ring data over {left})"),
         Some([left, right]) => format!(" (ring data from the left over {left}, to the right over {right})"),
+        None => String::new(),
+    }
+}
+
+/// `, two-level ring (2 hosts x 2 ranks)` when the job runs one; nothing on the flat ring.
+fn layout_note(two_level: Option<&TwoLevel>) -> String {
+    match two_level {
+        Some(t) => format!(", two-level ring ({} hosts x {} ranks)", t.cross.len(), t.host.len()),
         None => String::new(),
     }
 }

@@ -6,7 +6,6 @@
 //! `ringtrain bench allreduce` spawns one process per rank, each calling [`run_rank`], and rank 0 prints
 //! [`format_table`]. [`run_allreduce_bench`] does the same with threads in one process.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::quic::{QuicCollective, QuicConfig};
@@ -103,26 +102,32 @@ pub fn bench_collective(
     Ok(rows)
 }
 
-/// Runs one rank of the benchmark: joins the job at `master` (rank 0 binds it) with ring links to the
-/// other local ranks over `transport`, benchmarks, leaves. Returns the rows and where this rank's data went
-/// ([`QuicCollective::data_links`]).
+/// Runs one rank of the benchmark: joins the job `cfg` describes, benchmarks, leaves. Returns the rows and
+/// what ran: where this rank's data went ([`path_name`] of [`QuicCollective::data_links`]) and, on a
+/// two-level ring, its shape.
 pub fn run_rank(
-    rank: usize,
-    world: usize,
-    master: SocketAddr,
-    secret: Option<Vec<u8>>,
+    mut cfg: QuicConfig,
     sizes: &[usize],
     iters: usize,
-    transport: LinkTransport,
-) -> Result<(Vec<BenchRow>, [&'static str; 2]), CollectiveError> {
-    let mut cfg = QuicConfig::new(rank, world, master);
-    cfg.secret = secret;
+) -> Result<(Vec<BenchRow>, String), CollectiveError> {
     cfg.timeout = Duration::from_secs(120);
     cfg.rendezvous_timeout = Duration::from_secs(60);
-    cfg.transport = transport;
     let mut q = QuicCollective::connect(cfg)?;
     let rows = bench_collective(&mut q, sizes, iters)?;
-    Ok((rows, q.data_links()))
+    Ok((rows, what_ran(&q)))
+}
+
+/// The links a rank's data took and, on a two-level ring, its shape: the title of its table.
+fn what_ran(q: &QuicCollective) -> String {
+    let links = path_name(q.data_links());
+    match q.layout() {
+        Some(t) => format!(
+            "{links}, two-level ring ({} hosts x {} ranks)",
+            t.cross.len(),
+            t.host.len()
+        ),
+        None => links.to_string(),
+    }
 }
 
 /// What a rank's links (`[from the left, to the right]`) say the table measured.
@@ -179,7 +184,7 @@ pub fn run_allreduce_bench(
     let sock = std::net::UdpSocket::bind("127.0.0.1:0")?;
     let master = sock.local_addr()?;
     let mut sock = Some(sock);
-    type RankResult = Result<(Vec<BenchRow>, [&'static str; 2]), CollectiveError>;
+    type RankResult = Result<(Vec<BenchRow>, String), CollectiveError>;
     let results: Vec<RankResult> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..nproc)
             .map(|rank| {
@@ -195,7 +200,7 @@ pub fn run_allreduce_bench(
                         Some(sock) => QuicCollective::connect_with_socket(cfg, sock)?,
                         None => QuicCollective::connect(cfg)?,
                     };
-                    Ok((bench_collective(&mut q, sizes, iters)?, q.data_links()))
+                    Ok((bench_collective(&mut q, sizes, iters)?, what_ran(&q)))
                 })
             })
             .collect();
@@ -211,8 +216,8 @@ pub fn run_allreduce_bench(
         let r = r.map_err(|e| anyhow::anyhow!("rank {rank}: {e}"))?;
         rows.get_or_insert(r);
     }
-    let (rows, links) = rows.unwrap_or_default();
-    Ok(format_table(nproc, path_name(links), &rows))
+    let (rows, what) = rows.unwrap_or_default();
+    Ok(format_table(nproc, &what, &rows))
 }
 
 #[cfg(test)]

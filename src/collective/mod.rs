@@ -24,12 +24,14 @@ pub mod quic;
 pub mod rank_runtime;
 pub mod ring;
 pub mod shm;
+pub mod two_level;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 pub use ring::{chunk_range, Engine, GatherEngine, Reduce, RingEngine, RingError, RingOp};
+pub use two_level::{CollectiveChoice, Owner, SubRing, TwoLevel};
 
 /// Why a collective failed. Every variant that involves a peer names its rank.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -76,6 +78,40 @@ pub trait Collective: Send {
     /// feed it messages from the left, within the per-collective deadline.
     fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()>;
 
+    /// Drives `engine` on one ring of a two-level layout ([`two_level`]); `SubRing::All` is
+    /// [`run_engine`](Collective::run_engine). Transports without two-level rings refuse the others.
+    fn run_engine_on(&mut self, ring: SubRing, engine: &mut dyn Engine) -> Result<()> {
+        match ring {
+            SubRing::All => self.run_engine(engine),
+            other => Err(CollectiveError::Local(format!(
+                "this transport has no {other:?} ring (it runs the flat ring only)"
+            ))),
+        }
+    }
+
+    /// This rank's place in the two-level layout the job runs, or `None` for the flat ring.
+    fn two_level(&self) -> Option<&TwoLevel> {
+        None
+    }
+
+    /// The ownership map: which elements each rank ends a reduce-scatter with, and contributes to an
+    /// all-gather.
+    fn owner(&self) -> Owner {
+        match self.two_level() {
+            Some(t) => Owner::TwoLevel(t.clone()),
+            None => Owner::flat(self.world(), self.rank()),
+        }
+    }
+
+    /// This rank's part of a `len`-element buffer under [`owner`](Collective::owner):
+    /// `chunk_range(len, world, rank)` on the flat ring, [`TwoLevel::owned_range`] on two levels.
+    fn owned_range(&self, len: usize) -> Range<usize> {
+        match self.two_level() {
+            Some(t) => t.owned_range(len),
+            None => chunk_range(len, self.world(), self.rank()),
+        }
+    }
+
     /// Tells every other rank that this one failed; later collectives on any rank then fail, naming it.
     fn abort(&mut self, reason: &str);
 
@@ -108,21 +144,22 @@ pub trait Collective: Send {
         self.run_f32(RingOp::AllReduce(Reduce::Sum), buf)
     }
 
-    /// Rank r ends with the mean of `chunk_range(len, world, r)`, which is returned; the rest of its buffer
-    /// holds partial sums and must be treated as garbage.
+    /// Each rank ends with the mean of its [`owned_range`](Collective::owned_range), which is returned; the
+    /// rest of its buffer holds partial sums and must be treated as garbage.
     fn reduce_scatter_mean(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
         self.run_f32(RingOp::ReduceScatter(Reduce::Mean), buf)?;
-        Ok(chunk_range(buf.len(), self.world(), self.rank()))
+        Ok(self.owned_range(buf.len()))
     }
 
-    /// Rank r ends with the sum of `chunk_range(len, world, r)`, which is returned; the rest of its buffer
-    /// holds partial sums and must be treated as garbage.
+    /// Each rank ends with the sum of its [`owned_range`](Collective::owned_range), which is returned; the
+    /// rest of its buffer holds partial sums and must be treated as garbage.
     fn reduce_scatter_sum(&mut self, buf: &mut [f32]) -> Result<Range<usize>> {
         self.run_f32(RingOp::ReduceScatter(Reduce::Sum), buf)?;
-        Ok(chunk_range(buf.len(), self.world(), self.rank()))
+        Ok(self.owned_range(buf.len()))
     }
 
-    /// Rank r contributes `chunk_range(len, world, r)` of `buf`; every rank ends with all chunks.
+    /// Each rank contributes its [`owned_range`](Collective::owned_range) of `buf`; every rank ends with all
+    /// of them.
     fn all_gather(&mut self, buf: &mut [f32]) -> Result<()> {
         self.run_f32(RingOp::AllGather, buf)
     }
@@ -178,8 +215,11 @@ pub trait Collective: Send {
 }
 
 /// Runs the f32 collective `op` over `buf` on `comm` with the ring engine, in sub-chunks of `sub_chunk`
-/// elements.
+/// elements: on the flat ring, or with the two-level schedule when the job runs one.
 pub fn run_ring(comm: &mut (impl Collective + ?Sized), op: RingOp, buf: &mut [f32], sub_chunk: usize) -> Result<()> {
+    if let Some(t) = comm.two_level().cloned() {
+        return two_level::run_two_level(comm, &t, op, buf, sub_chunk);
+    }
     let (rank, world) = (comm.rank(), comm.world());
     let mut e = RingEngine::new(op, rank, world, buf, sub_chunk).map_err(|e| CollectiveError::Local(e.to_string()))?;
     comm.run_engine(&mut e)

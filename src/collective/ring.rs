@@ -247,6 +247,9 @@ pub struct RingEngine<'a> {
     seen: Vec<Vec<bool>>,
     remaining: usize,
     outbox: std::collections::VecDeque<Outgoing>,
+    /// What `Reduce::Mean` divides the finished sum by: `world`, unless this ring is one level of a larger
+    /// collective ([`RingEngine::mean_over`]).
+    mean_divisor: usize,
 }
 
 /// A message waiting to be sent.
@@ -292,12 +295,20 @@ impl<'a> RingEngine<'a> {
             seen: Vec::new(),
             remaining: 0,
             outbox: Default::default(),
+            mean_divisor: world,
         };
         let phases = e.num_phases();
         e.seen = (0..phases).map(|p| vec![false; e.subs_of(e.recv_chunk(p))]).collect();
         e.remaining = e.seen.iter().map(|v| v.len()).sum();
         e.start();
         Ok(e)
+    }
+
+    /// Makes a mean divide by `ranks` instead of this ring's world: the two-level ring sums within hosts
+    /// first, so its second ring's finished sums hold every rank's contribution.
+    pub fn mean_over(mut self, ranks: usize) -> Self {
+        self.mean_divisor = ranks.max(1);
+        self
     }
 
     fn num_phases(&self) -> usize {
@@ -516,7 +527,7 @@ impl Engine for RingEngine<'_> {
         // documented).
         let last_rs = phase == n - 2;
         let data = if last_rs {
-            incoming.finish(dst, mean.then_some(n as f32))
+            incoming.finish(dst, mean.then_some(self.mean_divisor as f32))
         } else if matches!(self.op, RingOp::AllReduce(_)) {
             incoming.plus(dst)
         } else {

@@ -20,7 +20,7 @@ use anyhow::Context;
 use crate::collective::mem::single_rank;
 use crate::collective::quic::{QuicCollective, QuicConfig};
 use crate::collective::shm::LinkTransport;
-use crate::collective::Collective;
+use crate::collective::{Collective, CollectiveChoice};
 
 /// The environment variable holding the job id (a decimal number), which every rank of a job must share.
 /// `ringtrain launch` sets it to a fresh random id.
@@ -40,6 +40,8 @@ pub struct JoinOptions {
     pub faults: FaultPlan,
     /// Shared memory or QUIC between ranks of one host (`--transport`).
     pub transport: LinkTransport,
+    /// The flat ring or the two-level one (`--collective`), resolved by rank 0 at rendezvous.
+    pub collective: CollectiveChoice,
 }
 
 /// The job id: the value of [`JOB_ID_VAR`] when it is set (`value`), else `config_hash`. A value that is not
@@ -110,6 +112,7 @@ fn join_ring(
     cfg.config_hash = opts.config_hash;
     cfg.job_id = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
     cfg.transport = opts.transport;
+    cfg.collective = opts.collective;
     cfg.host_id = network.host_id.clone();
     let connected = match socket {
         Some(socket) => QuicCollective::connect_with_socket(cfg, socket),

@@ -6,13 +6,14 @@
 //! buffer, and buckets are cut at tensor boundaries walking the layout backwards: a bucket is ready once
 //! that suffix reaches its first element.
 //!
-//! In sharded (ZeRO-1) mode each bucket is reduce-scattered on its own, so rank `r` owns chunk `r` of every
-//! bucket ([`chunk_range`] of the bucket's length). That one map decides the moments a rank keeps, the
+//! In sharded (ZeRO-1) mode each bucket is reduce-scattered on its own, so a rank owns the part of every
+//! bucket the collective's ownership map gives it ([`Owner`]: chunk `r` of the bucket's length on the flat
+//! ring, a chunk of a host chunk on the two-level one). That one map decides the moments a rank keeps, the
 //! slices its AdamW updates, its share of the gradient norm, what it contributes to the parameter
 //! all-gather, and how saved moments are gathered and re-cut.
 
 use super::UpdateMode;
-use crate::collective::chunk_range;
+use crate::collective::Owner;
 use crate::model::{ModelConfig, ParamLayout};
 use std::ops::Range;
 
@@ -58,27 +59,27 @@ impl BucketPlan {
         BucketPlan { buckets }
     }
 
-    /// Rank `rank`'s part of bucket `bucket` when it is reduce-scattered, as a flat range.
-    pub fn owned_in(&self, bucket: usize, world: usize, rank: usize) -> Range<usize> {
+    /// The rank's part (under `owner`) of bucket `bucket` when it is reduce-scattered, as a flat range.
+    pub fn owned_in(&self, bucket: usize, owner: &Owner) -> Range<usize> {
         let b = &self.buckets[bucket];
-        let chunk = self.owned_within(bucket, world, rank);
+        let chunk = self.owned_within(bucket, owner);
         b.start + chunk.start..b.start + chunk.end
     }
 
     /// The same part as a range within the bucket (what the ring leaves reduced in the bucket's buffer).
-    pub fn owned_within(&self, bucket: usize, world: usize, rank: usize) -> Range<usize> {
-        chunk_range(self.buckets[bucket].len(), world, rank)
+    pub fn owned_within(&self, bucket: usize, owner: &Owner) -> Range<usize> {
+        owner.range(self.buckets[bucket].len())
     }
 
-    /// The flat ranges whose optimizer state rank `rank` keeps, ascending: everything for a replicated
-    /// update or a single rank, its chunk of every bucket for a sharded one.
-    pub fn owned(&self, update: UpdateMode, world: usize, rank: usize) -> Vec<Range<usize>> {
+    /// The flat ranges whose optimizer state the rank of `owner` keeps, ascending: everything for a
+    /// replicated update or a single rank, its part of every bucket for a sharded one.
+    pub fn owned(&self, update: UpdateMode, owner: &Owner) -> Vec<Range<usize>> {
         let total = self.buckets.first().map_or(0, |b| b.end);
-        if update == UpdateMode::Replicated || world == 1 {
+        if update == UpdateMode::Replicated || owner.world() == 1 {
             return std::iter::once(0..total).collect();
         }
         let mut owned: Vec<_> = (0..self.buckets.len())
-            .map(|i| self.owned_in(i, world, rank))
+            .map(|i| self.owned_in(i, owner))
             .filter(|r| !r.is_empty())
             .collect();
         owned.reverse();
@@ -86,7 +87,7 @@ impl BucketPlan {
     }
 }
 
-/// Elements whose optimizer state rank `rank` of `world` keeps in a run of `config` (see
+/// Elements whose optimizer state rank `rank` of `world` keeps in a flat-ring run of `config` (see
 /// [`BucketPlan::owned`]).
 pub fn optimizer_elems(
     config: &ModelConfig,
@@ -96,7 +97,7 @@ pub fn optimizer_elems(
     rank: usize,
 ) -> usize {
     let plan = BucketPlan::new(&ParamLayout::new(config), bucket_elems);
-    owned_len(&plan.owned(update, world, rank))
+    owned_len(&plan.owned(update, &Owner::flat(world, rank)))
 }
 
 /// Elements in `ranges`.
@@ -162,7 +163,7 @@ mod tests {
         for world in 1..=4 {
             let mut seen = vec![0u8; layout.total];
             for rank in 0..world {
-                let owned = plan.owned(UpdateMode::Sharded, world, rank);
+                let owned = plan.owned(UpdateMode::Sharded, &Owner::flat(world, rank));
                 assert!(owned.windows(2).all(|w| w[0].end <= w[1].start), "ascending, disjoint");
                 for r in owned {
                     seen[r].iter_mut().for_each(|s| *s += 1);
@@ -170,6 +171,9 @@ mod tests {
             }
             assert!(seen.iter().all(|&s| s == 1), "world {world}: every element owned once");
         }
-        assert_eq!(plan.owned(UpdateMode::Replicated, 3, 1), vec![0..layout.total]);
+        assert_eq!(
+            plan.owned(UpdateMode::Replicated, &Owner::flat(3, 1)),
+            vec![0..layout.total]
+        );
     }
 }

@@ -13,6 +13,7 @@ use super::UpdateMode;
 use crate::backend::cpu::ops::sum_squares as host_sum_squares;
 use crate::backend::{Backend, Download, View};
 use crate::collective::comm_thread::{CommThread, Pending};
+use crate::collective::Owner;
 use crate::data::BatchPlan;
 use anyhow::Result;
 use std::collections::VecDeque;
@@ -61,6 +62,8 @@ pub struct BucketedSync {
     overlap: bool,
     world: usize,
     rank: usize,
+    /// The collective's ownership map: which part of each bucket a sharded rank keeps.
+    owner: Owner,
     /// Index in `plan.buckets` of the next bucket to read back.
     next: usize,
     /// Read-backs begun and not yet handed to the communication thread, in plan order: (bucket, read).
@@ -78,16 +81,18 @@ pub struct BucketedSync {
 }
 
 impl BucketedSync {
-    /// The sync of rank `rank` of `world` over `plan`'s buckets; `overlap` starts each bucket's collective
+    /// The sync over `plan`'s buckets of the rank whose collective has the ownership map `owner` (see
+    /// [`Collective::owner`](crate::collective::Collective::owner)); `overlap` starts each bucket's collective
     /// while backward goes on.
-    pub fn new(plan: BucketPlan, update: UpdateMode, overlap: bool, world: usize, rank: usize) -> Self {
+    pub fn new(plan: BucketPlan, update: UpdateMode, overlap: bool, owner: Owner) -> Self {
         BucketedSync {
             plan,
             reduction: Reduction::MeanOfEqualShares,
             update,
             overlap,
-            world,
-            rank,
+            world: owner.world(),
+            rank: owner.rank(),
+            owner,
             next: 0,
             reading: VecDeque::new(),
             in_flight: Vec::new(),
@@ -162,7 +167,7 @@ impl BucketedSync {
             match self.update {
                 UpdateMode::Replicated => be.upload(grads.sub(range.start, range.len()), &host)?,
                 UpdateMode::Sharded => {
-                    let local = self.plan.owned_within(bucket, self.world, self.rank);
+                    let local = self.plan.owned_within(bucket, &self.owner);
                     be.upload(grads.sub(range.start + local.start, local.len()), &host[local.clone()])?;
                     owned_sq += host_sum_squares(&host[local]);
                 }
@@ -179,7 +184,7 @@ impl BucketedSync {
     fn start_gather<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
         for bucket in (0..self.plan.buckets.len()).rev() {
             let range = self.plan.buckets[bucket].clone();
-            let local = self.plan.owned_within(bucket, self.world, self.rank);
+            let local = self.plan.owned_within(bucket, &self.owner);
             let mut host = self.spare.pop().unwrap_or_default();
             host.resize(range.len(), 0.0);
             be.download(params.sub(range.start + local.start, local.len()), &mut host[local])?;
@@ -310,7 +315,7 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
         self.ledger.clear();
     }
 
-    fn membership_changed(&mut self, plan: &BucketPlan, world: usize, rank: usize) -> Result<()> {
+    fn membership_changed(&mut self, plan: &BucketPlan, owner: &Owner) -> Result<()> {
         let busy = self.reading.len() + self.in_flight.len() + self.gathering.len();
         anyhow::ensure!(
             busy == 0,
@@ -318,7 +323,8 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
              first)"
         );
         self.plan = plan.clone();
-        (self.world, self.rank) = (world, rank);
+        (self.world, self.rank) = (owner.world(), owner.rank());
+        self.owner = owner.clone();
         Ok(())
     }
 

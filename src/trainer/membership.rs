@@ -18,7 +18,7 @@ impl<B: Backend> Trainer<B> {
     /// continues with the bits it would have had without the change. A group of another size is refused:
     /// its global batch and shards would have to be re-split, which this build does not do.
     pub fn replace_collective(&mut self, comm: Box<dyn Collective>) -> Result<()> {
-        let (world, rank) = (comm.world(), comm.rank());
+        let (world, rank, owner) = (comm.world(), comm.rank(), comm.owner());
         ensure!(
             world == self.world,
             "the re-formed group has {world} ranks, this run {}: a change of size needs the global batch and the \
@@ -26,12 +26,12 @@ impl<B: Backend> Trainer<B> {
             self.world
         );
         self.settle_params()?;
-        // Every rank gathers (a rank cannot know whether the others' numbers change); one whose number
-        // changed then keeps the chunks of its new one.
+        // Every rank gathers (a rank cannot know whether the others' parts change); one whose part
+        // changed (a new number or a new layout) then keeps the chunks of its new one.
         let sharded = !self.moments_are_replicated();
         let full = if sharded { Some(self.full_moments()?) } else { None };
-        if let (Some((m, v)), true) = (full, rank != self.rank) {
-            let owned = self.plan.owned(self.opts.update, world, rank);
+        if let (Some((m, v)), true) = (full, owner != self.owner) {
+            let owned = self.plan.owned(self.opts.update, &owner);
             let mut opt = AdamW::for_ranges(&mut self.be, self.opt.config, owned)?;
             opt.step = self.opt.step;
             self.be.upload(opt.m, &opt.cut(&m))?;
@@ -42,7 +42,8 @@ impl<B: Backend> Trainer<B> {
         }
         self.comm = CommThread::spawn(comm).context("starting the communication thread")?;
         self.rank = rank;
-        self.sync.membership_changed(&self.plan, world, rank)?;
+        self.sync.membership_changed(&self.plan, &owner)?;
+        self.owner = owner;
         // The shard checksum was of the old chunk; it starts again with the next update.
         self.guard = ShardGuard::for_run(&self.opts, world);
         Ok(())

@@ -14,7 +14,7 @@
 
 use crate::backend::Backend;
 use crate::collective::comm_thread::CommThread;
-use crate::collective::Collective;
+use crate::collective::{Collective, Owner};
 use crate::data::{eval_windows, fill_batch, BatchPlan, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
 use crate::model::checkpoint::{self, TrainerState};
@@ -155,6 +155,8 @@ pub struct Trainer<B: Backend> {
     tokens_seen: u64,
     world: usize,
     rank: usize,
+    /// The collective's ownership map: which part of every bucket this rank reduces, updates and gathers.
+    owner: Owner,
     /// The ring, on its own thread; only used when `world > 1`.
     comm: CommThread,
     /// Who owns which chunk of every gradient bucket (the optimizer's ranges and the checkpoint gathers).
@@ -234,7 +236,8 @@ impl<B: Backend> Trainer<B> {
         // ZeRO-1: a sharded rank keeps the moments of its own chunk only (the chunk its reduce-scatter
         // leaves it); checkpoints gather them into full tensors.
         let plan = BucketPlan::new(&model.layout, opts.bucket_elems);
-        let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(opts.update, world, rank))?;
+        let owner = comm.owner();
+        let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(opts.update, &owner))?;
         let (mut step, mut tokens_seen, mut resumed_sync_state) = (0, 0, None);
         let auto = opts.batch_split == BatchSplit::Auto && world > 1;
         let mut auto_split = auto.then(AutoSplit::default);
@@ -281,7 +284,7 @@ impl<B: Backend> Trainer<B> {
         let n = opts.batch_size * opts.seq_len;
         let reduction = Reduction::of(&batch, opts.seq_len);
         let sync =
-            Box::new(BucketedSync::new(plan.clone(), opts.update, opts.overlap, world, rank).reducing(reduction));
+            Box::new(BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone()).reducing(reduction));
         let spikes = LossSpikeDetector::new(opts.loss_spike);
         let guard = ShardGuard::for_run(&opts, world);
         let mut trainer = Trainer {
@@ -300,6 +303,7 @@ impl<B: Backend> Trainer<B> {
             tokens_seen,
             world,
             rank,
+            owner,
             comm: CommThread::spawn(comm).context("starting the communication thread")?,
             plan,
             sync,
@@ -388,8 +392,7 @@ impl<B: Backend> Trainer<B> {
             self.plan.clone(),
             self.opts.update,
             self.opts.overlap,
-            self.world,
-            self.rank,
+            self.owner.clone(),
         ));
         let current = std::mem::replace(&mut self.sync, placeholder);
         self.sync = wrap(current);

@@ -2,6 +2,7 @@
 //! digest of what every rank of a job must agree on.
 
 use super::loss_spike::DEFAULT_LOSS_SPIKE;
+use crate::collective::CollectiveChoice;
 use crate::data::{BatchPlan, BatchSplit};
 use crate::model::ModelConfig;
 use crate::optim::schedule::ScheduleKind;
@@ -130,6 +131,10 @@ pub struct TrainOptions {
     pub save: Option<PathBuf>,
     pub save_every: u64,
     pub update: UpdateMode,
+    /// Which reduction schedule the ranks run (`--collective`): the flat ring, the two-level one, or rank
+    /// 0's choice from the hosts at rendezvous. It decides how the sums are grouped, so it is in the job
+    /// hash; the transport applies it.
+    pub collective: CollectiveChoice,
     pub verify_every: u64,
     pub on_divergence: OnDivergence,
     /// Gradient bucket size, in f32 elements.
@@ -178,6 +183,7 @@ impl TrainOptions {
             save: None,
             save_every: 0,
             update: UpdateMode::Sharded,
+            collective: CollectiveChoice::Auto,
             verify_every: 0,
             on_divergence: OnDivergence::Abort,
             bucket_elems: bucket_elems(DEFAULT_BUCKET_MB),
@@ -289,7 +295,7 @@ impl TrainOptions {
             None => format!("split{}", self.batch_split),
         };
         let text = format!(
-            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}",
+            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}|{}",
             model.hash_hex(),
             self.global_batch_for(world),
             self.seq_len,
@@ -299,7 +305,8 @@ impl TrainOptions {
             self.shuffle,
             self.verify_every,
             self.save.is_some(),
-            self.save_every
+            self.save_every,
+            self.collective
         );
         let digest = blake3::hash(text.as_bytes());
         u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))

@@ -14,6 +14,7 @@ use super::comm_ledger::CommTime;
 use super::grad_sync::SyncTrace;
 use crate::backend::{Backend, View};
 use crate::collective::comm_thread::CommThread;
+use crate::collective::Owner;
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 
@@ -110,10 +111,11 @@ pub trait GradientSync<B: Backend>: Send {
         Ok(())
     }
 
-    /// The group was re-formed between steps: this rank is now `rank` of `world`, and `plan` says who owns
-    /// which chunk of every gradient bucket. The sync rebuilds whatever it derived from them; the trainer
-    /// has already re-cut the optimizer state and replaced the collective.
-    fn membership_changed(&mut self, plan: &BucketPlan, world: usize, rank: usize) -> Result<()>;
+    /// The group was re-formed between steps: `owner` is the new collective's ownership map (this rank's
+    /// number, the world, the layout), and with `plan` says who owns which part of every gradient bucket.
+    /// The sync rebuilds whatever it derived from them; the trainer has already re-cut the optimizer state
+    /// and replaced the collective.
+    fn membership_changed(&mut self, plan: &BucketPlan, owner: &Owner) -> Result<()>;
 
     /// When the last step's collectives started against the end of its backward, for syncs that trace it.
     fn trace(&self) -> Option<&SyncTrace> {

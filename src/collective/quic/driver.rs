@@ -29,13 +29,12 @@ struct Round {
 impl QuicCollective {
     /// Runs `engine` to completion: sends what it has to send, then waits for the left neighbour's next
     /// frame, until it is done.
-    pub(super) async fn drive(&mut self, engine: &mut dyn Engine) -> Result<()> {
-        let n = self.cfg.world;
-        let rank = self.cfg.rank;
+    /// `left_rank` and `right_rank` are the engine's ring neighbours (global ranks).
+    pub(super) async fn drive(&mut self, engine: &mut dyn Engine, left_rank: usize, right_rank: usize) -> Result<()> {
         let round = Round {
             seq: self.seq,
-            left_rank: (rank + n - 1) % n,
-            right_rank: (rank + 1) % n,
+            left_rank,
+            right_rank,
             deadline: Instant::now() + self.cfg.timeout,
             secs: self.cfg.timeout.as_secs_f64(),
         };
@@ -51,7 +50,11 @@ impl QuicCollective {
             if engine.is_done() {
                 return Ok(());
             }
-            let rx = &mut self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?.rx;
+            let rx = &mut self
+                .lefts
+                .get_mut(&round.left_rank)
+                .ok_or_else(|| local(format!("no link from rank {}", round.left_rank)))?
+                .rx;
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 _ = tokio::time::sleep_until(round.deadline) =>
@@ -98,11 +101,15 @@ impl QuicCollective {
         self.sent_msgs += 1;
         let lost = {
             let send = &mut self
-                .right
-                .as_mut()
-                .ok_or_else(|| local("no right neighbour link"))?
+                .rights
+                .get_mut(&round.right_rank)
+                .ok_or_else(|| local(format!("no link to rank {}", round.right_rank)))?
                 .data;
-            let rx = &mut self.left.as_mut().ok_or_else(|| local("no left neighbour link"))?.rx;
+            let rx = &mut self
+                .lefts
+                .get_mut(&round.left_rank)
+                .ok_or_else(|| local(format!("no link from rank {}", round.left_rank)))?
+                .rx;
             let (guard, pool) = (&mut self.guard, &self.shared.pool);
             let mut write = std::pin::pin!(send.write_all_chunks(&mut chunks));
             loop {

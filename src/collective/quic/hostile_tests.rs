@@ -139,6 +139,8 @@ fn a_second_claim_on_a_taken_rank_is_refused() {
             config_hash: 77,
             advertise: None,
             local: None,
+            host: None,
+            collective: "flat".into(),
         })
     };
     let sums: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {

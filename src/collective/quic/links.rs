@@ -4,6 +4,7 @@
 //! rendezvous ([`Ring::certs`]): a peer that knows the secret but is not that rank is refused, and the
 //! real neighbour can still connect.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
@@ -18,6 +19,7 @@ use super::messages::LocalEndpoint;
 use super::shm_links::{self, ShmListener, ShmReceiver, ShmSender};
 use super::{local, QuicConfig, Shared, MAX_GATHER_BLOB};
 use crate::collective::shm::LinkTransport;
+use crate::collective::two_level::{SubRing, TwoLevel};
 use crate::collective::{CollectiveError, Result};
 
 /// Data frames the left link's reader holds for the engine. Past that it stops reading, and QUIC flow
@@ -70,79 +72,92 @@ pub(super) struct LeftLink {
 }
 
 /// The ring as rank 0 handed it out: every rank's listen address, certificate fingerprint and shared-memory
-/// endpoint, in rank order.
+/// endpoint, in rank order, and the two-level layout rank 0 resolved (each rank's host label), if any.
 pub(super) struct Ring {
     pub(super) addrs: Vec<SocketAddr>,
     pub(super) certs: Vec<Fingerprint>,
     pub(super) locals: Vec<Option<LocalEndpoint>>,
+    pub(super) two_level: Option<Vec<usize>>,
 }
 
-/// Both links of a rank in the ring (none in a world of one).
+/// A rank's data links, keyed by the neighbour's rank: one to each rank it sends to and one from each rank
+/// it receives from, on any of its rings (the flat ring, and the host and cross rings of a two-level
+/// layout). A pair of ranks that are neighbours on several rings shares one link.
 #[derive(Default)]
-pub(super) struct RingLinks {
-    pub(super) right: Option<RightLink>,
-    pub(super) left: Option<LeftLink>,
-    /// The left link's send side, unused but kept open for the link's lifetime.
+pub(super) struct DataLinks {
+    pub(super) rights: BTreeMap<usize, RightLink>,
+    pub(super) lefts: BTreeMap<usize, LeftLink>,
+    /// The left links' send sides, unused but kept open for the links' lifetime.
     pub(super) keep: Vec<SendStream>,
 }
 
-/// Opens the right link and accepts the left one, concurrently, each through shared memory when its two
-/// ranks share a host and `shm` (this rank's segment listener) is there. Gives up when rank 0 reports a
-/// rank dead meanwhile, or at `deadline`.
+/// The distinct ranks `rank` sends to and receives from on the flat ring and on the rings of `two_level`.
+pub(super) fn neighbours(rank: usize, world: usize, two_level: Option<&TwoLevel>) -> (Vec<usize>, Vec<usize>) {
+    let mut rights = BTreeSet::from([(rank + 1) % world]);
+    let mut lefts = BTreeSet::from([(rank + world - 1) % world]);
+    if let Some(t) = two_level {
+        for ring in [SubRing::Host, SubRing::Cross] {
+            if let Some((members, pos)) = t.ring(ring) {
+                let m = members.len();
+                rights.insert(members[(pos + 1) % m]);
+                lefts.insert(members[(pos + m - 1) % m]);
+            }
+        }
+    }
+    (rights.into_iter().collect(), lefts.into_iter().collect())
+}
+
+/// Opens the links to every right neighbour and accepts those from every left one, concurrently, each
+/// through shared memory when its two ranks share a host and `shm` (this rank's segment listener) is
+/// there. Gives up when rank 0 reports a rank dead meanwhile, or at `deadline`.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn connect(
     cfg: &QuicConfig,
     endpoint: &Endpoint,
     key: &[u8; 32],
     ring: &Ring,
+    two_level: Option<&TwoLevel>,
     listener: &mut Listener,
     shm: Option<&ShmListener>,
     shared: &Shared,
     deadline: Instant,
-) -> Result<RingLinks> {
+) -> Result<DataLinks> {
     let n = cfg.world;
     if n == 1 {
-        return Ok(RingLinks::default());
+        return Ok(DataLinks::default());
     }
     let rank = cfg.rank;
-    let left_rank = (rank + n - 1) % n;
-    let right_rank = (rank + 1) % n;
-    let right_addr = if right_rank == 0 {
-        cfg.master
-    } else {
-        ring.addrs[right_rank]
-    };
-    let right = Neighbour {
-        rank: right_rank,
-        addr: right_addr,
-        cert: ring.certs[right_rank],
-    };
+    let (rights, lefts) = neighbours(rank, n, two_level);
     let local_to = |r: usize| shm.is_some() && same_host(&ring.locals[rank], &ring.locals[r]);
-    let (right_local, left_local) = (local_to(right_rank), local_to(left_rank));
-    if cfg.transport == LinkTransport::Shm && shm.is_some() && !right_local && !left_local {
+    let (flat_left, flat_right) = ((rank + n - 1) % n, (rank + 1) % n);
+    if cfg.transport == LinkTransport::Shm && shm.is_some() && !local_to(flat_right) && !local_to(flat_left) {
         return Err(local(format!(
-            "--transport shm: neither ring neighbour of rank {rank} (ranks {left_rank} and {right_rank}) shares its \
+            "--transport shm: neither ring neighbour of rank {rank} (ranks {flat_left} and {flat_right}) shares its \
              host"
         )));
     }
     let refusals = listener.refusals.clone();
-    let open_right = async {
-        let sender = match &ring.locals[right_rank] {
-            Some(e) if right_local => shm_links::offer_right(cfg, right_rank, e, deadline).await?,
-            _ => None,
-        };
-        open_right(cfg, endpoint, key, right, &refusals, sender, deadline).await
-    };
-    let accept_left = accept_left_any(
-        cfg,
-        left_rank,
-        &ring.certs[left_rank],
-        listener,
-        shm,
-        ring,
-        left_local,
-        deadline,
-    );
+    let open_rights = futures_util::future::try_join_all(rights.iter().map(|&right_rank| {
+        let refusals = &refusals;
+        async move {
+            let right = Neighbour {
+                rank: right_rank,
+                addr: if right_rank == 0 {
+                    cfg.master
+                } else {
+                    ring.addrs[right_rank]
+                },
+                cert: ring.certs[right_rank],
+            };
+            let sender = match &ring.locals[right_rank] {
+                Some(e) if local_to(right_rank) => shm_links::offer_right(cfg, right_rank, e, deadline).await?,
+                _ => None,
+            };
+            let link = open_right(cfg, endpoint, key, right, refusals, sender, deadline).await?;
+            Ok::<_, CollectiveError>((right_rank, link))
+        }
+    }));
+    let accept_lefts = accept_lefts(cfg, &lefts, ring, listener, shm, &local_to, deadline);
     // A rank that dies or aborts while the ring forms is reported by rank 0: stop waiting then. The verdict
     // is checked first, so that a link that failed because of it never hides it.
     let mut prx = shared.poison.subscribe();
@@ -151,10 +166,9 @@ pub(super) async fn connect(
         p = prx.wait_for(|p| p.is_some()) => {
             return Err(p.ok().and_then(|p| p.clone()).unwrap_or_else(|| local("control plane failed")));
         }
-        rl = async { tokio::join!(open_right, accept_left) } => rl,
+        rl = async { tokio::join!(open_rights, accept_lefts) } => rl,
     };
-    let links = r.and_then(|right| l.map(|left| (right, left)));
-    let (right, (conn, send, left_data)) = match links {
+    let (rights, accepted) = match r.and_then(|right| l.map(|left| (right, left))) {
         Ok(links) => links,
         // A neighbour that closed its endpoint has usually left because of a failure elsewhere (it heard of
         // an abort before this rank did): report that failure, not the closed link.
@@ -164,88 +178,145 @@ pub(super) async fn connect(
         }
     };
     let max_payload = (cfg.sub_chunk * 4).max(MAX_GATHER_BLOB);
-    let left = match left_data {
-        LeftData::Quic(recv) => LeftLink {
-            _conn: conn,
-            rx: spawn_reader(recv, max_payload),
-            shm_reader: None,
-        },
-        LeftData::Shm(receiver, _recv) => {
-            let (rx, task) = shm_links::spawn_reader(receiver, max_payload, MAX_QUEUED_FRAMES);
-            LeftLink {
-                _conn: conn,
-                rx,
-                shm_reader: Some(task),
-            }
-        }
+    let mut links = DataLinks {
+        rights: rights.into_iter().collect(),
+        ..DataLinks::default()
     };
+    for (left_rank, (conn, send, data)) in accepted {
+        let left = match data {
+            LeftData::Quic(recv) => LeftLink {
+                _conn: conn,
+                rx: spawn_reader(recv, max_payload),
+                shm_reader: None,
+            },
+            LeftData::Shm(receiver, _recv) => {
+                let (rx, task) = shm_links::spawn_reader(receiver, max_payload, MAX_QUEUED_FRAMES);
+                LeftLink {
+                    _conn: conn,
+                    rx,
+                    shm_reader: Some(task),
+                }
+            }
+        };
+        links.lefts.insert(left_rank, left);
+        links.keep.push(send);
+    }
+    let over = |shm: bool| if shm { "shm" } else { "quic" };
+    let from: Vec<String> = links
+        .lefts
+        .iter()
+        .map(|(r, l)| format!("rank {r} over {}", over(l.shm_reader.is_some())))
+        .collect();
+    let to: Vec<String> = links
+        .rights
+        .iter()
+        .map(|(r, l)| format!("rank {r} over {}", l.data.kind()))
+        .collect();
     tracing::info!(
-        "rank {rank}: ring links: from rank {left_rank} over {}, to rank {right_rank} over {}",
-        if left.shm_reader.is_some() { "shm" } else { "quic" },
-        right.data.kind()
+        "rank {rank}: ring links: from {}, to {}",
+        from.join(", "),
+        to.join(", ")
     );
-    Ok(RingLinks {
-        right: Some(right),
-        left: Some(left),
-        keep: vec![send],
-    })
+    Ok(links)
 }
 
-/// Where the left link's frames arrive.
+/// Where a left link's frames arrive.
 enum LeftData {
     Quic(RecvStream),
     Shm(ShmReceiver, RecvStream),
 }
 
-/// Accepts the left neighbour's QUIC link and, when its peer hello says the link's data goes through shared
-/// memory, the segment it handed this rank's listener. The segment is accepted while the QUIC link is
-/// awaited, since the neighbour attaches it first.
-#[allow(clippy::too_many_arguments)]
-async fn accept_left_any(
+/// An accepted left link.
+type Accepted = (Connection, SendStream, LeftData);
+
+/// Accepts every left neighbour's QUIC link (`lefts`) and, when its peer hello says the link's data goes
+/// through shared memory, the segment it handed this rank's listener. Segments are accepted while the
+/// QUIC links are awaited, since each neighbour attaches its segment first.
+async fn accept_lefts(
     cfg: &QuicConfig,
-    left_rank: usize,
-    pinned: &Fingerprint,
+    lefts: &[usize],
+    ring: &Ring,
     listener: &mut Listener,
     shm: Option<&ShmListener>,
-    ring: &Ring,
-    left_local: bool,
+    local_to: &dyn Fn(usize) -> bool,
     deadline: Instant,
-) -> Result<(Connection, SendStream, LeftData)> {
-    let segment = async {
-        match (shm, &ring.locals[left_rank]) {
-            (Some(l), Some(e)) if left_local => shm_links::accept_left(cfg, l, left_rank, e, deadline).await,
-            _ => std::future::pending().await,
-        }
-    };
-    let mut segment = std::pin::pin!(segment);
-    let mut attached = None;
-    let quic = accept_left(cfg.job_id, left_rank, pinned, listener, deadline);
-    let mut quic = std::pin::pin!(quic);
-    let (conn, send, recv, says_shm) = loop {
-        tokio::select! {
-            q = &mut quic => break q?,
-            s = &mut segment, if attached.is_none() => attached = Some(s),
-        }
-    };
-    match (says_shm, left_local) {
-        (true, true) => {
-            let receiver = match attached {
-                Some(s) => s?,
-                None => segment.await?,
-            };
-            Ok((conn, send, LeftData::Shm(receiver, recv)))
-        }
-        (true, false) => Err(CollectiveError::Protocol {
-            rank: left_rank,
-            msg: "says its link goes through shared memory, but it does not share this rank's host".into(),
-        }),
-        (false, local) => {
-            if local {
-                not_attached(cfg, left_rank, "the left neighbour did not hand over a segment")?;
+) -> Result<BTreeMap<usize, Accepted>> {
+    let local_lefts: Vec<(usize, &LocalEndpoint)> = lefts
+        .iter()
+        .filter(|&&r| local_to(r))
+        .filter_map(|&r| ring.locals[r].as_ref().map(|e| (r, e)))
+        .collect();
+    // Segments arrive through a queue from one loop that runs beside the QUIC accepts: an offer is answered
+    // in several steps, so it must not be cut off midway by a QUIC link arriving.
+    let (seg_tx, mut seg_rx) = mpsc::unbounded_channel();
+    let segments = async {
+        let mut waiting = local_lefts.clone();
+        while let (Some(l), false) = (shm, waiting.is_empty()) {
+            let got = shm_links::accept_left(cfg, l, &waiting).await;
+            if let Ok((r, _)) = &got {
+                waiting.retain(|(w, _)| w != r);
             }
-            Ok((conn, send, LeftData::Quic(recv)))
+            let fatal = got.is_err();
+            let _ = seg_tx.send(got);
+            if fatal {
+                break;
+            }
+        }
+        std::future::pending::<()>().await
+    };
+    let mut segments = std::pin::pin!(segments);
+    let mut quic: BTreeMap<usize, (Connection, SendStream, RecvStream, bool)> = BTreeMap::new();
+    let mut attached: BTreeMap<usize, ShmReceiver> = BTreeMap::new();
+    loop {
+        let segments_missing = quic.iter().any(|(r, q)| q.3 && !attached.contains_key(r));
+        if quic.len() == lefts.len() && !segments_missing {
+            break;
+        }
+        let waiting: Vec<(usize, Fingerprint)> = lefts
+            .iter()
+            .filter(|r| !quic.contains_key(r))
+            .map(|&r| (r, ring.certs[r]))
+            .collect();
+        tokio::select! {
+            q = accept_left(cfg.job_id, &waiting, listener), if !waiting.is_empty() => {
+                let (r, conn, send, recv, says_shm) = q?;
+                quic.insert(r, (conn, send, recv, says_shm));
+            }
+            s = seg_rx.recv() => {
+                let (r, rx) = s.expect("the segment loop keeps its sender")?;
+                attached.insert(r, rx);
+            }
+            _ = &mut segments => unreachable!("the segment loop never ends"),
+            _ = tokio::time::sleep_until(deadline) => {
+                let missing: Vec<usize> = lefts.iter().copied().filter(|r| !quic.contains_key(r)).collect();
+                return Err(local(match missing.as_slice() {
+                    [] => "a left neighbour did not hand over its shared segment in time".to_string(),
+                    [one] => format!("left neighbour rank {one} did not connect in time"),
+                    many => format!("left neighbours {many:?} did not connect in time"),
+                }));
+            }
         }
     }
+    let mut out = BTreeMap::new();
+    for (r, (conn, send, recv, says_shm)) in quic {
+        let data = match (says_shm, local_to(r)) {
+            (true, true) => LeftData::Shm(attached.remove(&r).expect("waited for above"), recv),
+            (true, false) => {
+                return Err(CollectiveError::Protocol {
+                    rank: r,
+                    msg: "says its link goes through shared memory, but it does not share this rank's host".into(),
+                })
+            }
+            (false, local) => {
+                if local {
+                    not_attached(cfg, r, "the left neighbour did not hand over a segment")?;
+                }
+                LeftData::Quic(recv)
+            }
+        };
+        out.insert(r, (conn, send, data));
+    }
+    Ok(out)
 }
 
 /// The right neighbour as the ring describes it.
@@ -297,40 +368,40 @@ async fn open_right(
     Ok(RightLink { _conn: conn, data })
 }
 
-/// Waits for the left neighbour's peer hello from the certificate that rank presented at rendezvous
-/// (`pinned`), and returns its link and whether it says the link's data goes through shared memory. Anyone
-/// else is refused with the reason (a rank they are not, a certificate other than the pinned one, a
-/// rendezvous already closed), and the wait goes on.
+/// Waits for a peer hello from one of the left neighbours `waiting` (each with the certificate it
+/// presented at rendezvous), and returns which, its link, and whether it says the link's data goes through
+/// shared memory. Anyone else is refused with the reason (a rank they are not, a certificate other than the
+/// pinned one, a rendezvous already closed), and the wait goes on. Cancel-safe: nothing is awaited once a
+/// connection is taken.
 async fn accept_left(
     job: u64,
-    left_rank: usize,
-    pinned: &Fingerprint,
+    waiting: &[(usize, Fingerprint)],
     listener: &mut Listener,
-    deadline: Instant,
-) -> Result<(Connection, SendStream, RecvStream, bool)> {
+) -> Result<(usize, Connection, SendStream, RecvStream, bool)> {
     loop {
         let j = match listener.early_peers.pop() {
             Some(j) => j,
-            None => tokio::select! {
-                j = listener.next() => j.ok_or_else(|| local("listener stopped"))?,
-                _ = tokio::time::sleep_until(deadline) =>
-                    return Err(local(format!("left neighbour rank {left_rank} did not connect in time"))),
-            },
+            None => listener.next().await.ok_or_else(|| local("listener stopped"))?,
         };
         let refusal = match &j.msg {
-            Control::PeerHello { job_id, rank, shm } if *job_id == job && *rank == left_rank => {
-                match check_pinned(&j.conn, left_rank, pinned) {
-                    Ok(()) => return Ok((j.conn, j.send, j.recv, *shm)),
-                    Err(e) => (Cause::Certificate, format!("ring link refused: {e}")),
+            Control::PeerHello { job_id, rank, shm } if *job_id == job => {
+                match waiting.iter().find(|(r, _)| r == rank) {
+                    Some((left, pinned)) => match check_pinned(&j.conn, *left, pinned) {
+                        Ok(()) => return Ok((*left, j.conn, j.send, j.recv, *shm)),
+                        Err(e) => (Cause::Certificate, format!("ring link refused: {e}")),
+                    },
+                    None => {
+                        let ranks: Vec<usize> = waiting.iter().map(|(r, _)| *r).collect();
+                        (
+                            Cause::Refused,
+                            format!("ring link refused: rank {rank} is not a left neighbour this rank waits for ({ranks:?})"),
+                        )
+                    }
                 }
             }
-            Control::PeerHello { job_id, rank, .. } if *job_id != job => (
+            Control::PeerHello { job_id, rank, .. } => (
                 Cause::Refused,
                 format!("ring link refused: rank {rank} says job {job_id:#x}, this job is {job:#x}"),
-            ),
-            Control::PeerHello { rank, .. } => (
-                Cause::Refused,
-                format!("ring link refused: rank {rank} is not this rank's left neighbour (rank {left_rank})"),
             ),
             Control::Hello(h) => (
                 Cause::Refused,

@@ -19,6 +19,11 @@ pub struct Hello {
     pub advertise: Option<SocketAddr>,
     /// This rank's host and shared-memory endpoint; `None` when it uses QUIC on every link.
     pub local: Option<LocalEndpoint>,
+    /// This rank's host identity ([`crate::collective::shm::host_identity`]), which groups ranks for the
+    /// two-level ring; `None` when it could not be read.
+    pub host: Option<String>,
+    /// `--collective` as this rank was started with ("flat", "hierarchical", "auto").
+    pub collective: String,
 }
 
 /// What ranks of one host need to link through shared memory: which host, which process, and where it
@@ -92,6 +97,19 @@ impl Hello {
         if let Some(Err(e)) = self.local.as_ref().map(LocalEndpoint::check) {
             return Err(format!("rank {r} sends a bad shared-memory endpoint: {e}"));
         }
+        if let Some(h) = self
+            .host
+            .as_ref()
+            .filter(|h| h.is_empty() || h.len() > 2 * crate::collective::shm::MAX_HOST_ID)
+        {
+            return Err(format!("rank {r} sends a host identity of {} bytes", h.len()));
+        }
+        if self.collective != host.collective {
+            return Err(format!(
+                "collective mismatch: rank {r} was started with --collective {:.20}, rank 0 with --collective {}",
+                self.collective, host.collective
+            ));
+        }
         Ok(())
     }
 }
@@ -109,6 +127,9 @@ pub enum Control {
         certs: Vec<[u8; 32]>,
         /// Every rank's host and shared-memory endpoint, as its hello gave them (rank 0's own first).
         locals: Vec<Option<LocalEndpoint>>,
+        /// The two-level ring rank 0 resolved `--collective` to: each rank's host label, in rank order
+        /// ([`crate::collective::two_level`]); `None`: the flat ring.
+        two_level: Option<Vec<usize>>,
     },
     /// Any rank → a peer it turns away (a hello that does not match, a rank already taken, a certificate
     /// other than the pinned one), naming why.
@@ -138,6 +159,8 @@ mod tests {
             config_hash: 9,
             advertise: None,
             local: None,
+            host: Some("m/net:[1]".into()),
+            collective: "auto".into(),
         };
         let ok = Hello {
             rank: 2,
@@ -169,6 +192,23 @@ mod tests {
         assert!(e.contains("protocol version"), "{e}");
         let e = Hello { rank: 4, ..ok.clone() }.check_against(&host).unwrap_err();
         assert!(e.contains("rank 4"), "{e}");
+        let e = Hello {
+            collective: "flat".into(),
+            ..ok.clone()
+        }
+        .check_against(&host)
+        .unwrap_err();
+        assert!(
+            e.contains("--collective flat") && e.contains("--collective auto"),
+            "{e}"
+        );
+        let e = Hello {
+            host: Some("h".repeat(100_000)),
+            ..ok.clone()
+        }
+        .check_against(&host)
+        .unwrap_err();
+        assert!(e.contains("host identity of 100000 bytes"), "{e}");
         let advertising = |a: &str| Hello {
             advertise: Some(a.parse().unwrap()),
             ..ok.clone()

@@ -78,9 +78,12 @@ mod shm_tests;
 mod test_support;
 #[cfg(test)]
 mod transport_tests;
+#[cfg(all(test, target_os = "linux"))]
+mod two_level_tests;
 
 pub use messages::{Control, Hello};
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -95,10 +98,11 @@ use super::frame::{self, SequenceGuard};
 use super::rank_runtime::RankRuntime;
 use super::ring::{Engine, RingOp};
 use super::shm::LinkTransport;
+use super::two_level::{CollectiveChoice, SubRing, TwoLevel};
 use super::{run_ring, Collective, CollectiveError, ComputeBusy, Result};
 use crate::fault_plan::FaultPlan;
 use control::ControlPlane;
-use links::{LeftLink, RightLink, Ring, RingLinks};
+use links::{DataLinks, LeftLink, RightLink, Ring};
 use listener::Listener;
 use shm_links::LocalSide;
 
@@ -140,6 +144,9 @@ pub struct QuicConfig {
     pub transport: LinkTransport,
     /// `RINGTRAIN_HOST_ID`, when the user gives the host identity; else it is read off the machine.
     pub host_id: Option<String>,
+    /// `--collective`: the flat ring or the two-level one ([`crate::collective::two_level`]); rank 0
+    /// resolves it at rendezvous. `new` gives [`CollectiveChoice::Flat`].
+    pub collective: CollectiveChoice,
 }
 
 impl QuicConfig {
@@ -159,6 +166,7 @@ impl QuicConfig {
             sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
             transport: LinkTransport::Quic,
             host_id: None,
+            collective: CollectiveChoice::Flat,
         }
     }
 }
@@ -252,8 +260,11 @@ pub struct QuicCollective {
     endpoint: Endpoint,
     shared: Arc<Shared>,
     poison_rx: watch::Receiver<Option<CollectiveError>>,
-    right: Option<RightLink>,
-    left: Option<LeftLink>,
+    /// Links to the ranks this one sends to, and from those it receives from, on any of its rings.
+    rights: BTreeMap<usize, RightLink>,
+    lefts: BTreeMap<usize, LeftLink>,
+    /// This rank's place in the two-level layout rank 0 chose, or `None` for the flat ring.
+    two_level: Option<TwoLevel>,
     control: ControlPlane,
     guard: SequenceGuard,
     seq: u64,
@@ -308,8 +319,9 @@ impl QuicCollective {
             endpoint: s.endpoint,
             shared,
             poison_rx,
-            right: s.links.right,
-            left: s.links.left,
+            rights: s.links.rights,
+            lefts: s.links.lefts,
+            two_level: s.two_level,
             control: s.control,
             seq: 0,
             step: 0,
@@ -381,9 +393,10 @@ impl QuicCollective {
     fn send_raw_to_right(&mut self, bytes: &[u8]) -> Result<()> {
         let rt = self.rt.take().expect("runtime present until drop");
         let res = rt.block_on(async {
+            let right = (self.cfg.rank + 1) % self.cfg.world;
             let send = &mut self
-                .right
-                .as_mut()
+                .rights
+                .get_mut(&right)
                 .ok_or_else(|| local("no right neighbour link"))?
                 .data;
             send.write_all_chunks(&mut [bytes::Bytes::copy_from_slice(bytes)])
@@ -405,21 +418,30 @@ impl QuicCollective {
         self.shared.closing.store(true, Ordering::SeqCst);
         self.endpoint.close(2u32.into(), b"crashed");
         // Shared-memory links close their sockets, as a dead process's would.
-        self.right = None;
-        if let Some(task) = self.left.as_mut().and_then(|l| l.shm_reader.take()) {
+        self.rights.clear();
+        for task in self.lefts.values_mut().filter_map(|l| l.shm_reader.take()) {
             task.abort();
         }
     }
 
-    /// Where this rank's ring data goes: `[from the left, to the right]`, each "shm", "quic", or "none" in a
-    /// world of one.
+    /// Where this rank's flat-ring data goes: `[from the left, to the right]`, each "shm", "quic", or "none"
+    /// in a world of one.
     pub fn data_links(&self) -> [&'static str; 2] {
-        let left = match &self.left {
+        let (rank, n) = (self.cfg.rank, self.cfg.world);
+        let left = match self.lefts.get(&((rank + n - 1) % n)) {
             Some(l) if l.shm_reader.is_some() => "shm",
             Some(_) => "quic",
             None => "none",
         };
-        [left, self.right.as_ref().map_or("none", |r| r.data.kind())]
+        [
+            left,
+            self.rights.get(&((rank + 1) % n)).map_or("none", |r| r.data.kind()),
+        ]
+    }
+
+    /// This rank's place in the two-level layout rank 0 chose, or `None` for the flat ring.
+    pub fn layout(&self) -> Option<&TwoLevel> {
+        self.two_level.as_ref()
     }
 
     fn current_poison(&self) -> Option<CollectiveError> {
@@ -432,11 +454,16 @@ impl QuicCollective {
         let failed = self.failed.is_some();
         // Make sure the right neighbour has everything we sent (pointless after a failure).
         // A shared segment needs no flush: the neighbour's mapping keeps what was written.
-        if let Some(links::RightData::Quic(send)) = self.right.as_mut().map(|r| &mut r.data) {
-            let _ = send.finish();
-            if !failed {
-                let _ = tokio::time::timeout(wait, send.stopped()).await;
+        let mut flushed = Vec::new();
+        for right in self.rights.values_mut() {
+            if let links::RightData::Quic(send) = &mut right.data {
+                let _ = send.finish();
+                flushed.push(send);
             }
+        }
+        if !failed {
+            let stopped = futures_util::future::join_all(flushed.into_iter().map(|send| send.stopped()));
+            let _ = tokio::time::timeout(wait, stopped).await;
         }
         // Even after a failure, flush the control stream (it carries our abort report) before closing.
         let control_wait = if failed { wait.min(Duration::from_secs(2)) } else { wait };
@@ -487,7 +514,8 @@ fn validate(cfg: &mut QuicConfig) -> Result<()> {
 /// What setup leaves for the collective loop.
 struct Setup {
     endpoint: Endpoint,
-    links: RingLinks,
+    links: DataLinks,
+    two_level: Option<TwoLevel>,
     control: ControlPlane,
     /// Why the ring links could not be connected, if they could not: the control plane is up by then, so the
     /// rank can still say goodbye before failing.
@@ -508,6 +536,7 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
             addrs: vec![cfg.master],
             certs: vec![own_cert],
             locals: vec![own_local],
+            two_level: None,
         };
         (ring, ControlPlane::Alone)
     } else if cfg.rank == 0 {
@@ -518,15 +547,40 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
         (ring, ControlPlane::start_client(host, &shared))
     };
     let shm = local_side.listener.as_ref();
-    let connected = links::connect(cfg, &endpoint, &key, &ring, &mut listener, shm, &shared, deadline).await;
+    let two_level = match &ring.two_level {
+        // Checked against the world when the welcome was read.
+        Some(labels) => Some(TwoLevel::new(labels, cfg.rank).map_err(local)?),
+        None => None,
+    };
+    if let Some(t) = &two_level {
+        tracing::info!(
+            "rank {}: two-level ring: host ring {:?}, cross ring {:?}",
+            cfg.rank,
+            t.host,
+            t.cross
+        );
+    }
+    let connected = links::connect(
+        cfg,
+        &endpoint,
+        &key,
+        &ring,
+        two_level.as_ref(),
+        &mut listener,
+        shm,
+        &shared,
+        deadline,
+    )
+    .await;
     let (links, ring_error) = match connected {
         Ok(links) => (links, None),
-        Err(e) => (RingLinks::default(), Some(e)),
+        Err(e) => (DataLinks::default(), Some(e)),
     };
     listener.refuse_late(cfg.job_id);
     Ok(Setup {
         endpoint,
         links,
+        two_level,
         control,
         ring_error,
     })
@@ -568,12 +622,35 @@ impl Collective for QuicCollective {
         }
     }
 
+    fn two_level(&self) -> Option<&TwoLevel> {
+        self.two_level.as_ref()
+    }
+
     fn run_engine(&mut self, engine: &mut dyn Engine) -> Result<()> {
+        self.run_engine_on(SubRing::All, engine)
+    }
+
+    fn run_engine_on(&mut self, ring: SubRing, engine: &mut dyn Engine) -> Result<()> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
+        let (left, right) = match ring {
+            SubRing::All => {
+                let (rank, n) = (self.cfg.rank, self.cfg.world);
+                ((rank + n - 1) % n, (rank + 1) % n)
+            }
+            sub => {
+                let (members, pos) = self
+                    .two_level
+                    .as_ref()
+                    .and_then(|t| t.ring(sub))
+                    .ok_or_else(|| local(format!("this job runs the flat ring: it has no {sub:?} ring")))?;
+                let m = members.len();
+                (members[(pos + m - 1) % m], members[(pos + 1) % m])
+            }
+        };
         let rt = self.rt.take().expect("runtime present until drop");
-        let res = rt.block_on(self.drive(engine));
+        let res = rt.block_on(self.drive(engine, left, right));
         self.rt = Some(rt);
         self.seq += 1;
         if let Err(e) = &res {

@@ -17,6 +17,8 @@ use super::listener::{Cause, Joined, Listener, Refusals};
 use super::messages::{Control, Hello, LocalEndpoint};
 use super::{local, QuicConfig};
 use crate::collective::frame::PROTOCOL_VERSION;
+use crate::collective::shm::host_identity;
+use crate::collective::two_level::{self, TwoLevel};
 use crate::collective::Result;
 
 /// This rank's hello, with its shared-memory endpoint `local`.
@@ -29,6 +31,8 @@ fn hello(cfg: &QuicConfig, local: Option<LocalEndpoint>) -> Hello {
         config_hash: cfg.config_hash,
         advertise: cfg.advertise_addr,
         local,
+        host: host_identity(cfg.host_id.as_deref()).ok(),
+        collective: cfg.collective.as_str().to_string(),
     }
 }
 
@@ -48,7 +52,9 @@ pub(super) async fn host(
         addrs: vec![cfg.master],
         certs: vec![own_cert],
         locals: vec![own_local],
+        two_level: None,
     };
+    let mut hosts = vec![hello(cfg, None).host];
     for j in &joined {
         // The address the others dial (advertised, else observed), and the certificate the rank presented
         // (checked present when the hello was taken).
@@ -59,13 +65,29 @@ pub(super) async fn host(
             Control::Hello(h) => h.local.clone(),
             _ => None,
         });
+        hosts.push(match &j.msg {
+            Control::Hello(h) => h.host.clone(),
+            _ => None,
+        });
     }
+    // Rank 0 alone decides the layout, from the hosts the ranks reported, so that every rank runs the same.
+    ring.two_level = match two_level::resolve(cfg.collective, &two_level::host_labels(&hosts)) {
+        Ok(layout) => layout,
+        Err(reason) => {
+            for j in joined {
+                j.refuse(cfg.job_id, &listener.refusals, Cause::Refused, reason.clone());
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return Err(local(reason));
+        }
+    };
     let welcome = control_frame(
         cfg.job_id,
         &Control::Welcome {
             addrs: ring.addrs.clone(),
             certs: ring.certs.clone(),
             locals: ring.locals.clone(),
+            two_level: ring.two_level.clone(),
         },
     );
     for j in &mut joined {
@@ -240,7 +262,7 @@ pub(super) async fn join(
             other => break other,
         }
     };
-    let ring = welcomed_ring(reply, cfg.world)?;
+    let ring = welcomed_ring(reply, cfg.world, cfg.rank)?;
     // Rank 0's entry must be the certificate it presented to this connection, the control plane.
     check_pinned(&conn, 0, &ring.certs[0]).map_err(|e| local(format!("rendezvous: {e}")))?;
     Ok((ring, HostLink { conn, send, recv }))
@@ -296,20 +318,43 @@ async fn dial_host(
     }
 }
 
-/// The ring from rank 0's reply, or why there is none.
-fn welcomed_ring(reply: Control, world: usize) -> Result<Ring> {
+/// The ring from rank 0's reply (as rank `rank` of `world` reads it), or why there is none.
+fn welcomed_ring(reply: Control, world: usize, rank: usize) -> Result<Ring> {
     match reply {
-        Control::Welcome { addrs, certs, locals }
-            if addrs.len() == world && certs.len() == world && locals.len() == world =>
-        {
+        Control::Welcome {
+            addrs,
+            certs,
+            locals,
+            two_level,
+        } if addrs.len() == world && certs.len() == world && locals.len() == world => {
             if let Some(e) = locals.iter().flatten().find_map(|l| l.check().err()) {
                 return Err(local(format!(
                     "rendezvous: rank 0 sent a bad shared-memory endpoint: {e}"
                 )));
             }
-            Ok(Ring { addrs, certs, locals })
+            if let Some(labels) = &two_level {
+                if labels.len() != world {
+                    return Err(local(format!(
+                        "rendezvous: rank 0 sent a two-level layout of {} ranks for world size {world}",
+                        labels.len()
+                    )));
+                }
+                TwoLevel::new(labels, rank).map_err(|e| {
+                    local(format!(
+                        "rendezvous: rank 0 sent a two-level layout that cannot run: {e}"
+                    ))
+                })?;
+            }
+            Ok(Ring {
+                addrs,
+                certs,
+                locals,
+                two_level,
+            })
         }
-        Control::Welcome { addrs, certs, locals } => Err(local(format!(
+        Control::Welcome {
+            addrs, certs, locals, ..
+        } => Err(local(format!(
             "rendezvous: rank 0 sent {} addresses, {} certificates and {} endpoints for world size {world}",
             addrs.len(),
             certs.len(),

@@ -115,27 +115,22 @@ pub(super) async fn offer_right(
     }
 }
 
-/// Waits for the left neighbour (`left`, whose endpoint is `endpoint`) to attach, after its peer hello
-/// said it had.
+/// Waits for one of the left neighbours `from` (each a rank and its endpoint) to attach, and returns which
+/// did with its receiving end. Callers that are none of them are refused (and logged), and the wait goes on.
 pub(super) async fn accept_left(
     cfg: &QuicConfig,
     listener: &ShmListener,
-    left: usize,
-    endpoint: &LocalEndpoint,
-    deadline: Instant,
-) -> Result<ShmReceiver> {
-    let from = expected(cfg, left, endpoint);
+    from: &[(usize, &LocalEndpoint)],
+) -> Result<(usize, ShmReceiver)> {
+    let expected: Vec<Expected> = from.iter().map(|(r, e)| expected(cfg, *r, e)).collect();
     let rank = cfg.rank;
     let refused = |reason: String| tracing::warn!("rank {rank}: refused a shared-memory offer: {reason}");
-    let attached = tokio::time::timeout_at(deadline, listener.accept(&from, refused))
+    let (left, attached) = listener
+        .accept(&expected, refused)
         .await
-        .map_err(|_| {
-            local(format!(
-                "left neighbour rank {left} did not hand over its shared segment in time"
-            ))
-        })?
-        .map_err(|e| local(format!("accepting rank {left}'s shared segment: {e}")))?;
-    ShmReceiver::new(attached).map_err(|e| local(format!("rank {left}'s shared segment: {e}")))
+        .map_err(|e| local(format!("accepting a shared segment: {e}")))?;
+    let rx = ShmReceiver::new(attached).map_err(|e| local(format!("rank {left}'s shared segment: {e}")))?;
+    Ok((left, rx))
 }
 
 /// Reads the left link's frames (payloads of at most `max_payload` bytes) out of the segment into a bounded

@@ -65,10 +65,8 @@ pub(super) async fn offer_right(
 pub(super) async fn accept_left(
     _cfg: &QuicConfig,
     listener: &ShmListener,
-    _left: usize,
-    _endpoint: &LocalEndpoint,
-    _deadline: Instant,
-) -> Result<ShmReceiver> {
+    _from: &[(usize, &LocalEndpoint)],
+) -> Result<(usize, ShmReceiver)> {
     match *listener {}
 }
 

@@ -114,9 +114,13 @@ impl ShmListener {
         })
     }
 
-    /// Accepts callers until one that is `from` offers a valid segment, which is returned; each caller
-    /// turned away is told why and the reason is returned to `refused`.
-    pub async fn accept(&self, from: &Expected, mut refused: impl FnMut(String)) -> std::io::Result<Attached> {
+    /// Accepts callers until one of `from` offers a valid segment, which is returned with the rank that
+    /// offered it; each caller turned away is told why and the reason is returned to `refused`.
+    pub async fn accept(
+        &self,
+        from: &[Expected],
+        mut refused: impl FnMut(String),
+    ) -> std::io::Result<(usize, Attached)> {
         loop {
             let (socket, _) = self.listener.accept().await?;
             match take_offer(socket, from, &self.nonce).await {
@@ -128,18 +132,25 @@ impl ShmListener {
 }
 
 /// Checks one caller and its offer; answers it either way.
-async fn take_offer(mut socket: UnixStream, from: &Expected, nonce: &[u8; 16]) -> Result<Attached, String> {
+async fn take_offer(mut socket: UnixStream, from: &[Expected], nonce: &[u8; 16]) -> Result<(usize, Attached), String> {
     let outcome = async {
-        check_peer(&socket, from)?;
+        let candidates = check_peer(&socket, from)?;
         let (offer, fds) = tokio::time::timeout(Duration::from_secs(10), recv_offer(&socket))
             .await
             .map_err(|_| "no offer within 10 s".to_string())??;
-        if offer.job_id != from.job_id || offer.rank as usize != from.rank {
+        let Some(who) = candidates
+            .iter()
+            .find(|e| offer.job_id == e.job_id && offer.rank as usize == e.rank)
+        else {
+            let ranks: Vec<usize> = candidates.iter().map(|e| e.rank).collect();
+            let job = candidates.first().map_or(0, |e| e.job_id);
             return Err(format!(
-                "offer from rank {} of job {:#x}, expected rank {} of job {:#x}",
-                offer.rank, offer.job_id, from.rank, from.job_id
+                "offer from rank {} of job {:#x}, expected rank {} of job {job:#x}",
+                offer.rank,
+                offer.job_id,
+                list(&ranks)
             ));
-        }
+        };
         if offer.nonce != *nonce {
             return Err("offer carries the wrong nonce".into());
         }
@@ -149,7 +160,7 @@ async fn take_offer(mut socket: UnixStream, from: &Expected, nonce: &[u8; 16]) -
         }
         let capacity = usize::try_from(offer.capacity).map_err(|_| "capacity out of range".to_string())?;
         let segment = Segment::attach(memfd, capacity)?;
-        Ok((segment, data_ready, space_ready))
+        Ok((who.rank, segment, data_ready, space_ready))
     }
     .await;
     let reason = match &outcome {
@@ -159,14 +170,28 @@ async fn take_offer(mut socket: UnixStream, from: &Expected, nonce: &[u8; 16]) -
     let mut reply = (reason.len() as u32).to_le_bytes().to_vec();
     reply.extend_from_slice(reason.as_bytes());
     let answered = socket.write_all(&reply).await;
-    let (segment, data_ready, space_ready) = outcome?;
+    let (rank, segment, data_ready, space_ready) = outcome?;
     answered.map_err(|e| format!("answering the offer: {e}"))?;
-    Ok(Attached {
-        segment,
-        socket,
-        data_ready,
-        space_ready,
-    })
+    Ok((
+        rank,
+        Attached {
+            segment,
+            socket,
+            data_ready,
+            space_ready,
+        },
+    ))
+}
+
+/// "3", or "one of 1, 3" for several.
+fn list(ranks: &[usize]) -> String {
+    match ranks {
+        [one] => one.to_string(),
+        many => format!(
+            "one of {}",
+            many.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+        ),
+    }
 }
 
 /// The sending rank: connects to the receiving rank's listener `name`, checks it is `to`, and hands over
@@ -182,7 +207,7 @@ pub async fn offer(
     let std_socket = std::os::unix::net::UnixStream::connect_addr(&addr).map_err(|e| format!("connecting: {e}"))?;
     std_socket.set_nonblocking(true).map_err(|e| e.to_string())?;
     let mut socket = UnixStream::from_std(std_socket).map_err(|e| e.to_string())?;
-    check_peer(&socket, to)?;
+    check_peer(&socket, std::slice::from_ref(to))?;
     let segment = Segment::create(capacity).map_err(|e| format!("creating a {capacity}-byte memfd: {e}"))?;
     let flags = rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK;
     let data_ready = rustix::event::eventfd(0, flags).map_err(|e| format!("eventfd: {e}"))?;
@@ -220,24 +245,31 @@ pub async fn offer(
     })
 }
 
-/// The process at the other end of `socket` must be the one the rendezvous named, run by our own user.
-fn check_peer(socket: &UnixStream, expected: &Expected) -> Result<(), String> {
+/// The process at the other end of `socket` must be one the rendezvous named, run by our own user: the
+/// ones of `expected` it may be (ranks of one process share a pid).
+fn check_peer<'e>(socket: &UnixStream, expected: &'e [Expected]) -> Result<Vec<&'e Expected>, String> {
     let cred = rustix::net::sockopt::socket_peercred(socket).map_err(|e| format!("SO_PEERCRED: {e}"))?;
     let (pid, uid) = (cred.pid.as_raw_nonzero().get() as u32, cred.uid.as_raw());
     let own_uid = rustix::process::getuid().as_raw();
-    if uid != own_uid || uid != expected.uid {
+    let ranks: Vec<usize> = expected.iter().map(|e| e.rank).collect();
+    if uid != own_uid || expected.iter().all(|e| e.uid != uid) {
+        let uids: Vec<String> = expected.iter().map(|e| e.uid.to_string()).collect();
         return Err(format!(
             "the process at the other end runs as uid {uid}; rank {} runs as uid {}",
-            expected.rank, expected.uid
+            list(&ranks),
+            uids.join(", ")
         ));
     }
-    if pid != expected.pid {
+    let matching: Vec<&Expected> = expected.iter().filter(|e| e.pid == pid && e.uid == uid).collect();
+    if matching.is_empty() {
+        let pids: Vec<String> = expected.iter().map(|e| e.pid.to_string()).collect();
         return Err(format!(
             "the process at the other end is pid {pid}; rank {} is pid {} (another pid namespace?)",
-            expected.rank, expected.pid
+            list(&ranks),
+            pids.join(", ")
         ));
     }
-    Ok(())
+    Ok(matching)
 }
 
 async fn send_offer(socket: &UnixStream, msg: &[u8; OFFER_BYTES], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
@@ -321,10 +353,11 @@ mod tests {
         let nonce = l.nonce;
         let (from, to) = (me(0), me(1));
         let (accepted, offered) = tokio::join!(
-            l.accept(&from, |r| panic!("refused: {r}")),
+            l.accept(std::slice::from_ref(&from), |r| panic!("refused: {r}")),
             offer(&l.name, &to, 0, nonce, super::super::segment::MIN_CAPACITY)
         );
-        let (a, o) = (accepted.unwrap(), offered.unwrap());
+        let ((rank, a), o) = (accepted.unwrap(), offered.unwrap());
+        assert_eq!(rank, 0);
         let mut p = super::super::segment::Producer::new(o.segment);
         let mut c = super::super::segment::Consumer::new(a.segment, || {});
         assert_eq!(p.try_write(b"hello").unwrap(), 5);
@@ -349,7 +382,7 @@ mod tests {
             let mut reasons = Vec::new();
             let accept = tokio::time::timeout(
                 Duration::from_millis(500),
-                l.accept(&expected_from, |r| reasons.push(r)),
+                l.accept(std::slice::from_ref(&expected_from), |r| reasons.push(r)),
             );
             let (accepted, offered) = tokio::join!(accept, offer(&l.name, &to, rank, nonce, 1 << 16));
             assert!(accepted.is_err(), "case {i} attached");

@@ -203,12 +203,12 @@ mod tests {
         let l = ShmListener::bind(1, 1).unwrap();
         let (from, to) = (me(0), me(1));
         let (a, o) = tokio::join!(
-            l.accept(&from, |r| panic!("{r}")),
+            l.accept(std::slice::from_ref(&from), |r| panic!("{r}")),
             offer(&l.name, &to, 0, l.nonce, MIN_CAPACITY)
         );
         (
             ShmSender::new(o.unwrap()).unwrap(),
-            ShmReceiver::new(a.unwrap()).unwrap(),
+            ShmReceiver::new(a.unwrap().1).unwrap(),
         )
     }
 
