@@ -4,6 +4,10 @@
 //! on Ethernet's 1500-byte MTU, and on 9000-byte jumbo frames, where it also requires host 0's frames to
 //! average more than a standard Ethernet frame (QUIC's MTU discovery found the larger path).
 //!
+//! Then `bench/hosts/two_level.sh` puts two ranks in each of the two namespaces and requires that they form
+//! the two-level ring grouped by namespace, keep their replicas bit-identical every step (`--verify-every 1`)
+//! and train like one worker on the global batch within 1e-5.
+//!
 //! It needs root with the right to create network namespaces (a container has it only with `--privileged`
 //! or `--cap-add SYS_ADMIN --cap-add NET_ADMIN`) and iproute2 (`ip`, `tc`). Without either it skips with a
 //! notice, except under `CI=true`, where CI runs as root and a skip would hide the check. Both runs use the
@@ -14,12 +18,12 @@ mod common;
 use common::{is_root, run_repo_script};
 
 #[test]
-fn two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames() {
+fn two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames_and_run_the_two_level_ring() {
     let in_ci = std::env::var("CI").is_ok_and(|v| v == "true");
     if !is_root() {
         assert!(!in_ci, "CI=true but not root: the emulated hosts need root");
         eprintln!(
-            "SKIP two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames: needs root (network namespaces)"
+            "SKIP two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames_and_run_the_two_level_ring: needs root (network namespaces)"
         );
         return;
     }
@@ -30,7 +34,7 @@ fn two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames() {
         let unable = ["cannot create network namespace", "needs iproute2"];
         if !in_ci && unable.iter().any(|why| stderr.contains(why)) {
             eprintln!(
-                "SKIP two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames: {}",
+                "SKIP two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames_and_run_the_two_level_ring: {}",
                 stderr.trim()
             );
             return;
@@ -49,4 +53,16 @@ fn two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames() {
             "MTU {mtu}: the frame sizes were not reported"
         );
     }
+    let out = run_repo_script("bench/hosts/two_level.sh", &["6", "1gbit", "1", "tiny"], &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench/hosts/two_level.sh failed: {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("OK: the two-level ring grouped the ranks by namespace"),
+        "two_level.sh reported no result: {stdout}"
+    );
 }

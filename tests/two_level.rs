@@ -94,7 +94,11 @@ fn two_hosts(opts: &TrainOptions, until: u64, save: Option<&Path>) -> Vec<Run> {
                     let t = q.layout().expect("two hosts of two ranks run the two-level ring");
                     assert_eq!((t.host.len(), t.cross.len()), (2, 2));
                     // Each host's pair talks through shared memory, the pairs through QUIC.
-                    let want = if rank % 2 == 0 { ["quic", "shm"] } else { ["shm", "quic"] };
+                    let want = if rank % 2 == 0 {
+                        ["quic", "shm"]
+                    } else {
+                        ["shm", "quic"]
+                    };
                     assert_eq!(q.data_links(), want, "rank {rank}: [from the left, to the right]");
                     run_trainer(Box::new(q), opts, ModelSource::Fresh(model()), until, save)
                 })

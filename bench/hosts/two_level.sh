@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The two-level ring on 2 emulated hosts of 2 ranks each: each host is a network namespace holding two
+# ranks (`RANK` 2i and 2i+1), links shaped to RATE. Nothing tells the ranks which host they are on but their
+# network namespace, so the check also proves that ranks are grouped by namespace, not by the machine they
+# share. For each round it trains MODEL with `--collective flat` and with `--collective hierarchical`, and
+# one worker on the same global batch on loopback, then
+#   - requires the hierarchical run to say `two-level ring (2 hosts x 2 ranks)` and the flat one not to;
+#   - runs with `--verify-every 1`, so any replica that differs from the others fails the run;
+#   - requires the hierarchical losses within 1e-5 of the one worker's;
+#   - prints the median tokens/s of both runs (steps after the first WARMUP) and their ratio.
+# Exits 1 if a check fails. Needs root and iproute2.
+#
+#   bench/hosts/two_level.sh [STEPS] [RATE] [ROUNDS] [MODEL]    defaults: 6 steps, 1gbit, 1 round, tiny
+#   WARMUP=3 BATCH=4 SEQ=64 bench/hosts/two_level.sh 15 1gbit 3 small
+#
+# RINGTRAIN_BIN overrides the binary (default target/release/ringtrain).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+# shellcheck source=lib.sh
+. "$HERE/lib.sh"
+STEPS=${1:-6}
+RATE=${2:-1gbit}
+ROUNDS=${3:-1}
+MODEL=${4:-tiny}
+WARMUP=${WARMUP:-2}
+BATCH=${BATCH:-4}
+SEQ=${SEQ:-64}
+RT=${RINGTRAIN_BIN:-$ROOT/target/release/ringtrain}
+[ -x "$RT" ] || hosts_die "$RT not found: run 'cargo build --release' (or set RINGTRAIN_BIN)"
+for v in STEPS ROUNDS BATCH SEQ WARMUP; do
+  [[ ${!v} =~ ^[0-9]+$ ]] && ((${!v} >= 1)) || hosts_die "$v must be a positive integer, got '${!v}'"
+done
+((WARMUP < STEPS)) || hosts_die "WARMUP ($WARMUP) must be below STEPS ($STEPS)"
+
+WORK=$(mktemp -d /tmp/rt-hosts-two-level.XXXXXX)
+cleanup() {
+  hosts_down_if_owned
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+TRAIN=(train --model "$MODEL" --seq-len "$SEQ" --steps "$STEPS" --backend cpu --eval-batches 0)
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$WORK/secret"
+chmod 600 "$WORK/secret"
+
+hosts_up 2 "$RATE"
+port=29700
+for ((round = 1; round <= ROUNDS; round++)); do
+  for collective in flat hierarchical; do
+    port=$((port + 1))
+    echo "== round $round: --collective $collective, 2 hosts x 2 ranks at $RATE"
+    pids=()
+    for rank in 0 1 2 3; do
+      hosts_exec $((rank / 2)) env RANK=$rank WORLD_SIZE=4 LOCAL_RANK=$((rank % 2)) LOCAL_WORLD_SIZE=2 \
+        MASTER_ADDR="$(hosts_addr 0)" MASTER_PORT=$port \
+        "$RT" "${TRAIN[@]}" --threads 1 --batch-size "$BATCH" --collective "$collective" --verify-every 1 \
+        --secret-file "$WORK/secret" --metrics "$WORK/$collective.$round.jsonl" \
+        > "$WORK/$collective.$round.rank$rank.log" 2>&1 &
+      pids+=($!)
+    done
+    failed=0
+    for rank in 0 1 2 3; do
+      wait "${pids[$rank]}" || {
+        failed=1
+        echo "rank $rank failed; its log:" >&2
+        cat "$WORK/$collective.$round.rank$rank.log" >&2
+      }
+    done
+    ((failed == 0)) || exit 1
+    grep -h "ringtrain:" "$WORK/$collective.$round.rank0.log" | head -1
+  done
+  grep -q "two-level ring (2 hosts x 2 ranks)" "$WORK/hierarchical.$round.rank0.log" ||
+    hosts_die "--collective hierarchical did not run a two-level ring of 2 hosts x 2 ranks"
+  if grep -q "two-level ring" "$WORK/flat.$round.rank0.log"; then
+    hosts_die "--collective flat ran a two-level ring"
+  fi
+done
+
+echo "== one worker on the global batch (loopback)"
+"$RT" "${TRAIN[@]}" --threads 2 --batch-size $((4 * BATCH)) --metrics "$WORK/one.jsonl" > "$WORK/one.log" 2>&1 ||
+  { cat "$WORK/one.log" >&2; hosts_die "the one-worker run failed"; }
+
+python3 - "$WORK" "$ROUNDS" "$STEPS" "$WARMUP" "$RATE" "$MODEL" << 'EOF'
+import json, statistics, sys
+
+work, rounds, steps, warmup, rate, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip() and '"loss"' in line]
+
+one = records(f"{work}/one.jsonl")
+tps = {"flat": [], "hierarchical": []}
+bad = 0
+for r in range(1, rounds + 1):
+    for c in tps:
+        recs = records(f"{work}/{c}.{r}.jsonl")
+        if len(recs) != steps:
+            sys.exit(f"FAIL: {c} round {r}: {len(recs)} steps recorded, expected {steps}")
+        tps[c].append(statistics.median(x["tokens_per_s"] for x in recs[warmup:]))
+    for a, b in zip(records(f"{work}/hierarchical.{r}.jsonl"), one):
+        if abs(a["loss"] - b["loss"]) > 1e-5:
+            bad += 1
+            print(f"step {a['step']}: hierarchical loss {a['loss']} against one worker's {b['loss']}")
+flat, hier = statistics.median(tps["flat"]), statistics.median(tps["hierarchical"])
+print(f"{model} at {rate}, {rounds} round(s), median tokens/s of steps {warmup + 1}..{steps}:")
+print(f"  flat ring       {flat:10.0f}   per round {[round(x) for x in tps['flat']]}")
+print(f"  two-level ring  {hier:10.0f}   per round {[round(x) for x in tps['hierarchical']]}")
+print(f"  two-level / flat = {hier / flat:.2f}x")
+if bad:
+    sys.exit(f"FAIL: {bad} steps of the two-level run differ from one worker by more than 1e-5")
+print(f"OK: the two-level ring grouped the ranks by namespace, kept replicas identical and matched one worker within 1e-5")
+EOF
