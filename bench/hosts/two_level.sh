@@ -8,6 +8,8 @@
 #   - runs with `--verify-every 1`, so any replica that differs from the others fails the run;
 #   - requires the hierarchical losses within 1e-5 of the one worker's;
 #   - prints the median tokens/s of both runs (steps after the first WARMUP) and their ratio.
+# With ALLREDUCE=SIZES (e.g. 4KiB,64MiB) it also runs `ringtrain bench allreduce` on the same 4 ranks, flat
+# and hierarchical, and prints both tables.
 # Exits 1 if a check fails. Needs root and iproute2.
 #
 #   bench/hosts/two_level.sh [STEPS] [RATE] [ROUNDS] [MODEL]    defaults: 6 steps, 1gbit, 1 round, tiny
@@ -78,6 +80,25 @@ for ((round = 1; round <= ROUNDS; round++)); do
     hosts_die "--collective flat ran a two-level ring"
   fi
 done
+
+if [ -n "${ALLREDUCE:-}" ]; then
+  for collective in flat hierarchical; do
+    port=$((port + 1))
+    echo "== bench allreduce --size $ALLREDUCE --collective $collective, 2 hosts x 2 ranks at $RATE"
+    pids=()
+    for rank in 0 1 2 3; do
+      hosts_exec $((rank / 2)) env RINGTRAIN_BENCH_RANK=$rank MASTER_ADDR="$(hosts_addr 0)" MASTER_PORT=$port \
+        RINGTRAIN_SECRET="$(cat "$WORK/secret")" \
+        "$RT" bench allreduce --nproc 4 --size "$ALLREDUCE" --iters "${ITERS:-10}" --collective "$collective" \
+        > "$WORK/allreduce.$collective.rank$rank.log" 2>&1 &
+      pids+=($!)
+    done
+    for rank in 0 1 2 3; do
+      wait "${pids[$rank]}" || { cat "$WORK/allreduce.$collective.rank$rank.log" >&2; hosts_die "bench allreduce rank $rank failed"; }
+    done
+    grep -v "^[[:space:]]*$" "$WORK/allreduce.$collective.rank0.log" | grep -E "^#|^ " || true
+  done
+fi
 
 echo "== one worker on the global batch (loopback)"
 "$RT" "${TRAIN[@]}" --threads 2 --batch-size $((4 * BATCH)) --metrics "$WORK/one.jsonl" > "$WORK/one.log" 2>&1 ||

@@ -4,6 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use ringtrain::backend::factory::BackendChoice;
+use ringtrain::collective::CollectiveChoice;
 use ringtrain::data::BatchSplit;
 use ringtrain::metrics::read_metrics;
 use ringtrain::model::ModelConfig;
@@ -34,6 +35,10 @@ struct Cli {
     steps: u64,
     #[arg(long, default_value = "mem")]
     transport: String,
+    /// The flat ring or the two-level one over the --network's hosts (hosts-of), as the trainer's
+    /// --collective; only with --timing-only (the workers of a sim run share one host)
+    #[arg(long, value_enum, default_value_t = CollectiveChoice::Auto)]
+    collective: CollectiveChoice,
     /// delay, reorder, slow, drop, kill, nan, inf, flip (repeatable; --help lists their forms and outcomes)
     #[arg(long, long_help = FAULT_HELP)]
     fault: Vec<String>,
@@ -192,6 +197,7 @@ fn real_main() -> Result<ExitCode> {
         eval_every: 0,
         verify_every: 1,
         on_nonfinite,
+        collective: cli.collective,
         ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
     if cli.timing_only
@@ -201,6 +207,9 @@ fn real_main() -> Result<ExitCode> {
         || cli.allreduce_size.is_some()
     {
         return timing::run(&cli, &model, &options, &backends, speeds.as_deref());
+    }
+    if cli.collective == CollectiveChoice::Hierarchical {
+        bail!("--collective hierarchical needs --timing-only: the workers of a sim run share one host");
     }
     let mut fault_specs = cli.fault.clone();
     fault_specs.extend(speeds.iter().flat_map(|s| speed_faults(s)));

@@ -536,7 +536,13 @@ fn presets_price_ringtrains_own_path_not_nvlink() {
     }
     // gpt2's gradient (124,439,808 f32) all-reduced by the 8 ranks of one node: each rank sends
     // 2 × 7/8 of 498 MB through shared memory, at least 183 ms of copying at the measured cost.
-    let secs = predict_all_reduce(&dgx, 8, 124_439_808, ringtrain::collective::ring::DEFAULT_SUB_CHUNK);
+    let secs = predict_all_reduce(
+        &dgx,
+        ringtrain_sim::netmodel::Layout::Flat,
+        8,
+        124_439_808,
+        ringtrain::collective::ring::DEFAULT_SUB_CHUNK,
+    );
     assert!(secs > 0.15, "dgx all-reduce of gpt2 predicted in {:.1} ms", secs * 1e3);
     let with_intra = Network::parse(
         "latency=20us,bandwidth=10Gbit,cpu-per-byte=1ns,hosts-of=2,intra-latency=1us,intra-bandwidth=100GB,\
@@ -546,4 +552,45 @@ fn presets_price_ringtrains_own_path_not_nvlink() {
     assert!((with_intra.hop(0, 4).cpu_s_per_byte - 0.2e-9).abs() < 1e-15);
     assert!((with_intra.hop(1, 4).cpu_s_per_byte - 1e-9).abs() < 1e-15);
     assert!(Network::parse("latency=1us,bandwidth=1GB,intra-cpu-per-byte=1ns").is_err());
+}
+
+#[test]
+fn the_two_level_ring_spares_the_network_as_its_byte_count_says() {
+    use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
+    use ringtrain::collective::CollectiveChoice;
+    use ringtrain_sim::netmodel::{predict_all_reduce, Layout};
+    // 2 hosts of 4 ranks; the hosts' link is 1000x slower than shared memory, with no CPU cost, so the
+    // network's bytes decide: 2(N-1)/N = 1.75 of the buffer through one link on the flat ring, 2(H-1)/H = 1
+    // through each host's link (shared by its 4 cross rings) on two levels.
+    let net = Network::parse(
+        "latency=1us,bandwidth=1Gbit,hosts-of=4,intra-latency=1us,intra-bandwidth=1000Gbit,intra-cpu-per-byte=0ns",
+    )
+    .unwrap();
+    let two = Layout::resolve(CollectiveChoice::Auto, &net, 8).unwrap();
+    assert_eq!(two, Layout::TwoLevel { per_host: 4 });
+    let elems = 16 << 20;
+    let flat_s = predict_all_reduce(&net, Layout::Flat, 8, elems, DEFAULT_SUB_CHUNK);
+    let two_s = predict_all_reduce(&net, two, 8, elems, DEFAULT_SUB_CHUNK);
+    let wire_s = (elems * 4) as f64 / 125e6;
+    assert!(
+        (flat_s / wire_s - 1.75).abs() < 0.05,
+        "flat {flat_s} s, wire {wire_s} s"
+    );
+    assert!(
+        (two_s / wire_s - 1.0).abs() < 0.05,
+        "two-level {two_s} s, wire {wire_s} s"
+    );
+    // What rank 0 of the trainer would refuse, the model refuses; auto falls back to the flat ring.
+    for (net, world) in [
+        (net.clone(), 4),
+        (net.clone(), 6),
+        (Network::preset("10gbe").unwrap(), 8),
+    ] {
+        assert_eq!(
+            Layout::resolve(CollectiveChoice::Auto, &net, world).unwrap(),
+            Layout::Flat
+        );
+        let e = Layout::resolve(CollectiveChoice::Hierarchical, &net, world).unwrap_err();
+        assert!(e.contains("--collective hierarchical"), "{e}");
+    }
 }

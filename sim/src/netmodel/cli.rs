@@ -8,16 +8,23 @@ use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
 use ringtrain::data::BatchSplit;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{bucket_elems, TrainOptions};
-use ringtrain_sim::netmodel::{auto_shares, predict_all_reduce, predict_split, ComputeProfile, Network};
+use ringtrain_sim::netmodel::{auto_shares, predict_all_reduce, predict_split, ComputeProfile, Layout, Network};
 use std::process::ExitCode;
 
 /// `--allreduce-size`: one predicted f32 all-reduce per size, in `bench allreduce`'s units.
-fn predict_all_reduces(net: &Network, workers: usize, sizes: &str) -> Result<ExitCode> {
+fn predict_all_reduces(net: &Network, layout: Layout, workers: usize, sizes: &str) -> Result<ExitCode> {
     let sizes = ringtrain::collective::bench::parse_sizes(sizes).map_err(anyhow::Error::msg)?;
-    println!("network {} | {workers} ranks | all-reduce (f32), predicted", net.name);
+    let ring = match layout {
+        Layout::Flat => "flat ring".to_string(),
+        Layout::TwoLevel { per_host } => format!("two-level ring ({} hosts x {per_host} ranks)", workers / per_host),
+    };
+    println!(
+        "network {} | {workers} ranks, {ring} | all-reduce (f32), predicted",
+        net.name
+    );
     println!("{:>12} {:>12} {:>12}", "bytes", "time(us)", "busbw(GB/s)");
     for bytes in sizes {
-        let secs = predict_all_reduce(net, workers, bytes / 4, DEFAULT_SUB_CHUNK);
+        let secs = predict_all_reduce(net, layout, workers, bytes / 4, DEFAULT_SUB_CHUNK);
         let busbw = match workers {
             1 => 0.0,
             n => (bytes / 4 * 4) as f64 / secs / 1e9 * 2.0 * (n - 1) as f64 / n as f64,
@@ -48,7 +55,8 @@ pub fn run(
     }
     let net = Network::parse(spec)?;
     if let Some(sizes) = &cli.allreduce_size {
-        return predict_all_reduces(&net, cli.workers, sizes);
+        let layout = Layout::resolve(options.collective, &net, cli.workers).map_err(anyhow::Error::msg)?;
+        return predict_all_reduces(&net, layout, cli.workers, sizes);
     }
     let mut options = options.clone();
     if let Some(mb) = cli.bucket_mb {

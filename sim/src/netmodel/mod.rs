@@ -18,6 +18,7 @@ pub mod schedule;
 use anyhow::{bail, Result};
 pub use network::Network;
 pub use profile::ComputeProfile;
+pub use ring::Layout;
 use ringtrain::data::BatchPlan;
 use ringtrain::model::{ModelConfig, ParamLayout};
 use ringtrain::trainer::auto_split::best_split;
@@ -25,17 +26,18 @@ use ringtrain::trainer::buckets::BucketPlan;
 use ringtrain::trainer::TrainOptions;
 pub use schedule::StepPrediction;
 
-/// Seconds one f32 all-reduce of `elems` values takes over `world` ranks that all start it together, as
-/// `ringtrain bench allreduce` times it: the ring's messages in virtual time, and with `shared-cores` no
-/// sooner than the machine's CPU work (every rank's CPU per byte sent) over its cores.
-pub fn predict_all_reduce(net: &Network, world: usize, elems: usize, sub_chunk: usize) -> f64 {
+/// Seconds one f32 all-reduce of `elems` values takes over `world` ranks arranged as `layout` that all
+/// start it together, as `ringtrain bench allreduce` times it: the rings' messages in virtual time, and
+/// with `shared-cores` no sooner than the machine's CPU work (every rank's CPU per byte sent) over its
+/// cores.
+pub fn predict_all_reduce(net: &Network, layout: Layout, world: usize, elems: usize, sub_chunk: usize) -> f64 {
     let shape = ring::RingShape {
         kind: ring::RingKind::AllReduce,
         elems,
         elem_bytes: 4,
         sub_chunk,
     };
-    let done = ring::simulate(net, &shape, &vec![0.0; world]);
+    let done = ring::simulate_layout(net, layout, &shape, &vec![0.0; world]);
     let ring_s = done.iter().copied().fold(0.0, f64::max);
     let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
         let per_machine = net.ranks_per_machine(world);
@@ -45,6 +47,10 @@ pub fn predict_all_reduce(net: &Network, world: usize, elems: usize, sub_chunk: 
                 sent as f64 * net.rank_cpu_per_byte(r, world)
             })
             .fold(0.0, f64::max);
+        let busiest = match layout {
+            ring::Layout::Flat => busiest,
+            two => two.send_cpu_s(&shape, world, net),
+        };
         per_machine as f64 * busiest / cores as f64
     });
     ring_s.max(cpu_floor_s)
@@ -107,6 +113,7 @@ pub fn predict_split(
         loads,
         sub_chunk,
         tokens_per_step: batch.global * options.seq_len,
+        layout: Layout::resolve(options.collective, net, workers).map_err(anyhow::Error::msg)?,
     };
     Ok(schedule::predict(net, &plan, profile))
 }

@@ -23,7 +23,7 @@
 //! `2·N² + 2·S/sub_chunk`: 2 M steps for N = 1024.
 
 use super::network::{Link, Network};
-use ringtrain::collective::chunk_range;
+use ringtrain::collective::{chunk_range, CollectiveChoice};
 
 /// Which collective.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,6 +160,121 @@ pub fn simulate(net: &Network, shape: &RingShape, start: &[f64]) -> Vec<f64> {
             last_arrival.max(link_free[rank])
         })
         .collect()
+}
+
+/// How a job's collectives are arranged: one ring through every rank, or the trainer's two-level ring over
+/// hosts of `per_host` consecutive ranks (`ringtrain::collective::two_level`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    Flat,
+    TwoLevel { per_host: usize },
+}
+
+impl Layout {
+    /// What the trainer's rank 0 would resolve `choice` to for `world` ranks on `net`: the two-level ring
+    /// needs a two-tier fabric with at least 2 ranks per host and at least 2 whole hosts.
+    pub fn resolve(choice: CollectiveChoice, net: &Network, world: usize) -> Result<Layout, String> {
+        let fits = match net.intra {
+            Some((per_host, _)) if per_host < 2 => Err(format!("hosts of {per_host} rank")),
+            Some((per_host, _)) if !world.is_multiple_of(per_host) => {
+                Err(format!("{world} ranks do not fill hosts of {per_host}"))
+            }
+            Some((per_host, _)) if world / per_host < 2 => Err(format!("all {world} ranks share one host")),
+            Some((per_host, _)) => Ok(Layout::TwoLevel { per_host }),
+            None => Err("the network has one tier (no hosts-of)".to_string()),
+        };
+        match (choice, fits) {
+            (CollectiveChoice::Flat, _) | (CollectiveChoice::Auto, Err(_)) => Ok(Layout::Flat),
+            (_, Ok(layout)) => Ok(layout),
+            (CollectiveChoice::Hierarchical, Err(why)) => Err(format!(
+                "--collective hierarchical needs several hosts of equal size: {why}"
+            )),
+        }
+    }
+
+    /// CPU seconds one rank spends sending its part of `shape` on `world` ranks (even chunks): on the flat
+    /// ring every byte at rank 0's hop's price; on two levels the host rings' bytes at the intra-host
+    /// link's and the cross ring's at the inter-host link's (`rank-cpu-per-byte`, when given, prices both).
+    pub fn send_cpu_s(&self, shape: &RingShape, world: usize, net: &Network) -> f64 {
+        let bytes = (shape.elems * shape.elem_bytes) as f64;
+        let ring = |n: usize, bytes: f64| shape.phases(n) as f64 * bytes / n as f64;
+        match *self {
+            Layout::Flat => ring(world, bytes) * net.rank_cpu_per_byte(0, world),
+            Layout::TwoLevel { per_host } => {
+                let hosts = world / per_host;
+                let price = |link: Link| net.rank_cpu_s_per_byte.unwrap_or(link.cpu_s_per_byte);
+                let intra = net.intra.map_or(net.inter, |(_, link)| link);
+                // An all-reduce's host reduce-scatter and all-gather together send what a host all-reduce does.
+                ring(per_host, bytes) * price(intra) + ring(hosts, bytes / per_host as f64) * price(net.inter)
+            }
+        }
+    }
+}
+
+/// Runs `shape` over `start.len()` ranks arranged as `layout`; returns when each rank is done with it.
+pub fn simulate_layout(net: &Network, layout: Layout, shape: &RingShape, start: &[f64]) -> Vec<f64> {
+    match layout {
+        Layout::Flat => simulate(net, shape, start),
+        Layout::TwoLevel { per_host } => simulate_two_level(net, per_host, shape, start),
+    }
+}
+
+/// The two-level schedule: a ring per host over the intra-host link, then a ring per local index over the
+/// inter-host link for its host chunk, then the host rings again. The `per_host` cross rings of a host run
+/// at once and share its network link, so each gets `1 / per_host` of its bandwidth; latency and the CPU
+/// per byte are each rank's own.
+fn simulate_two_level(net: &Network, per_host: usize, shape: &RingShape, start: &[f64]) -> Vec<f64> {
+    let world = start.len();
+    let hosts = world / per_host;
+    let intra = net.intra.map_or(net.inter, |(_, link)| link);
+    let host_net = Network::uniform("host ring", intra);
+    let cross_net = Network::uniform(
+        "cross ring",
+        Link {
+            bandwidth_bytes_per_s: net.inter.bandwidth_bytes_per_s / per_host as f64,
+            ..net.inter
+        },
+    );
+    let mut t = start.to_vec();
+    // One level: the rings of `members(g)` for every group g, each over `elems(g)` elements.
+    let mut level = |net: &Network,
+                     kind: RingKind,
+                     groups: usize,
+                     members: &dyn Fn(usize) -> Vec<usize>,
+                     elems: &dyn Fn(usize) -> usize| {
+        for g in 0..groups {
+            let ranks = members(g);
+            let begin: Vec<f64> = ranks.iter().map(|&r| t[r]).collect();
+            let sub = RingShape {
+                kind,
+                elems: elems(g),
+                ..*shape
+            };
+            for (r, done) in ranks.iter().zip(simulate(net, &sub, &begin)) {
+                t[*r] = done;
+            }
+        }
+    };
+    let host = |h: usize| (h * per_host..(h + 1) * per_host).collect::<Vec<_>>();
+    let cross = |l: usize| (0..hosts).map(|h| h * per_host + l).collect::<Vec<_>>();
+    let whole = |_: usize| shape.elems;
+    let part = |l: usize| chunk_range(shape.elems, per_host, l).len();
+    match shape.kind {
+        RingKind::AllReduce => {
+            level(&host_net, RingKind::ReduceScatter, hosts, &host, &whole);
+            level(&cross_net, RingKind::AllReduce, per_host, &cross, &part);
+            level(&host_net, RingKind::AllGather, hosts, &host, &whole);
+        }
+        RingKind::ReduceScatter => {
+            level(&host_net, RingKind::ReduceScatter, hosts, &host, &whole);
+            level(&cross_net, RingKind::ReduceScatter, per_host, &cross, &part);
+        }
+        RingKind::AllGather => {
+            level(&cross_net, RingKind::AllGather, per_host, &cross, &part);
+            level(&host_net, RingKind::AllGather, hosts, &host, &whole);
+        }
+    }
+    t
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@
 
 use super::network::Network;
 use super::profile::ComputeProfile;
-use super::ring::{simulate, RingKind, RingShape};
+use super::ring::{simulate_layout, Layout, RingKind, RingShape};
 use ringtrain::trainer::UpdateMode;
 use std::ops::Range;
 
@@ -43,10 +43,12 @@ pub struct StepPlan {
     pub sub_chunk: usize,
     /// Tokens of the whole job per step (the global batch × sequence length).
     pub tokens_per_step: usize,
+    /// The flat ring or the two-level one.
+    pub layout: Layout,
 }
 
 impl StepPlan {
-    /// Every rank at the profile's speed running `grad_accum` micro-batches of `tokens_per_micro_batch`
+    /// Every rank at the profile's speed on the flat ring, running `grad_accum` micro-batches of `tokens_per_micro_batch`
     /// tokens, the profiled size.
     pub fn equal(
         buckets: Vec<Range<usize>>,
@@ -63,6 +65,7 @@ impl StepPlan {
             loads: vec![vec![1.0; grad_accum.max(1)]; world],
             sub_chunk,
             tokens_per_step: world * grad_accum.max(1) * tokens_per_micro_batch,
+            layout: Layout::Flat,
         }
     }
 }
@@ -106,8 +109,8 @@ struct Cluster {
     comm_free: Vec<f64>,
     /// Sharded: parameter gathers in flight, in forward order: (bucket, when each rank has it).
     gathers: Vec<(Range<usize>, Vec<f64>)>,
-    /// Bytes one rank has sent in this step's collectives (even chunks assumed).
-    sent_bytes: f64,
+    /// CPU seconds one rank has spent sending in this step's collectives (even chunks assumed).
+    send_cpu_s: f64,
 }
 
 impl Cluster {
@@ -116,7 +119,7 @@ impl Cluster {
             now: vec![0.0; world],
             comm_free: vec![0.0; world],
             gathers: Vec::new(),
-            sent_bytes: 0.0,
+            send_cpu_s: 0.0,
         }
     }
 
@@ -139,15 +142,15 @@ impl Cluster {
             sub_chunk: plan.sub_chunk,
         };
         let world = ready.len();
-        self.sent_bytes += (shape.phases(world) * elems * elem_bytes) as f64 / world as f64;
-        self.comm_free = simulate(net, &shape, &start);
+        self.send_cpu_s += plan.layout.send_cpu_s(&shape, world, net);
+        self.comm_free = simulate_layout(net, plan.layout, &shape, &start);
         self.comm_free[0] - start[0]
     }
 
     fn step(&mut self, net: &Network, plan: &StepPlan, profile: &ComputeProfile) -> StepPrediction {
         let world = plan.world;
         let starts = self.now.clone();
-        self.sent_bytes = 0.0;
+        self.send_cpu_s = 0.0;
         let machine_ranks = net.ranks_per_machine(world) as f64;
         // Shared cores: how much longer each compute segment takes (see the module doc).
         let stretch = net.compute_slowdown(world);
@@ -213,9 +216,8 @@ impl Cluster {
         let compute_cpu_s = plan.loads[0].iter().sum::<f64>() * pass_s + update_cpu_s;
         let mean_cpu_s = plan.loads.iter().flatten().sum::<f64>() / world as f64 * pass_s + update_cpu_s;
         let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
-            // Rank 0's outgoing hop stands for every rank's (they differ only on two-tier fabrics).
-            let comm_cpu_s = self.sent_bytes * net.rank_cpu_per_byte(0, world);
-            machine_ranks * (mean_cpu_s + comm_cpu_s) / cores as f64
+            // Rank 0's sends stand for every rank's (on a flat ring over a two-tier fabric they differ).
+            machine_ranks * (mean_cpu_s + self.send_cpu_s) / cores as f64
         });
         // Rank 0's step before the bound, less its compute: the communication it waited for.
         let exposed_s = (t[0] - starts[0] - compute_cpu_s * stretch).max(0.0);
