@@ -242,42 +242,20 @@ pub fn run_two_level(
     let host_chunk = chunk_range(buf.len(), t.host.len(), t.host_pos);
     let n = t.world;
     match op {
-        RingOp::AllReduce(reduce) => {
-            run_on(
-                comm,
-                SubRing::Host,
-                RingOp::ReduceScatter(Reduce::Sum),
-                buf,
-                sub_chunk,
-                n,
-            )?;
-            run_on(
-                comm,
-                SubRing::Cross,
-                RingOp::AllReduce(reduce),
-                &mut buf[host_chunk],
-                sub_chunk,
-                n,
-            )?;
-            run_on(comm, SubRing::Host, RingOp::AllGather, buf, sub_chunk, n)
-        }
-        RingOp::ReduceScatter(reduce) => {
-            run_on(
-                comm,
-                SubRing::Host,
-                RingOp::ReduceScatter(Reduce::Sum),
-                buf,
-                sub_chunk,
-                n,
-            )?;
-            run_on(
-                comm,
-                SubRing::Cross,
-                RingOp::ReduceScatter(reduce),
-                &mut buf[host_chunk],
-                sub_chunk,
-                n,
-            )
+        RingOp::AllReduce(reduce) | RingOp::ReduceScatter(reduce) => {
+            let sum = RingOp::ReduceScatter(Reduce::Sum);
+            run_on(comm, SubRing::Host, sum, buf, sub_chunk, n)?;
+            let all = matches!(op, RingOp::AllReduce(_));
+            let cross = if all {
+                RingOp::AllReduce(reduce)
+            } else {
+                RingOp::ReduceScatter(reduce)
+            };
+            run_on(comm, SubRing::Cross, cross, &mut buf[host_chunk], sub_chunk, n)?;
+            if all {
+                run_on(comm, SubRing::Host, RingOp::AllGather, buf, sub_chunk, n)?;
+            }
+            Ok(())
         }
         RingOp::AllGather => {
             run_on(

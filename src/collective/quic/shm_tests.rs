@@ -2,14 +2,14 @@
 //! identity, a dead local rank named, and `--transport shm` refused where it cannot hold.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::transport_tests::{master_socket, run_ranks};
+use super::transport_tests::{all_reduce_thrice, master_socket, run_ranks};
 
 use crate::collective::mem::{run_cluster, MemOptions};
 use crate::collective::quic::QuicConfig;
 use crate::collective::shm::LinkTransport;
-use crate::collective::{Collective, CollectiveError};
+use crate::collective::Collective;
 use crate::fault_plan::FaultPlan;
 
 fn input(r: usize, len: usize) -> Vec<f32> {
@@ -174,16 +174,8 @@ fn a_dead_local_rank_is_named_by_the_others_within_the_deadline() {
             .collect();
         let plan = FaultPlan::parse(&[format!("drop={dead}:30")]).unwrap();
         let res = run_ranks(cfgs, sock, |c| {
-            c.inject_faults(&plan).unwrap();
-            let t = Instant::now();
-            let mut b = input(c.rank(), 40_000);
-            let r = (|| {
-                for _ in 0..3 {
-                    c.all_reduce_mean(&mut b)?;
-                }
-                Ok::<_, CollectiveError>(())
-            })();
-            (r, t.elapsed(), c.data_links())
+            let (r, took) = all_reduce_thrice(c, &plan, input(c.rank(), 40_000));
+            (r, took, c.data_links())
         });
         for (r, out) in res.into_iter().enumerate() {
             let (out, took, links) = out.expect("the ring formed");

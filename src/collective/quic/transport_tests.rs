@@ -33,6 +33,24 @@ pub(super) fn master_socket() -> (UdpSocket, SocketAddr) {
     (s, a)
 }
 
+/// Applies the faults of `plan` to `c`, then all-reduces `buf` three times; returns how that ended and how
+/// long it took (the dead-rank tests).
+pub(super) fn all_reduce_thrice(
+    c: &mut QuicCollective,
+    plan: &FaultPlan,
+    mut buf: Vec<f32>,
+) -> (Result<(), CollectiveError>, Duration) {
+    c.inject_faults(plan).unwrap();
+    let t = Instant::now();
+    let r = (|| {
+        for _ in 0..3 {
+            c.all_reduce_mean(&mut buf)?;
+        }
+        Ok(())
+    })();
+    (r, t.elapsed())
+}
+
 /// Runs `f` on every rank (configs from `cfgs`), each in its own thread.
 pub(super) fn run_ranks<T: Send>(
     cfgs: Vec<QuicConfig>,
@@ -215,17 +233,9 @@ fn dead_rank_is_named_within_deadline() {
         let plan = FaultPlan::parse(&[format!("drop={dead}:30")]).unwrap();
         let t0 = Instant::now();
         let res = run_ranks(cfgs, sock, |c| {
-            c.inject_faults(&plan).unwrap();
-            let t1 = Instant::now();
-            let mut b = input(c.rank(), 4099);
-            let r = (|| {
-                for _ in 0..3 {
-                    c.all_reduce_mean(&mut b)?;
-                }
-                Ok::<_, CollectiveError>(())
-            })();
-            eprintln!("rank {} after {:?}: {r:?}", c.rank(), t1.elapsed());
-            (r, t1.elapsed())
+            let (r, took) = all_reduce_thrice(c, &plan, input(c.rank(), 4099));
+            eprintln!("rank {} after {took:?}: {r:?}", c.rank());
+            (r, took)
         });
         eprintln!("all ranks gone after {:?}", t0.elapsed());
         for (r, out) in res.into_iter().enumerate() {

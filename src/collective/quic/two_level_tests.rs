@@ -2,9 +2,9 @@
 //! the ownership map tiles the buffer, the layout is rank 0's, and a dead rank is named.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::transport_tests::{master_socket, run_ranks};
+use super::transport_tests::{all_reduce_thrice, master_socket, run_ranks};
 use crate::collective::quic::QuicConfig;
 use crate::collective::shm::LinkTransport;
 use crate::collective::{Collective, CollectiveChoice, CollectiveError};
@@ -178,18 +178,7 @@ fn a_dead_rank_of_a_two_level_ring_is_named_within_the_deadline() {
             })
             .collect();
         let plan = FaultPlan::parse(&[format!("drop={dead}:20")]).unwrap();
-        let res = run_ranks(cfgs, sock, |c| {
-            c.inject_faults(&plan).unwrap();
-            let t = Instant::now();
-            let mut b = input(c.rank(), 40_000);
-            let r = (|| {
-                for _ in 0..3 {
-                    c.all_reduce_mean(&mut b)?;
-                }
-                Ok::<_, CollectiveError>(())
-            })();
-            (r, t.elapsed())
-        });
+        let res = run_ranks(cfgs, sock, |c| all_reduce_thrice(c, &plan, input(c.rank(), 40_000)));
         for (r, out) in res.into_iter().enumerate() {
             // A rank still forming its links when the dead one went is told of the death by rank 0.
             let (e, took) = match out {
