@@ -4,6 +4,9 @@
 //! update modes and with overlap on and off, and a sharded checkpoint of the two-level run resumes on a
 //! flat ring of another size (the moments are gathered and re-cut).
 
+mod common;
+
+use common::{assert_trains_like, Run};
 use std::net::UdpSocket;
 use std::path::Path;
 use std::time::Duration;
@@ -40,9 +43,6 @@ fn options(batch_size: usize, update: UpdateMode, overlap: bool) -> TrainOptions
         ..TrainOptions::for_model(&model()).with_steps(STEPS)
     }
 }
-
-/// Per step: the agreed loss and the replica's fingerprint.
-type Run = Vec<(f64, String)>;
 
 fn run_trainer(
     comm: Box<dyn Collective>,
@@ -125,19 +125,7 @@ fn two_hosts_of_two_ranks_train_like_one_worker_with_identical_replicas() {
         for overlap in [true, false] {
             let what = format!("{update:?} overlap {overlap}");
             let ranks = two_hosts(&options(4, update, overlap), STEPS, None);
-            for (rank, run) in ranks.iter().enumerate() {
-                assert_eq!(run.len(), reference.len(), "{what}");
-                for (step, ((loss, hash), (want, _))) in run.iter().zip(&reference).enumerate() {
-                    assert_eq!(
-                        hash, &ranks[0][step].1,
-                        "{what}: rank {rank}'s replica differs at step {step}"
-                    );
-                    assert!(
-                        (loss - want).abs() <= 1e-5,
-                        "{what}: step {step}: loss {loss} against one worker's {want}"
-                    );
-                }
-            }
+            assert_trains_like(&ranks, &reference, &what);
         }
     }
 }

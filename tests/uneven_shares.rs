@@ -3,6 +3,9 @@
 //! after every step, the split really changes the partition, and a resume across a change of split and
 //! world size continues the data exactly.
 
+mod common;
+
+use common::{assert_trains_like, Run};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::collective::Collective;
@@ -41,9 +44,6 @@ fn options(
         ..TrainOptions::for_model(&model()).with_steps(STEPS)
     }
 }
-
-/// Per step: the agreed loss and the replica's fingerprint.
-type Run = Vec<(f64, String)>;
 
 /// Trains `per_rank.len()` ranks (each with its own options) from `source` up to step `until`, saving at
 /// the end when `save` is given; returns each rank's run.
@@ -88,23 +88,6 @@ fn one_worker(global: usize, update: UpdateMode) -> Run {
     train(&[options(global, 1, None, "even", update)], &fresh, STEPS, None).remove(0)
 }
 
-/// Every rank's replica is the same after every step, and the losses follow `reference` within 1e-5.
-fn assert_like(ranks: &[Run], reference: &Run, what: &str) {
-    for (rank, run) in ranks.iter().enumerate() {
-        assert_eq!(run.len(), reference.len(), "{what}");
-        for (step, ((loss, hash), (want, _))) in run.iter().zip(reference).enumerate() {
-            assert_eq!(
-                hash, &ranks[0][step].1,
-                "{what}: rank {rank}'s replica differs at step {step}"
-            );
-            assert!(
-                (loss - want).abs() <= 1e-5,
-                "{what}: step {step}: loss {loss} against one worker's {want}"
-            );
-        }
-    }
-}
-
 #[test]
 fn uneven_weights_train_like_one_worker_on_the_global_batch() {
     for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
@@ -119,7 +102,7 @@ fn uneven_weights_train_like_one_worker_on_the_global_batch() {
             let what = format!("{update:?} 3,1 grad-accum {k} overlap {overlap}");
             let uneven = train(&per_rank, &fresh, STEPS, None);
             let global = 2 * 4 * k;
-            assert_like(&uneven, &one_worker(global, update), &what);
+            assert_trains_like(&uneven, &one_worker(global, update), &what);
             // The split changed the partition: the even run ends elsewhere.
             let even: Vec<TrainOptions> = (0..2).map(|_| options(4, k, None, "even", update)).collect();
             let even = train(&even, &fresh, STEPS, None);
@@ -132,7 +115,7 @@ fn uneven_weights_train_like_one_worker_on_the_global_batch() {
             options(1, 1, Some(16), "5,2,1", update),
         ];
         let uneven = train(&per_rank, &fresh, STEPS, None);
-        assert_like(&uneven, &one_worker(16, update), &format!("{update:?} 5,2,1"));
+        assert_trains_like(&uneven, &one_worker(16, update), &format!("{update:?} 5,2,1"));
     }
 }
 
@@ -143,7 +126,7 @@ fn an_even_split_with_a_remainder_covers_the_global_batch() {
         .map(|_| options(2, 1, Some(7), "even", UpdateMode::Sharded))
         .collect();
     let ranks = train(&per_rank, &fresh, STEPS, None);
-    assert_like(&ranks, &one_worker(7, UpdateMode::Sharded), "even 4+3");
+    assert_trains_like(&ranks, &one_worker(7, UpdateMode::Sharded), "even 4+3");
 }
 
 #[test]
@@ -160,8 +143,8 @@ fn a_resume_across_another_split_and_world_continues_the_data() {
     let resume = || ModelSource::Resume(ckpt.clone());
     let second = train(&three, &resume, STEPS, None);
     let joined: Vec<Run> = vec![first[0].iter().chain(&second[0]).cloned().collect()];
-    assert_like(&joined, &reference, "3,1 on 2 ranks, then even on 3");
-    assert_like(&second, &reference[2..].to_vec(), "the 3 resumed ranks");
+    assert_trains_like(&joined, &reference, "3,1 on 2 ranks, then even on 3");
+    assert_trains_like(&second, &reference[2..].to_vec(), "the 3 resumed ranks");
 
     // A resume whose global batch does not divide the data cursor is refused, naming the one to pass.
     let other = options(5, 1, None, "even", update);

@@ -77,3 +77,24 @@ pub fn run_repo_script(script: &str, args: &[&str], env: &[(&str, &str)]) -> Out
     eprintln!("{script} took {:.1} s", started.elapsed().as_secs_f64());
     out
 }
+
+/// Per step of one rank: the agreed loss and the replica's fingerprint.
+pub type Run = Vec<(f64, String)>;
+
+/// Every rank's replica is the same after every step, and the losses follow `reference` (one worker on the
+/// same global batch) within 1e-5.
+pub fn assert_trains_like(ranks: &[Run], reference: &Run, what: &str) {
+    for (rank, run) in ranks.iter().enumerate() {
+        assert_eq!(run.len(), reference.len(), "{what}");
+        for (step, ((loss, hash), (want, _))) in run.iter().zip(reference).enumerate() {
+            assert_eq!(
+                hash, &ranks[0][step].1,
+                "{what}: rank {rank}'s replica differs at step {step}"
+            );
+            assert!(
+                (loss - want).abs() <= 1e-5,
+                "{what}: step {step}: loss {loss} against one worker's {want}"
+            );
+        }
+    }
+}
