@@ -156,3 +156,17 @@ fn a_sharded_two_level_checkpoint_resumes_on_one_worker() {
         );
     }
 }
+
+#[test]
+fn options_that_name_another_ring_than_the_collective_runs_are_refused() {
+    use ringtrain::collective::mem::{mem_cluster, MemOptions};
+    let comm = mem_cluster(2, MemOptions::default()).pop().unwrap();
+    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+    let opts = options(4, UpdateMode::Sharded, true);
+    let e = Trainer::new(be, ModelSource::Fresh(model()), data, opts, Box::new(comm))
+        .err()
+        .expect("the in-memory ring is flat")
+        .to_string();
+    assert!(e.contains("--collective hierarchical"), "{e}");
+}

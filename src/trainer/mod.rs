@@ -14,7 +14,7 @@
 
 use crate::backend::Backend;
 use crate::collective::comm_thread::CommThread;
-use crate::collective::{Collective, Owner};
+use crate::collective::{Collective, CollectiveChoice, Owner};
 use crate::data::{eval_windows, fill_batch, BatchPlan, DataSplits, TokenStream, WindowSampler};
 use crate::metrics::StepMetrics;
 use crate::model::checkpoint::{self, TrainerState};
@@ -222,6 +222,18 @@ impl<B: Backend> Trainer<B> {
     ) -> Result<Self> {
         let ReadModel { config, params, resume } = source.read(opts.seed)?;
         opts.validate(&config, comm.world())?;
+        // The transport applies `--collective` when it joins; a collective that runs another ring than the
+        // options name would train with other bits than the job hash promises.
+        match (opts.collective, comm.two_level().is_some()) {
+            (CollectiveChoice::Hierarchical, false) => bail!(
+                "the options ask for the two-level ring (--collective hierarchical), but this collective runs the \
+                 flat ring (a single process, or a transport without two levels)"
+            ),
+            (CollectiveChoice::Flat, true) => {
+                bail!("the options ask for the flat ring (--collective flat), but this collective runs two levels")
+            }
+            _ => {}
+        }
         data.train.validate_vocab(config.vocab_size)?;
         if let Some(val) = &data.val {
             val.validate_vocab(config.vocab_size)?;
