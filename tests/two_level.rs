@@ -111,7 +111,10 @@ fn two_hosts(opts: &TrainOptions, until: u64, save: Option<&Path>) -> Vec<Run> {
 fn one_worker(update: UpdateMode) -> Run {
     run_trainer(
         single_rank(),
-        options(4 * HOSTS.len(), update, true),
+        TrainOptions {
+            collective: CollectiveChoice::Flat,
+            ..options(4 * HOSTS.len(), update, true)
+        },
         ModelSource::Fresh(model()),
         STEPS,
         None,
