@@ -261,7 +261,7 @@ fn links_note(links: Option<[&str; 2]>) -> String {
 /// `, two-level ring (2 hosts x 2 ranks)` when the job runs one; nothing on the flat ring.
 fn layout_note(two_level: Option<&TwoLevel>) -> String {
     match two_level {
-        Some(t) => format!(", two-level ring ({} hosts x {} ranks)", t.cross.len(), t.host.len()),
+        Some(t) => format!(", {t}"),
         None => String::new(),
     }
 }

@@ -121,11 +121,7 @@ pub fn run_rank(
 fn what_ran(q: &QuicCollective) -> String {
     let links = path_name(q.data_links());
     match q.layout() {
-        Some(t) => format!(
-            "{links}, two-level ring ({} hosts x {} ranks)",
-            t.cross.len(),
-            t.host.len()
-        ),
+        Some(t) => format!("{links}, {t}"),
         None => links.to_string(),
     }
 }

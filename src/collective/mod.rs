@@ -106,10 +106,7 @@ pub trait Collective: Send {
     /// This rank's part of a `len`-element buffer under [`owner`](Collective::owner):
     /// `chunk_range(len, world, rank)` on the flat ring, [`TwoLevel::owned_range`] on two levels.
     fn owned_range(&self, len: usize) -> Range<usize> {
-        match self.two_level() {
-            Some(t) => t.owned_range(len),
-            None => chunk_range(len, self.world(), self.rank()),
-        }
+        self.owner().range(len)
     }
 
     /// Tells every other rank that this one failed; later collectives on any rank then fail, naming it.

@@ -132,6 +132,18 @@ impl TwoLevel {
     }
 }
 
+impl fmt::Display for TwoLevel {
+    /// `two-level ring (2 hosts x 4 ranks)`, as the start line and the benchmark's title say it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "two-level ring ({} hosts x {} ranks)",
+            self.cross.len(),
+            self.host.len()
+        )
+    }
+}
+
 /// Which part of a reduce-scattered buffer each rank ends with, and contributes to an all-gather: the
 /// collective's ownership map ([`Collective::owner`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -240,54 +252,53 @@ pub fn run_two_level(
     sub_chunk: usize,
 ) -> Result<()> {
     let host_chunk = chunk_range(buf.len(), t.host.len(), t.host_pos);
-    let n = t.world;
     match op {
         RingOp::AllReduce(reduce) | RingOp::ReduceScatter(reduce) => {
             let sum = RingOp::ReduceScatter(Reduce::Sum);
-            run_on(comm, SubRing::Host, sum, buf, sub_chunk, n)?;
+            run_on(comm, t, SubRing::Host, sum, buf, sub_chunk)?;
             let all = matches!(op, RingOp::AllReduce(_));
             let cross = if all {
                 RingOp::AllReduce(reduce)
             } else {
                 RingOp::ReduceScatter(reduce)
             };
-            run_on(comm, SubRing::Cross, cross, &mut buf[host_chunk], sub_chunk, n)?;
+            run_on(comm, t, SubRing::Cross, cross, &mut buf[host_chunk], sub_chunk)?;
             if all {
-                run_on(comm, SubRing::Host, RingOp::AllGather, buf, sub_chunk, n)?;
+                run_on(comm, t, SubRing::Host, RingOp::AllGather, buf, sub_chunk)?;
             }
             Ok(())
         }
         RingOp::AllGather => {
             run_on(
                 comm,
+                t,
                 SubRing::Cross,
                 RingOp::AllGather,
                 &mut buf[host_chunk],
                 sub_chunk,
-                n,
             )?;
-            run_on(comm, SubRing::Host, RingOp::AllGather, buf, sub_chunk, n)
+            run_on(comm, t, SubRing::Host, RingOp::AllGather, buf, sub_chunk)
         }
-        RingOp::Broadcast { .. } => run_on(comm, SubRing::All, op, buf, sub_chunk, n),
+        RingOp::Broadcast { .. } => run_on(comm, t, SubRing::All, op, buf, sub_chunk),
     }
 }
 
-/// One level: the ring engine for this rank's place on `ring`, a mean dividing by all `ranks`.
+/// One level: the ring engine for this rank's place on `ring` of `t`, a mean dividing by every rank.
 fn run_on(
     comm: &mut (impl Collective + ?Sized),
+    t: &TwoLevel,
     ring: SubRing,
     op: RingOp,
     buf: &mut [f32],
     sub_chunk: usize,
-    ranks: usize,
 ) -> Result<()> {
-    let (rank, world) = match comm.two_level().and_then(|t| t.ring(ring)) {
+    let (rank, world) = match t.ring(ring) {
         Some((members, pos)) => (pos, members.len()),
         None => (comm.rank(), comm.world()),
     };
     let mut e = RingEngine::new(op, rank, world, buf, sub_chunk)
         .map_err(|e| CollectiveError::Local(e.to_string()))?
-        .mean_over(ranks);
+        .mean_over(t.world);
     comm.run_engine_on(ring, &mut e)
 }
 

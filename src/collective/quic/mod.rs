@@ -548,8 +548,12 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
     };
     let shm = local_side.listener.as_ref();
     let two_level = match &ring.two_level {
-        // Checked against the world when the welcome was read.
-        Some(labels) => Some(TwoLevel::new(labels, cfg.rank).map_err(local)?),
+        // Its length was checked against the world when the welcome was read.
+        Some(labels) => Some(TwoLevel::new(labels, cfg.rank).map_err(|e| {
+            local(format!(
+                "rendezvous: rank 0 sent a two-level layout that cannot run: {e}"
+            ))
+        })?),
         None => None,
     };
     if let Some(t) = &two_level {

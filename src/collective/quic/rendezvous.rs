@@ -18,7 +18,7 @@ use super::messages::{Control, Hello, LocalEndpoint};
 use super::{local, QuicConfig};
 use crate::collective::frame::PROTOCOL_VERSION;
 use crate::collective::shm::host_identity;
-use crate::collective::two_level::{self, TwoLevel};
+use crate::collective::two_level;
 use crate::collective::Result;
 
 /// This rank's hello, with its shared-memory endpoint `local`.
@@ -54,7 +54,7 @@ pub(super) async fn host(
         locals: vec![own_local],
         two_level: None,
     };
-    let mut hosts = vec![hello(cfg, None).host];
+    let mut hosts = vec![host_identity(cfg.host_id.as_deref()).ok()];
     for j in &joined {
         // The address the others dial (advertised, else observed), and the certificate the rank presented
         // (checked present when the hello was taken).
@@ -262,7 +262,7 @@ pub(super) async fn join(
             other => break other,
         }
     };
-    let ring = welcomed_ring(reply, cfg.world, cfg.rank)?;
+    let ring = welcomed_ring(reply, cfg.world)?;
     // Rank 0's entry must be the certificate it presented to this connection, the control plane.
     check_pinned(&conn, 0, &ring.certs[0]).map_err(|e| local(format!("rendezvous: {e}")))?;
     Ok((ring, HostLink { conn, send, recv }))
@@ -318,8 +318,8 @@ async fn dial_host(
     }
 }
 
-/// The ring from rank 0's reply (as rank `rank` of `world` reads it), or why there is none.
-fn welcomed_ring(reply: Control, world: usize, rank: usize) -> Result<Ring> {
+/// The ring from rank 0's reply, or why there is none.
+fn welcomed_ring(reply: Control, world: usize) -> Result<Ring> {
     match reply {
         Control::Welcome {
             addrs,
@@ -332,18 +332,12 @@ fn welcomed_ring(reply: Control, world: usize, rank: usize) -> Result<Ring> {
                     "rendezvous: rank 0 sent a bad shared-memory endpoint: {e}"
                 )));
             }
-            if let Some(labels) = &two_level {
-                if labels.len() != world {
-                    return Err(local(format!(
-                        "rendezvous: rank 0 sent a two-level layout of {} ranks for world size {world}",
-                        labels.len()
-                    )));
-                }
-                TwoLevel::new(labels, rank).map_err(|e| {
-                    local(format!(
-                        "rendezvous: rank 0 sent a two-level layout that cannot run: {e}"
-                    ))
-                })?;
+            // Whether it can run is checked where this rank builds its place in it (`setup`).
+            if let Some(labels) = two_level.as_ref().filter(|l| l.len() != world) {
+                return Err(local(format!(
+                    "rendezvous: rank 0 sent a two-level layout of {} ranks for world size {world}",
+                    labels.len()
+                )));
             }
             Ok(Ring {
                 addrs,
