@@ -4,13 +4,13 @@
 # system, all processes) divided by HI - LO is the CPU time of one all-reduce, free of start-up costs (Python's
 # torch import, TLS handshakes). Unlike bandwidth, this figure barely moves when other work shares the cores.
 #
-#   bench/allreduce/cpu_cost.sh [LO] [HI]    (defaults 5 and 25; bench/allreduce/run.sh builds the binaries)
+#   bench/allreduce/cpu_cost.sh [LO] [HI]    (defaults 5 and 105; bench/allreduce/run.sh builds the binaries)
 #   IMPLS="ringtrain" RINGTRAIN_BIN=path/to/other/ringtrain bench/allreduce/cpu_cost.sh   (one build only)
 #   IMPLS="ringtrain-shm ringtrain gloo" bench/allreduce/cpu_cost.sh                     (shared memory)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 LO=${1:-5}
-HI=${2:-25}
+HI=${2:-105}
 NEXAR_TARGET=${NEXAR_TARGET:-/tmp/ringtrain-nexar-target}
 RT=${RINGTRAIN_BIN:-$ROOT/target/release/ringtrain}
 NX=$NEXAR_TARGET/release/ringtrain-bench-nexar

@@ -40,18 +40,24 @@ pub fn predict_all_reduce(net: &Network, layout: Layout, world: usize, elems: us
     let done = ring::simulate_layout(net, layout, &shape, &vec![0.0; world]);
     let ring_s = done.iter().copied().fold(0.0, f64::max);
     let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
-        let per_machine = net.ranks_per_machine(world);
-        let busiest: f64 = (0..world)
-            .map(|r| {
-                let sent: usize = shape.sends(world, r).iter().map(|m| m.bytes).sum();
-                sent as f64 * net.rank_cpu_per_byte(r, world)
-            })
-            .fold(0.0, f64::max);
-        let busiest = match layout {
-            ring::Layout::Flat => busiest,
-            two => two.send_cpu_s(&shape, world, net),
+        let per_machine = net.ranks_per_machine(world).max(1);
+        let rank_cpu = |r: usize| {
+            let sent: usize = shape.sends(world, r).iter().map(|m| m.bytes).sum();
+            sent as f64 * net.rank_cpu_per_byte(r, world)
         };
-        per_machine as f64 * busiest / cores as f64
+        // The busiest machine's CPU work: the sum over its ranks (at a host's edge a rank sends between
+        // hosts, inside it over shared memory).
+        let busiest = match layout {
+            ring::Layout::Flat => (0..world.div_ceil(per_machine))
+                .map(|m| {
+                    (m * per_machine..((m + 1) * per_machine).min(world))
+                        .map(rank_cpu)
+                        .sum::<f64>()
+                })
+                .fold(0.0, f64::max),
+            two => per_machine as f64 * two.send_cpu_s(&shape, world, net),
+        };
+        busiest / cores as f64
     });
     ring_s.max(cpu_floor_s)
 }

@@ -47,7 +47,8 @@ pub struct Network {
     /// Cores of the machine that holds a host's ranks (every rank, without tiers); `None`: each rank has
     /// cores of its own.
     pub shared_cores: Option<usize>,
-    /// With `shared_cores`: CPU seconds a rank spends per byte it sends, on all its threads; `None`: γ.
+    /// With `shared_cores`: CPU seconds a rank spends per byte it sends between hosts, on all its threads;
+    /// `None`: γ. Hops inside a host are priced at their own link's CPU per byte.
     pub rank_cpu_s_per_byte: Option<f64>,
 }
 
@@ -84,15 +85,15 @@ pub const PRESETS: &[(&str, &str)] = &[
 /// sum included.
 pub const QUIC_CPU_S_PER_BYTE: f64 = 1.1e-9;
 
-/// Seconds of CPU per byte sent by a rank of the ring over shared memory: BENCHMARKS.md "All-reduce CPU cost"
-/// measures 19.0 ms of CPU over both ranks for one 64 MiB all-reduce at N=2 (0.14 ns per byte sent) and 83.5
-/// ms over four at N=4 (0.21 ns, four ranks on two cores); the larger figure, since a host's ranks share its
-/// memory bandwidth.
-pub const SHM_CPU_S_PER_BYTE: f64 = 0.21e-9;
+/// Seconds of CPU per byte sent by a rank of the ring over shared memory, on all its threads (its send,
+/// the receive and sum, the kernel's share): BENCHMARKS.md "All-reduce CPU cost" measures 33.0–35.6 ms of
+/// CPU over both ranks for one 64 MiB all-reduce at N=2 (0.25–0.27 ns per byte a rank sends) and 103.5–110
+/// ms over four at N=4 (0.26–0.27 ns, four ranks on two cores).
+pub const SHM_CPU_S_PER_BYTE: f64 = 0.26e-9;
 
-/// One hop over shared memory: half of the 4 KiB all-reduce at N=2 (two hops, 64.8–178.3 µs measured,
-/// BENCHMARKS.md "Over shared memory"), rounded to its median round's.
-pub const SHM_LATENCY_S: f64 = 38e-6;
+/// One hop over shared memory: the 4 KiB all-reduce's median over its hops, 67.9 µs over 2 hops at N=2 and
+/// 205.5 µs over 6 at N=4 (BENCHMARKS.md "Over shared memory"): a sleeping rank's wake-up, mostly.
+pub const SHM_LATENCY_S: f64 = 34e-6;
 
 /// The wire term of a shared-memory hop: none to speak of (the copy is the CPU term), but the model needs a
 /// finite rate; at 1 TB/s it adds 1 ns per KB.
@@ -223,10 +224,25 @@ impl Network {
         })
     }
 
-    /// CPU seconds a rank spends per byte it sends over hop `rank → rank+1`, charged to shared cores.
+    /// CPU seconds a rank spends per byte it sends over hop `rank → rank+1`, charged to shared cores. A hop
+    /// between hosts costs `rank-cpu-per-byte` when given (a QUIC rank's threads together), else its γ; a
+    /// hop inside a host costs its link's CPU per byte, which for shared memory is already measured over
+    /// all of a rank's threads (BENCHMARKS.md "All-reduce CPU cost").
     pub fn rank_cpu_per_byte(&self, rank: usize, world: usize) -> f64 {
-        self.rank_cpu_s_per_byte
-            .unwrap_or_else(|| self.hop(rank, world).cpu_s_per_byte)
+        self.link_cpu_per_byte(self.hop(rank, world), self.hop_is_intra(rank, world))
+    }
+
+    /// What [`Network::rank_cpu_per_byte`] charges per byte sent over `link`, inside a host or not.
+    pub fn link_cpu_per_byte(&self, link: Link, intra: bool) -> f64 {
+        match self.rank_cpu_s_per_byte {
+            Some(rank_cpu) if !intra => rank_cpu,
+            _ => link.cpu_s_per_byte,
+        }
+    }
+
+    /// Whether hop `rank → rank+1 mod world` stays inside a host of a two-tier fabric.
+    pub fn hop_is_intra(&self, rank: usize, world: usize) -> bool {
+        matches!(self.intra, Some((per_host, _)) if rank / per_host == ((rank + 1) % world) / per_host)
     }
 
     /// How many of `world` ranks share one machine's cores (with `shared-cores`).
@@ -247,7 +263,7 @@ impl Network {
     /// The link of hop `rank → rank+1 mod world`.
     pub fn hop(&self, rank: usize, world: usize) -> Link {
         match self.intra {
-            Some((per_host, intra)) if rank / per_host == ((rank + 1) % world) / per_host => intra,
+            Some((_, intra)) if self.hop_is_intra(rank, world) => intra,
             _ => self.inter,
         }
     }
@@ -340,6 +356,35 @@ mod tests {
         assert_eq!(n.hop(7, 8), n.inter, "7 → 0 wraps to host 0");
         assert_eq!(n.hop(3, 4), intra, "one host: the wrap stays inside");
         assert_eq!((n.ranks_per_machine(8), n.ranks_per_machine(2)), (4, 2));
+    }
+
+    #[test]
+    fn a_rank_pays_its_own_hops_cpu_rank_cpu_per_byte_prices_only_hops_between_hosts() {
+        let n = Network::parse(
+            "latency=50us,bandwidth=1Gbit,cpu-per-byte=4ns,hosts-of=2,intra-latency=30us,intra-bandwidth=1000GB,\
+             intra-cpu-per-byte=0.25ns,shared-cores=1,rank-cpu-per-byte=9ns",
+        )
+        .unwrap();
+        assert!(
+            (n.rank_cpu_per_byte(0, 4) - 0.25e-9).abs() < 1e-18,
+            "0 → 1 stays in host 0"
+        );
+        assert!((n.rank_cpu_per_byte(1, 4) - 9e-9).abs() < 1e-18, "1 → 2 leaves it");
+        assert!(
+            (n.rank_cpu_per_byte(3, 4) - 9e-9).abs() < 1e-18,
+            "3 → 0 wraps to host 0"
+        );
+        // Host 0's machine pays for both its ranks: one sends inside the host, the other between hosts.
+        let elems = 1 << 20;
+        let shape = super::super::ring::RingShape {
+            kind: super::super::ring::RingKind::AllReduce,
+            elems,
+            elem_bytes: 4,
+            sub_chunk: 1 << 14,
+        };
+        let sent_per_rank = 2.0 * 3.0 / 4.0 * (elems * 4) as f64;
+        let flat = super::super::ring::Layout::Flat.send_cpu_s(&shape, 4, &n);
+        assert!((flat - sent_per_rank * (0.25e-9 + 9e-9) / 2.0).abs() < 1e-12, "{flat}");
     }
 
     #[test]

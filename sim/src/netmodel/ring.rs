@@ -192,20 +192,29 @@ impl Layout {
         }
     }
 
-    /// CPU seconds one rank spends sending its part of `shape` on `world` ranks (even chunks): on the flat
-    /// ring every byte at rank 0's hop's price; on two levels the host rings' bytes at the intra-host
-    /// link's and the cross ring's at the inter-host link's (`rank-cpu-per-byte`, when given, prices both).
+    /// CPU seconds the mean rank of the first machine spends sending its part of `shape` on `world` ranks
+    /// (even chunks), each hop at [`Network::rank_cpu_per_byte`]'s price: on the flat ring over a two-tier
+    /// fabric a host's ranks differ (those at its edge send between hosts), and the machine's cores pay
+    /// for all of them; on two levels the host rings' bytes at the intra-host link's price and the cross
+    /// ring's at the inter-host link's.
     pub fn send_cpu_s(&self, shape: &RingShape, world: usize, net: &Network) -> f64 {
         let bytes = (shape.elems * shape.elem_bytes) as f64;
         let ring = |n: usize, bytes: f64| shape.phases(n) as f64 * bytes / n as f64;
         match *self {
-            Layout::Flat => ring(world, bytes) * net.rank_cpu_per_byte(0, world),
+            Layout::Flat => {
+                let per_machine = net.ranks_per_machine(world).max(1);
+                let price: f64 = (0..per_machine).map(|r| net.rank_cpu_per_byte(r, world)).sum();
+                ring(world, bytes) * price / per_machine as f64
+            }
             Layout::TwoLevel { per_host } => {
                 let hosts = world / per_host;
-                let price = |link: Link| net.rank_cpu_s_per_byte.unwrap_or(link.cpu_s_per_byte);
                 let intra = net.intra.map_or(net.inter, |(_, link)| link);
+                let (intra_price, inter_price) = (
+                    net.link_cpu_per_byte(intra, true),
+                    net.link_cpu_per_byte(net.inter, false),
+                );
                 // An all-reduce's host reduce-scatter and all-gather together send what a host all-reduce does.
-                ring(per_host, bytes) * price(intra) + ring(hosts, bytes / per_host as f64) * price(net.inter)
+                ring(per_host, bytes) * intra_price + ring(hosts, bytes / per_host as f64) * inter_price
             }
         }
     }

@@ -14,7 +14,8 @@
 //! - shared cores (`Network::shared_cores`, a fluid model): with `R` ranks on a machine of `C < R` cores,
 //!   each rank's kernels get `C / R` of a core, so every compute segment takes `R / C` times as long; and
 //!   the machine cannot finish a step sooner than it can do the step's CPU work, `R × (compute + γ_rank ×
-//!   bytes sent) / C` per rank (`γ_rank`: `rank-cpu-per-byte`, else γ), so no rank's step ends sooner than
+//!   bytes sent) / C` per rank (`γ_rank`: between hosts `rank-cpu-per-byte`, else γ; inside a host the
+//!   intra link's CPU per byte; averaged over the machine's ranks), so no rank's step ends sooner than
 //!   that after it began. Communication threads are not slowed beyond their own γ: that bound carries
 //!   their share of the cores.
 //!
@@ -109,7 +110,8 @@ struct Cluster {
     comm_free: Vec<f64>,
     /// Sharded: parameter gathers in flight, in forward order: (bucket, when each rank has it).
     gathers: Vec<(Range<usize>, Vec<f64>)>,
-    /// CPU seconds one rank has spent sending in this step's collectives (even chunks assumed).
+    /// CPU seconds the first machine's mean rank has spent sending in this step's collectives (even chunks
+    /// assumed).
     send_cpu_s: f64,
 }
 
@@ -216,7 +218,7 @@ impl Cluster {
         let compute_cpu_s = plan.loads[0].iter().sum::<f64>() * pass_s + update_cpu_s;
         let mean_cpu_s = plan.loads.iter().flatten().sum::<f64>() / world as f64 * pass_s + update_cpu_s;
         let cpu_floor_s = net.shared_cores.map_or(0.0, |cores| {
-            // Rank 0's sends stand for every rank's (on a flat ring over a two-tier fabric they differ).
+            // The first machine's mean rank's sends stand for every machine's.
             machine_ranks * (mean_cpu_s + self.send_cpu_s) / cores as f64
         });
         // Rank 0's step before the bound, less its compute: the communication it waited for.
