@@ -62,15 +62,14 @@ impl LePieces {
         });
     }
 
-    /// The last step of a sum in one pass: `out = (values + own) / divisor` (no division for `None`), and
-    /// `own = out` too. The bits equal a sum, then a division, then a copy, done one after the other.
-    pub fn finish_into(&self, own: &mut [f32], out: &mut [f32], divisor: Option<f32>) {
+    /// The last step of a sum, stored: `own = (values + own) / divisor` (no division for `None`). The bits
+    /// equal a sum, then a division.
+    pub fn finish_in_place(&self, own: &mut [f32], divisor: Option<f32>) {
         self.for_each_run(|first, bytes| {
-            let end = first + bytes.len() / 4;
-            let (own, out) = (&mut own[first..end], &mut out[first..end]);
+            let own = &mut own[first..first + bytes.len() / 4];
             match divisor {
-                Some(k) => finish_le(out, bytes, own, |sum| sum / k),
-                None => finish_le(out, bytes, own, |sum| sum),
+                Some(k) => finish_le(bytes, own, |sum| sum / k),
+                None => finish_le(bytes, own, |sum| sum),
             }
         });
     }
@@ -150,13 +149,11 @@ fn add_le(out: &mut [f32], bytes: &[u8], own: &[f32]) {
     }
 }
 
-/// `own[i] = out[i] = finish(f32::from_le_bytes(bytes[4i..4i + 4]) + own[i])`.
+/// `own[i] = finish(f32::from_le_bytes(bytes[4i..4i + 4]) + own[i])`.
 #[inline(always)]
-fn finish_le(out: &mut [f32], bytes: &[u8], own: &mut [f32], finish: impl Fn(f32) -> f32) {
-    for ((o, c), d) in out.iter_mut().zip(bytes.chunks_exact(4)).zip(own.iter_mut()) {
-        let v = finish(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + *d);
-        *o = v;
-        *d = v;
+fn finish_le(bytes: &[u8], own: &mut [f32], finish: impl Fn(f32) -> f32) {
+    for (c, d) in bytes.chunks_exact(4).zip(own.iter_mut()) {
+        *d = finish(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) + *d);
     }
 }
 
@@ -196,10 +193,8 @@ mod tests {
             prop_assert_eq!(bits(&out), bits(&want));
             for divisor in [None, Some(3.0f32)] {
                 let mut mine = own.clone();
-                let mut out = vec![f32::NAN; values.len()];
-                p.finish_into(&mut mine, &mut out, divisor);
+                p.finish_in_place(&mut mine, divisor);
                 let want: Vec<f32> = want.iter().map(|&s| divisor.map_or(s, |k| s / k)).collect();
-                prop_assert_eq!(bits(&out), bits(&want));
                 prop_assert_eq!(bits(&mine), bits(&want));
             }
             prop_assert_eq!(&p, &LePieces::from_f32(&values));

@@ -128,23 +128,16 @@ impl Incoming {
         }
     }
 
-    /// The last step of a sum: `(values + own) / divisor` (no division for `None`) into `own` and into the
-    /// returned buffer (the received allocation when there is one), in one pass.
-    fn finish(self, own: &mut [f32], divisor: Option<f32>) -> Vec<f32> {
+    /// The last step of a sum, stored: `own = (values + own) / divisor` (no division for `None`).
+    fn finish_in_place(self, own: &mut [f32], divisor: Option<f32>) {
         match self {
-            Incoming::Owned(mut v) => {
-                for (s, d) in v.iter_mut().zip(own.iter_mut()) {
+            Incoming::Owned(v) => {
+                for (s, d) in v.iter().zip(own.iter_mut()) {
                     let sum = *s + *d;
-                    *s = divisor.map_or(sum, |k| sum / k);
-                    *d = *s;
+                    *d = divisor.map_or(sum, |k| sum / k);
                 }
-                v
             }
-            Incoming::Pieces(p) => {
-                let mut out = p.scratch(own.len());
-                p.finish_into(own, &mut out, divisor);
-                out
-            }
+            Incoming::Pieces(p) => p.finish_in_place(own, divisor),
         }
     }
 
@@ -217,10 +210,26 @@ impl PayloadStorage for Allocate {
     }
 }
 
+/// The next message when it is a stretch of the caller's buffer: its tags and `[len]` values.
+pub struct InBuffer<'a> {
+    pub phase: u32,
+    pub chunk: u32,
+    pub sub: u32,
+    pub values: &'a [f32],
+}
+
 /// The interface every transport drives. See the module docs for the loop.
 pub trait Engine {
     /// Next message to send to the right neighbour, if any, its payload built in `storage`.
     fn poll_transmit(&mut self, storage: &dyn PayloadStorage) -> Option<Msg>;
+    /// The next message, borrowed from the caller's buffer, when it is one: a transport that can write it
+    /// out before the engine is used again (a shared-memory ring with room for it) saves
+    /// [`Engine::poll_transmit`]'s copy, then calls [`Engine::pop_peeked`].
+    fn peek_in_buffer(&self) -> Option<InBuffer<'_>> {
+        None
+    }
+    /// Drops the message [`Engine::peek_in_buffer`] showed, which the transport has sent.
+    fn pop_peeked(&mut self) {}
     /// Feed one message received from the left neighbour.
     fn handle(&mut self, msg: Msg) -> Result<(), RingError>;
     /// All expected messages have arrived and every output has been queued.
@@ -262,7 +271,10 @@ enum Outgoing {
     /// and the finished sum of a sub-chunk it gets back in the all-gather includes this very contribution,
     /// so it can only arrive after the copy was sent. In a later gather or broadcast phase (forwarding
     /// lent pieces, [`RingEngine::queue_forward`]): the region was just stored from the received message,
-    /// and each region is received once.
+    /// and each region is received once. After a sum finished in place (the reduce-scatter's last phase,
+    /// and every phase of a reduce-scatter, which keeps its partials): the region was just written with
+    /// what is sent, and each chunk is received once in a reduce-scatter (the all-gather's chunks are the
+    /// other ranks').
     FromBuffer {
         phase: usize,
         sub: usize,
@@ -440,6 +452,26 @@ impl<'a> RingEngine<'a> {
 }
 
 impl Engine for RingEngine<'_> {
+    fn peek_in_buffer(&self) -> Option<InBuffer<'_>> {
+        match self.outbox.front()? {
+            Outgoing::FromBuffer { phase, sub } => {
+                let c = self.send_chunk(*phase);
+                Some(InBuffer {
+                    phase: *phase as u32,
+                    chunk: c as u32,
+                    sub: *sub as u32,
+                    values: &self.buf[self.sub_range(c, *sub)],
+                })
+            }
+            Outgoing::Ready(_) => None,
+        }
+    }
+
+    fn pop_peeked(&mut self) {
+        debug_assert!(matches!(self.outbox.front(), Some(Outgoing::FromBuffer { .. })));
+        self.outbox.pop_front();
+    }
+
     fn poll_transmit(&mut self, storage: &dyn PayloadStorage) -> Option<Msg> {
         match self.outbox.pop_front()? {
             Outgoing::Ready(m) => Some(m),
@@ -525,19 +557,21 @@ impl Engine for RingEngine<'_> {
         // mean divides it by N once, on the owner only. The finished sum is stored; in an all-reduce a
         // partial sum is not, since the all-gather overwrites it later (a reduce-scatter keeps its partials,
         // documented).
+        // The chunk we send in phase p+1 is the one we just received in phase p; the payload is what this
+        // rank computed for it. A stored sum is sent from the buffer (see `Outgoing::FromBuffer`).
         let last_rs = phase == n - 2;
-        let data = if last_rs {
-            incoming.finish(dst, mean.then_some(self.mean_divisor as f32))
-        } else if matches!(self.op, RingOp::AllReduce(_)) {
-            incoming.plus(dst)
+        if last_rs || !matches!(self.op, RingOp::AllReduce(_)) {
+            incoming.finish_in_place(dst, (last_rs && mean).then_some(self.mean_divisor as f32));
+            if forward {
+                debug_assert_eq!(self.send_chunk(next), chunk);
+                self.outbox.push_back(Outgoing::FromBuffer { phase: next, sub });
+            }
         } else {
-            incoming.finish(dst, None)
-        };
-        if forward {
-            // The chunk we send in phase p+1 is the one we just received in phase p; the payload is what
-            // this rank computed for it.
-            debug_assert_eq!(self.send_chunk(next), chunk);
-            self.queue_owned(next, sub, data);
+            let data = incoming.plus(dst);
+            if forward {
+                debug_assert_eq!(self.send_chunk(next), chunk);
+                self.queue_owned(next, sub, data);
+            }
         }
         Ok(())
     }

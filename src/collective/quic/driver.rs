@@ -44,8 +44,16 @@ impl QuicCollective {
             if let Some(e) = self.current_poison() {
                 return Err(e);
             }
-            while let Some(m) = engine.poll_transmit(&*self.shared.pool) {
-                self.transmit(m, engine, &round, &mut poison_rx).await?;
+            loop {
+                match self.send_in_place(engine, &round) {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    Err(reason) => return Err(self.blame(round.right_rank, &reason, round.deadline).await),
+                }
+                match engine.poll_transmit(&*self.shared.pool) {
+                    Some(m) => self.transmit(m, engine, &round, &mut poison_rx).await?,
+                    None => break,
+                }
             }
             if engine.is_done() {
                 return Ok(());
@@ -73,6 +81,42 @@ impl QuicCollective {
                 }
             }
         }
+    }
+
+    /// Writes the engine's next message straight from the caller's buffer into a shared-memory right link,
+    /// when it is one ([`Engine::peek_in_buffer`]) and the link's ring has room for the whole frame now:
+    /// no copy into a message buffer first. Returns whether it did. Off while data faults are injected
+    /// (they count and repeat messages on the other path) and on big-endian machines (the wire is
+    /// little-endian).
+    fn send_in_place(&mut self, engine: &mut dyn Engine, round: &Round) -> std::result::Result<bool, String> {
+        if cfg!(target_endian = "big") || self.faults.crash_after_msgs.is_some() || self.faults.duplicate_msg.is_some()
+        {
+            return Ok(false);
+        }
+        let Some(right) = self.rights.get_mut(&round.right_rank) else {
+            return Ok(false);
+        };
+        let Some(m) = engine.peek_in_buffer() else {
+            return Ok(false);
+        };
+        let header = Header {
+            kind: frame::Kind::F32,
+            job: self.cfg.job_id,
+            step: self.step,
+            seq: round.seq,
+            phase: m.phase,
+            chunk: m.chunk,
+            sub: m.sub,
+            len: u32::try_from(m.values.len() * 4).expect("a sub-chunk fits in u32"),
+        };
+        let mut hb = Vec::with_capacity(frame::HEADER_LEN);
+        header.encode(&mut hb);
+        if !right.data.try_write_now(&[&hb, bytemuck::cast_slice(m.values)])? {
+            return Ok(false);
+        }
+        self.sent_msgs += 1;
+        engine.pop_peeked();
+        Ok(true)
     }
 
     /// Sends one engine message to the right neighbour (with the injected faults, [`QuicCollective::inject_faults`]).

@@ -52,6 +52,15 @@ impl RightData {
         }
     }
 
+    /// Writes one frame's pieces at once if this is a shared-memory link with room for them now; returns
+    /// whether it did. A QUIC link never does (its writes go through [`RightData::write_all_chunks`]).
+    pub(super) fn try_write_now(&mut self, pieces: &[&[u8]]) -> std::result::Result<bool, String> {
+        match self {
+            RightData::Quic(_) => Ok(false),
+            RightData::Shm { sender, .. } => sender.try_write_whole(pieces),
+        }
+    }
+
     /// "quic" or "shm".
     pub(super) fn kind(&self) -> &'static str {
         match self {

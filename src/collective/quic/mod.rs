@@ -142,6 +142,9 @@ pub struct QuicConfig {
     /// Which links to ranks of this host go through shared memory ([`crate::collective::shm`]). `new` gives
     /// [`LinkTransport::Quic`]; the launcher sets `--transport` (default `auto`).
     pub transport: LinkTransport,
+    /// Bytes of each shared-memory link's ring (a power of two within the segment's bounds); `new` gives
+    /// [`crate::collective::shm::DEFAULT_CAPACITY`].
+    pub shm_capacity: usize,
     /// `RINGTRAIN_HOST_ID`, when the user gives the host identity; else it is read off the machine.
     pub host_id: Option<String>,
     /// `--collective`: the flat ring or the two-level one ([`crate::collective::two_level`]); rank 0
@@ -165,6 +168,7 @@ impl QuicConfig {
             idle_timeout: Duration::from_secs(10),
             sub_chunk: super::ring::DEFAULT_SUB_CHUNK,
             transport: LinkTransport::Quic,
+            shm_capacity: crate::collective::shm::DEFAULT_CAPACITY,
             host_id: None,
             collective: CollectiveChoice::Flat,
         }

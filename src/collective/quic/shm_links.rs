@@ -22,7 +22,6 @@ use crate::collective::frame::{Header, Kind, HEADER_LEN};
 pub(super) use crate::collective::shm::handoff::ShmListener;
 use crate::collective::shm::handoff::{offer, Expected};
 pub(super) use crate::collective::shm::link::{ShmReceiver, ShmSender};
-use crate::collective::shm::segment::DEFAULT_CAPACITY;
 use crate::collective::shm::{host_identity, LinkTransport};
 use crate::collective::Result;
 
@@ -101,7 +100,7 @@ pub(super) async fn offer_right(
     let wait = deadline.min(Instant::now() + OFFER_TIMEOUT);
     let attempt = match tokio::time::timeout_at(
         wait,
-        offer(&endpoint.socket, &to, cfg.rank, endpoint.nonce, DEFAULT_CAPACITY),
+        offer(&endpoint.socket, &to, cfg.rank, endpoint.nonce, cfg.shm_capacity),
     )
     .await
     {

@@ -20,8 +20,10 @@ fn cfg(rank: usize, world: usize, master: SocketAddr, transport: LinkTransport) 
     let mut c = QuicConfig::new(rank, world, master);
     c.job_id = 0x5eed;
     c.config_hash = 3;
-    // Small sub-chunks and a ring smaller than one collective's traffic, so links wrap and wait for space.
+    // Small sub-chunks and a ring smaller than one collective's traffic, so links wrap and wait for space,
+    // and messages sent from the caller's buffer sometimes find no room and take the copying path.
     c.sub_chunk = 999;
+    c.shm_capacity = crate::collective::shm::MIN_CAPACITY;
     c.timeout = Duration::from_secs(10);
     c.rendezvous_timeout = Duration::from_secs(10);
     c.idle_timeout = Duration::from_secs(3);

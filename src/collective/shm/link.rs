@@ -109,6 +109,22 @@ impl ShmSender {
         }
     }
 
+    /// Writes the pieces of one message and wakes the peer, only if the ring has room for all of them
+    /// now; returns whether it did (nothing is written otherwise).
+    pub fn try_write_whole(&mut self, pieces: &[&[u8]]) -> Result<bool, String> {
+        let total: usize = pieces.iter().map(|p| p.len()).sum();
+        if self.ring.free().map_err(|e| e.to_string())? < total {
+            return Ok(false);
+        }
+        for piece in pieces {
+            // Only this side fills the ring, so the room just seen is still there.
+            let n = self.ring.try_write(piece).map_err(|e| e.to_string())?;
+            debug_assert_eq!(n, piece.len());
+        }
+        self.flush()?;
+        Ok(true)
+    }
+
     /// Wakes the peer for what has been written.
     pub fn flush(&mut self) -> Result<(), String> {
         self.wakes.wake_peer()
@@ -232,6 +248,22 @@ mod tests {
             assert_eq!(got, want);
         };
         tokio::join!(writer, reader);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_whole_message_is_written_only_when_it_fits() {
+        let (mut tx, mut rx) = link().await;
+        let big = vec![7u8; MIN_CAPACITY - 8];
+        assert!(tx.try_write_whole(&[b"head", &big]).unwrap());
+        assert!(
+            !tx.try_write_whole(&[b"0123", b"45678"]).unwrap(),
+            "9 bytes do not fit in the 4 left"
+        );
+        assert!(tx.try_write_whole(&[b"tail"]).unwrap(), "4 bytes do");
+        let mut got = vec![0u8; MIN_CAPACITY];
+        rx.read_exact(&mut got).await.unwrap();
+        assert_eq!((&got[..4], &got[MIN_CAPACITY - 4..]), (&b"head"[..], &b"tail"[..]));
+        assert!(got[4..MIN_CAPACITY - 4].iter().all(|&b| b == 7));
     }
 
     #[tokio::test(flavor = "current_thread")]

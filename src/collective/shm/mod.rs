@@ -24,6 +24,12 @@ pub mod link;
 #[cfg(target_os = "linux")]
 pub mod segment;
 
+/// Bounds on a link ring's capacity in bytes, which the consumer checks before mapping a peer's segment.
+pub const MIN_CAPACITY: usize = 64 << 10;
+pub const MAX_CAPACITY: usize = 256 << 20;
+/// A link's ring by default: 16 sub-chunks of 64 Ki f32 in flight.
+pub const DEFAULT_CAPACITY: usize = 16 << 20;
+
 /// Longest host identity accepted from a peer or from `RINGTRAIN_HOST_ID`.
 pub const MAX_HOST_ID: usize = 256;
 

@@ -33,11 +33,7 @@ pub const HEADER_BYTES: usize = 4096;
 const CAPACITY_OFFSET: usize = 8;
 const HEAD_OFFSET: usize = 64;
 const TAIL_OFFSET: usize = 128;
-/// Bounds on a ring's capacity, which the consumer checks before mapping a peer's segment.
-pub const MIN_CAPACITY: usize = 64 << 10;
-pub const MAX_CAPACITY: usize = 256 << 20;
-/// A link's ring by default: 16 sub-chunks of 64 Ki f32 in flight.
-pub const DEFAULT_CAPACITY: usize = 16 << 20;
+pub use super::{DEFAULT_CAPACITY, MAX_CAPACITY, MIN_CAPACITY};
 /// The seals a segment must carry: its size can neither shrink (a mapped page would vanish under the
 /// consumer, which would fault) nor grow, and no seal can be removed.
 const REQUIRED_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
@@ -161,9 +157,8 @@ impl Producer {
         &self.seg
     }
 
-    /// Copies as much of `src` as fits into the ring and publishes it; returns how many bytes that was
-    /// (0 when the ring is full).
-    pub fn try_write(&mut self, src: &[u8]) -> Result<usize, RingCorrupt> {
+    /// Bytes the ring has room for now (the consumer may free more at any time).
+    pub fn free(&self) -> Result<usize, RingCorrupt> {
         let cap = self.seg.capacity as u64;
         let tail = self.seg.counter(TAIL_OFFSET).load(Ordering::Acquire);
         let used = self.head.wrapping_sub(tail);
@@ -173,7 +168,14 @@ impl Producer {
                 self.head
             )));
         }
-        let n = ((cap - used) as usize).min(src.len());
+        Ok((cap - used) as usize)
+    }
+
+    /// Copies as much of `src` as fits into the ring and publishes it; returns how many bytes that was
+    /// (0 when the ring is full).
+    pub fn try_write(&mut self, src: &[u8]) -> Result<usize, RingCorrupt> {
+        let cap = self.seg.capacity as u64;
+        let n = self.free()?.min(src.len());
         if n == 0 {
             return Ok(0);
         }
