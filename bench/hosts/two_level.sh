@@ -127,7 +127,7 @@ case $RATE in
   *mbit) LINK=${RATE%mbit}Mbit ;;
   *) LINK=$RATE ;;
 esac
-SIM_NETWORK=${SIM_NETWORK:-latency=50us,bandwidth=$LINK,cpu-per-byte=4.8ns,hosts-of=2,intra-latency=34us,intra-bandwidth=1000GB,intra-cpu-per-byte=0.26ns,shared-cores=$CORES_PER_HOST,rank-cpu-per-byte=9ns}
+SIM_NETWORK=${SIM_NETWORK:-latency=50us,bandwidth=$LINK,cpu-per-byte=4.8ns,hosts-of=2,intra-latency=32us,intra-bandwidth=1000GB,intra-cpu-per-byte=0.21ns,shared-cores=$CORES_PER_HOST,rank-cpu-per-byte=9ns}
 
 SIM=${SIM:-} SIM_BIN=$SIM_BIN SIM_NETWORK=$SIM_NETWORK BATCH=$BATCH SEQ=$SEQ \
 python3 - "$WORK" "$ROUNDS" "$STEPS" "$WARMUP" "$RATE" "$MODEL" << 'EOF'

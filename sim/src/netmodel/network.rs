@@ -86,14 +86,15 @@ pub const PRESETS: &[(&str, &str)] = &[
 pub const QUIC_CPU_S_PER_BYTE: f64 = 1.1e-9;
 
 /// Seconds of CPU per byte sent by a rank of the ring over shared memory, on all its threads (its send,
-/// the receive and sum, the kernel's share): BENCHMARKS.md "All-reduce CPU cost" measures 33.0–35.6 ms of
-/// CPU over both ranks for one 64 MiB all-reduce at N=2 (0.25–0.27 ns per byte a rank sends) and 103.5–110
-/// ms over four at N=4 (0.26–0.27 ns, four ranks on two cores).
-pub const SHM_CPU_S_PER_BYTE: f64 = 0.26e-9;
+/// the receive and sum, the kernel's share): BENCHMARKS.md "All-reduce CPU cost" measures 80.4–85.4 ms of
+/// CPU over four ranks for one 64 MiB all-reduce at N=4 (0.20–0.21 ns per byte a rank sends, the cores
+/// full) and 22.8–33.7 ms over two at N=2 (0.17–0.25 ns, start-up noise included).
+pub const SHM_CPU_S_PER_BYTE: f64 = 0.21e-9;
 
-/// One hop over shared memory: the 4 KiB all-reduce's median over its hops, 67.9 µs over 2 hops at N=2 and
-/// 205.5 µs over 6 at N=4 (BENCHMARKS.md "Over shared memory"): a sleeping rank's wake-up, mostly.
-pub const SHM_LATENCY_S: f64 = 34e-6;
+/// One hop over shared memory: the 4 KiB all-reduce's median over its hops, 56.8 µs over 2 hops at N=2 and
+/// 216.5 µs over 6 at N=4 (BENCHMARKS.md "Over shared memory"), between the two: a sleeping rank's
+/// wake-up, mostly.
+pub const SHM_LATENCY_S: f64 = 32e-6;
 
 /// The wire term of a shared-memory hop: none to speak of (the copy is the CPU term), but the model needs a
 /// finite rate; at 1 TB/s it adds 1 ns per KB.
