@@ -45,6 +45,10 @@ pub struct StepMetrics {
     pub exposed_comm_ms: f64,
     /// Number of ranks.
     pub world_size: usize,
+    /// The rank that wrote this record: `step_ms`, `comm_ms` and `exposed_comm_ms` are its own, the rest
+    /// is the same on every rank. Files written before it existed read as 0.
+    #[serde(default)]
+    pub rank: usize,
     /// Update mode: `sharded` or `replicated`.
     pub update: String,
     /// Parameter hash, on verified steps only.
@@ -71,6 +75,25 @@ pub struct StepMetrics {
 /// step with a non-finite loss or norm (usually `skipped`) round-trips instead of making the file unreadable.
 fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// The metrics file rank `rank` writes for `--metrics path`: rank 0 the path itself, rank r > 0 the path
+/// with `.rank{r}` before its extension (`runs/m.jsonl` -> `runs/m.rank1.jsonl`; without an extension,
+/// appended), so ranks that share a host or a filesystem never write one file, and a survivor's record
+/// exists when rank 0 is gone.
+pub fn rank_metrics_path(path: &Path, rank: usize) -> PathBuf {
+    if rank == 0 {
+        return path.to_path_buf();
+    }
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let named = match (path.extension(), path.file_stem()) {
+        (Some(ext), Some(stem)) => format!("{}.rank{rank}.{}", stem.to_string_lossy(), ext.to_string_lossy()),
+        _ => format!("{name}.rank{rank}"),
+    };
+    path.with_file_name(named)
 }
 
 /// Appends one JSON object per line to a metrics file, flushing after every line.
@@ -224,6 +247,7 @@ mod tests {
             comm_ms: 1.5,
             exposed_comm_ms: 0.0,
             world_size: 2,
+            rank: 0,
             update: "sharded".into(),
             ..Default::default()
         }
@@ -244,6 +268,16 @@ mod tests {
         assert!(json.contains("\"val_loss\":2.5"));
         assert!(json.contains("\"loss_spike_reference\":0.75"));
         assert_eq!(serde_json::from_str::<StepMetrics>(&json).unwrap(), m);
+    }
+
+    #[test]
+    fn every_rank_but_rank_0_gets_its_own_file_name() {
+        let p = |s: &str, r| rank_metrics_path(Path::new(s), r);
+        assert_eq!(p("runs/m.jsonl", 0), Path::new("runs/m.jsonl"));
+        assert_eq!(p("runs/m.jsonl", 1), Path::new("runs/m.rank1.jsonl"));
+        assert_eq!(p("runs/m.v2.jsonl", 12), Path::new("runs/m.v2.rank12.jsonl"));
+        assert_eq!(p("metrics", 3), Path::new("metrics.rank3"));
+        assert_eq!(p("runs/.hidden", 2), Path::new("runs/.hidden.rank2"));
     }
 
     #[test]

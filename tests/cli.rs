@@ -394,6 +394,22 @@ fn launch_trains_data_parallel_over_quic() {
         assert!(x.comm_ms > 0.0, "step {}: {x:?}", x.step);
         assert!(x.exposed_comm_ms <= x.comm_ms, "step {}: {x:?}", x.step);
     }
+    // Rank 1 writes its own file beside rank 0's: the same global values, its own timings.
+    let rank1 = ringtrain::metrics::read_metrics(dir.path().join("dp.rank1.jsonl")).unwrap();
+    assert_eq!(rank1.len(), a.len());
+    for (x, y) in a.iter().zip(&rank1) {
+        assert_eq!((x.rank, y.rank), (0, 1));
+        assert_eq!(
+            (x.step, x.loss.to_bits(), x.grad_norm.to_bits()),
+            (y.step, y.loss.to_bits(), y.grad_norm.to_bits())
+        );
+        assert_eq!(x.param_hash, y.param_hash, "step {}", x.step);
+        assert!(
+            y.comm_ms > 0.0 && y.exposed_comm_ms <= y.comm_ms,
+            "step {}: {y:?}",
+            y.step
+        );
+    }
     let (cfg, _) = load_model(&ck).unwrap();
     let state = load_trainer_state(&ck, &ParamLayout::new(&cfg)).unwrap();
     assert_eq!((state.world_size, state.step), (2, 6));

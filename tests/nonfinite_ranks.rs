@@ -225,7 +225,15 @@ fn aborted_everywhere(fault: &str, flags: &[&str]) {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     left.sort();
-    assert_eq!(left, ["ckpt", "m.jsonl"]);
+    let mut want = vec!["ckpt".to_string(), "m.jsonl".to_string()];
+    want.extend((1..RANKS).map(|r| format!("m.rank{r}.jsonl")));
+    assert_eq!(left, want, "the checkpoint and each rank's metrics file");
+    // Every other rank wrote the same steps to its own file.
+    for r in 1..RANKS {
+        let theirs = read_metrics(job.ckpt.parent().unwrap().join(format!("m.rank{r}.jsonl"))).unwrap();
+        let steps = |m: &[StepMetrics]| m.iter().map(|x| (x.step, x.loss.to_bits())).collect::<Vec<_>>();
+        assert_eq!(steps(&theirs), steps(&job.metrics), "rank {r}'s metrics");
+    }
     // Detection is the fault step's own scalar all-reduce, not a deadline.
     let took = job.after_last_good_step.expect("step 2 was logged");
     assert!(

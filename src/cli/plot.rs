@@ -284,6 +284,7 @@ mod tests {
             comm_ms: 1.25,
             exposed_comm_ms: 0.0,
             world_size: 2,
+            rank: 0,
             update: "sharded".to_string(),
             param_hash: (step % 50 == 0).then(|| format!("{step:016x}")),
             val_loss: (step % 25 == 0).then(|| 4.0 * (-s / 60.0).exp() + 1.6),

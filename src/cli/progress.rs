@@ -246,6 +246,7 @@ mod tests {
             comm_ms: 0.0,
             exposed_comm_ms: 0.0,
             world_size: 1,
+            rank: 0,
             update: "replicated".into(),
             ..Default::default()
         }
@@ -351,6 +352,7 @@ mod tests {
             comm_ms: 2.0,
             exposed_comm_ms: 0.0,
             world_size: 4,
+            rank: 0,
             update: "sharded".into(),
             ..Default::default()
         };

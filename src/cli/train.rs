@@ -14,7 +14,7 @@ use ringtrain::dist::{
     detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
 };
 use ringtrain::fault_plan::{FaultPlan, INJECT_FAULT_VAR};
-use ringtrain::metrics::{set_aside_earlier_run, MetricsWriter, StepMetrics};
+use ringtrain::metrics::{rank_metrics_path, set_aside_earlier_run, MetricsWriter, StepMetrics};
 use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, RunObserver, TrainOptions, Trainer};
 use std::time::Duration;
 
@@ -182,7 +182,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             true => Progress::new(trainer.options().steps, trainer.step()),
             false => Progress::hidden(),
         },
-        metrics_path: s.metrics_path.filter(|_| is_rank0),
+        metrics_path: s.metrics_path.map(|p| rank_metrics_path(&p, s.launch.rank)),
         resuming,
         metrics: None,
         is_rank0,
@@ -217,7 +217,7 @@ fn shares_note(plan: &BatchPlan, split: &BatchSplit) -> String {
     }
 }
 
-/// Opens rank 0's metrics file: a resumed run appends; a fresh one first moves an earlier run's records
+/// Opens this rank's metrics file: a resumed run appends; a fresh one first moves an earlier run's records
 /// aside, and says where.
 fn open_metrics(path: &std::path::Path, resuming: bool) -> Result<MetricsWriter> {
     if !resuming {
@@ -232,11 +232,11 @@ fn open_metrics(path: &std::path::Path, resuming: bool) -> Result<MetricsWriter>
     MetricsWriter::open(path, resuming)
 }
 
-/// What a `train` run shows and writes: rank 0's progress and metrics file, every rank's skip warnings.
+/// What a `train` run shows and writes: rank 0's progress, every rank's metrics file and skip warnings.
 struct CliObserver {
     progress: Progress,
-    /// Rank 0's `--metrics` file, opened once the run has started (nothing is written for a run refused
-    /// at its start), appended to when resuming.
+    /// This rank's `--metrics` file ([`rank_metrics_path`]), opened once the run has started (nothing is
+    /// written for a run refused at its start), appended to when resuming.
     metrics_path: Option<std::path::PathBuf>,
     resuming: bool,
     metrics: Option<MetricsWriter>,

@@ -463,6 +463,7 @@ impl<B: Backend> Trainer<B> {
             comm_ms: ms(comm.busy),
             exposed_comm_ms: ms(comm.exposed),
             world_size: self.world,
+            rank: self.rank,
             update: self.opts.update.as_str().to_string(),
             param_hash,
             val_loss: None,
