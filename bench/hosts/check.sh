@@ -18,22 +18,10 @@ ROOT=$(cd "$HERE/../.." && pwd)
 . "$HERE/lib.sh"
 STEPS=${1:-6}
 RATE=${2:-1gbit}
-RT=${RINGTRAIN_BIN:-$ROOT/target/release/ringtrain}
-[ -x "$RT" ] || hosts_die "$RT not found: run 'cargo build --release' (or set RINGTRAIN_BIN)"
 [[ $STEPS =~ ^[0-9]+$ ]] && ((STEPS >= 1)) || hosts_die "STEPS must be a positive integer, got '$STEPS'"
-
-WORK=$(mktemp -d /tmp/rt-hosts-check.XXXXXX)
-cleanup() {
-  hosts_down_if_owned
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+hosts_job_setup check "$ROOT"
 
 TRAIN=(train --model tiny --batch-size 4 --seq-len 64 --steps "$STEPS" --backend cpu --eval-batches 1)
-head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$WORK/secret"
-chmod 600 "$WORK/secret"
 
 hosts_up 2 "$RATE"
 echo "== loopback: ringtrain launch --nproc 2 -- ${TRAIN[*]}"

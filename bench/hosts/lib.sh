@@ -187,3 +187,17 @@ hosts_tbf_counters() { # NS DEV LABEL
       printf "{\"queue\":\"%s\",\"sent_bytes\":%s,\"sent_pkts\":%s,\"dropped\":%s,\"overlimits\":%s}\n",
              q, $2, $4, $7, $9; exit }'
 }
+
+# The preamble of a job script (check.sh, two_level.sh): RT, the ringtrain binary (RINGTRAIN_BIN, else ROOT's
+# release build); WORK, a work directory named after NAME, removed at exit together with the hosts this
+# script brought up; and a fresh cluster secret in $WORK/secret.
+hosts_job_setup() { # NAME ROOT
+  RT=${RINGTRAIN_BIN:-$2/target/release/ringtrain}
+  [ -x "$RT" ] || hosts_die "$RT not found: run 'cargo build --release' (or set RINGTRAIN_BIN)"
+  WORK=$(mktemp -d "/tmp/rt-hosts-$1.XXXXXX")
+  trap 'hosts_down_if_owned; rm -rf "$WORK"' EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$WORK/secret"
+  chmod 600 "$WORK/secret"
+}

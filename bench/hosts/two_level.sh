@@ -34,25 +34,13 @@ MODEL=${4:-tiny}
 WARMUP=${WARMUP:-2}
 BATCH=${BATCH:-4}
 SEQ=${SEQ:-64}
-RT=${RINGTRAIN_BIN:-$ROOT/target/release/ringtrain}
-[ -x "$RT" ] || hosts_die "$RT not found: run 'cargo build --release' (or set RINGTRAIN_BIN)"
 for v in STEPS ROUNDS BATCH SEQ WARMUP; do
   [[ ${!v} =~ ^[0-9]+$ ]] && ((${!v} >= 1)) || hosts_die "$v must be a positive integer, got '${!v}'"
 done
 ((WARMUP < STEPS)) || hosts_die "WARMUP ($WARMUP) must be below STEPS ($STEPS)"
-
-WORK=$(mktemp -d /tmp/rt-hosts-two-level.XXXXXX)
-cleanup() {
-  hosts_down_if_owned
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+hosts_job_setup two-level "$ROOT"
 
 TRAIN=(train --model "$MODEL" --seq-len "$SEQ" --steps "$STEPS" --backend cpu --eval-batches 0)
-head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$WORK/secret"
-chmod 600 "$WORK/secret"
 
 hosts_up 2 "$RATE"
 port=29700
