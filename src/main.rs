@@ -149,6 +149,10 @@ enum BenchCommand {
         /// Untimed steps first
         #[arg(long, default_value_t = 2)]
         warmup_steps: u64,
+        /// Also time and count every op of the timed steps, by op family (one synchronisation after each
+        /// op): a table on stderr, and `profile` in the JSON line
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -210,7 +214,11 @@ fn main() -> ExitCode {
                 dump_logits,
             },
         ),
-        Command::Bench(BenchCommand::Step { args, warmup_steps }) => train::run_bench_step(*args, warmup_steps),
+        Command::Bench(BenchCommand::Step {
+            args,
+            warmup_steps,
+            profile,
+        }) => train::run_bench_step(*args, warmup_steps, profile),
         Command::Bench(BenchCommand::Kernels { backend, sizes, iters }) => {
             bench_kernels::run_bench_kernels(&backend, &sizes, iters)
         }

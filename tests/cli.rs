@@ -478,6 +478,57 @@ fn a_run_that_cannot_fit_is_refused_at_start() {
     assert!(stderr.contains("memory plan: parameters 474.7 MiB"), "{stderr}");
 }
 
+/// `bench step --profile`: one row per op family on stderr, and in the JSON line per step the counts the
+/// model's shapes give (tiny, one block: 6 FLOPs per matmul weight and 2 per bias for each token).
+#[test]
+fn bench_step_profiles_every_op_family() {
+    let mut args = vec![
+        "bench",
+        "step",
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--profile",
+        "--backend",
+        "cpu",
+    ];
+    args.extend_from_slice(&SMALL);
+    let out = ringtrain(&args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    for family in [
+        "matmul",
+        "attention",
+        "layer norm",
+        "gelu",
+        "cross-entropy",
+        "embedding",
+        "adamw",
+        "all ops",
+    ] {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(family)),
+            "no {family} row in\n{stderr}"
+        );
+    }
+    let line: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let matmul = &line["profile"][0];
+    assert_eq!(matmul["family"], "matmul");
+    let cfg = ringtrain::model::ModelConfig {
+        n_layer: 1,
+        ..ringtrain::model::ModelConfig::tiny()
+    };
+    let (c, v) = (cfg.n_embd as f64, cfg.vocab_size as f64);
+    let tokens = 2.0 * 16.0;
+    let want = tokens * (6.0 * (12.0 * c * c + v * c) + 2.0 * 9.0 * c);
+    assert_eq!(matmul["flops"].as_f64().unwrap(), want, "{line}");
+    assert!(matmul["ms"].as_f64().unwrap() > 0.0, "{line}");
+}
+
 #[test]
 fn bench_allreduce_prints_an_nccl_tests_table() {
     let out = ringtrain(&[

@@ -28,6 +28,8 @@ mod error;
 pub mod factory;
 pub mod matmul_bench;
 mod op_args;
+pub mod op_cost;
+pub mod profiled;
 pub mod testing;
 mod token_index;
 mod view;

@@ -6,6 +6,8 @@ use super::backend::{open_backend, parse_backend, with_flag_hints};
 use super::progress::{eprint_line, format_skip_line, format_spike_line, Progress};
 use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
+use ringtrain::backend::op_cost::OpFamily;
+use ringtrain::backend::profiled::{FamilyTotals, Profile, Profiled};
 use ringtrain::backend::Backend;
 use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::{Collective, TwoLevel};
@@ -363,8 +365,9 @@ impl CommTotals {
     }
 }
 
-/// `ringtrain bench step`: warm-up steps, then timed steps; ms/step, tokens/s and model GFLOP/s.
-pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
+/// `ringtrain bench step`: warm-up steps, then timed steps; ms/step, tokens/s and model GFLOP/s, and with
+/// `profile` each op family's time, FLOPs and bytes over the timed steps.
+pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result<()> {
     let timed = args.steps.unwrap_or(10).max(1);
     args.steps = Some(timed + warmup);
     args.eval_every = Some(0);
@@ -372,12 +375,22 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     let s = setup(args)?;
     let (be, _) = open_backend(s.backend, s.launch.local_rank)?;
     check_memory_plan(&s, &*be)?;
+    let (be, profiled): (Box<dyn Backend>, _) = match profile {
+        true => {
+            let (p, handle) = Profiled::new(be);
+            (Box::new(p), Some(handle))
+        }
+        false => (be, None),
+    };
     let comm = connect(&s)?;
     let plan_peak = s.plan.peak();
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_faults(&mut trainer, &s.faults);
     for _ in 0..warmup {
         trainer.train_step()?;
+    }
+    if let Some(p) = &profiled {
+        p.lock().expect("profile lock").families.clear();
     }
     let started = std::time::Instant::now();
     let mut comm = CommTotals::default();
@@ -388,6 +401,11 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
     let tokens = trainer.tokens_per_step() as f64 * timed as f64;
     // Forward + backward = 3x the forward FLOPs.
     let flops = 3.0 * trainer.flops_per_token() * tokens;
+    let profile_rows = profiled.map(|p| {
+        let p = p.lock().expect("profile lock").clone();
+        eprint!("{}", profile_table(&p, timed, secs));
+        profile_json(&p, timed)
+    });
     let line = serde_json::json!({
         "impl": "ringtrain",
         "backend": trainer.backend_name(),
@@ -403,9 +421,60 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64) -> Result<()> {
         "world_size": trainer.world(),
         "plan_peak_bytes": plan_peak,
         "measured_peak_bytes": measured_peak(),
+        "profile": profile_rows,
     });
     println!("{line}");
     Ok(())
+}
+
+/// The per-family table `bench step --profile` prints: per step, each family's calls, time and share of
+/// the step, its FLOPs and bytes (counts by `backend::op_cost`'s conventions) and the rates they give.
+fn profile_table(p: &Profile, steps: u64, step_secs: f64) -> String {
+    let per = |x: f64| x / steps as f64;
+    let mut s = format!(
+        "# per-op profile over {steps} step(s), per step (FLOPs and bytes are counts: backend/op_cost.rs; \
+         one synchronisation after each op)\n{:<14} {:>7} {:>10} {:>7} {:>10} {:>9} {:>9} {:>8}\n",
+        "op family", "calls", "ms", "step %", "GFLOP", "GB", "GFLOP/s", "GB/s"
+    );
+    let rows = OpFamily::ALL.iter().map(|&f| (f.name(), p.get(f)));
+    let total = FamilyTotals {
+        calls: p.families.values().map(|t| t.calls).sum(),
+        flops: p.families.values().map(|t| t.flops).sum(),
+        bytes: p.families.values().map(|t| t.bytes).sum(),
+        seconds: p.seconds(),
+    };
+    for (name, t) in rows.chain(std::iter::once(("all ops", total))) {
+        let rate = |x: f64| if t.seconds > 0.0 { x / t.seconds / 1e9 } else { 0.0 };
+        s.push_str(&format!(
+            "{name:<14} {:>7.0} {:>10.2} {:>7.1} {:>10.3} {:>9.3} {:>9.1} {:>8.2}\n",
+            per(t.calls as f64),
+            per(t.seconds) * 1e3,
+            100.0 * t.seconds / step_secs.max(f64::MIN_POSITIVE),
+            per(t.flops) / 1e9,
+            per(t.bytes) / 1e9,
+            rate(t.flops),
+            rate(t.bytes),
+        ));
+    }
+    s
+}
+
+/// The profile's rows for the JSON line, per step.
+fn profile_json(p: &Profile, steps: u64) -> serde_json::Value {
+    let per = |x: f64| x / steps as f64;
+    OpFamily::ALL
+        .iter()
+        .map(|&f| {
+            let t = p.get(f);
+            serde_json::json!({
+                "family": f.name(),
+                "calls": per(t.calls as f64),
+                "ms": per(t.seconds) * 1e3,
+                "flops": per(t.flops),
+                "bytes": per(t.bytes),
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
