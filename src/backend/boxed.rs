@@ -16,27 +16,7 @@ macro_rules! forward_ops {
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
-    forward_ops!(
-        copy(CopyInto),
-        encoder_forward(EncoderForward),
-        encoder_backward(EncoderBackward),
-        layernorm_forward(LayerNormForward),
-        layernorm_backward(LayerNormBackward),
-        matmul_forward(MatmulForward),
-        matmul_backward(MatmulBackward),
-        attention_forward(AttentionForward),
-        attention_backward(AttentionBackward),
-        gelu_forward(GeluForward),
-        gelu_backward(GeluBackward),
-        residual_forward(ResidualForward),
-        add_inplace(AddInplace),
-        crossentropy_forward(CrossEntropyForward),
-        crossentropy_backward(CrossEntropyBackward),
-        adamw(AdamWUpdate),
-        matmul_gelu_forward(MatmulGeluForward),
-        add_layernorm_forward(AddLayerNormForward),
-        crossentropy_forward_backward(CrossEntropyForwardBackward),
-    );
+    every_op!(forward_ops);
 
     fn name(&self) -> String {
         (**self).name()

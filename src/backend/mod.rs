@@ -20,6 +20,34 @@
 //! errors: a device failure, or a shape a backend refuses, during an op is recorded, and the first one is
 //! returned by the next synchronisation point (`synchronize`, `download`, `sum_squares`).
 
+/// Calls `$m!(method(Args), ...)` with every [`Backend`] op that takes only its checked arguments, so that
+/// a backend wrapping another (a box, the profiler) forwards each without listing them again.
+macro_rules! every_op {
+    ($m:ident) => {
+        $m!(
+            copy(CopyInto),
+            encoder_forward(EncoderForward),
+            encoder_backward(EncoderBackward),
+            layernorm_forward(LayerNormForward),
+            layernorm_backward(LayerNormBackward),
+            matmul_forward(MatmulForward),
+            matmul_backward(MatmulBackward),
+            attention_forward(AttentionForward),
+            attention_backward(AttentionBackward),
+            gelu_forward(GeluForward),
+            gelu_backward(GeluBackward),
+            residual_forward(ResidualForward),
+            add_inplace(AddInplace),
+            crossentropy_forward(CrossEntropyForward),
+            crossentropy_backward(CrossEntropyBackward),
+            adamw(AdamWUpdate),
+            matmul_gelu_forward(MatmulGeluForward),
+            add_layernorm_forward(AddLayerNormForward),
+            crossentropy_forward_backward(CrossEntropyForwardBackward),
+        );
+    };
+}
+
 mod boxed;
 pub mod conformance;
 pub mod cpu;

@@ -89,27 +89,7 @@ macro_rules! profiled_ops {
 }
 
 impl<B: Backend> Backend for Profiled<B> {
-    profiled_ops!(
-        copy(CopyInto),
-        encoder_forward(EncoderForward),
-        encoder_backward(EncoderBackward),
-        layernorm_forward(LayerNormForward),
-        layernorm_backward(LayerNormBackward),
-        matmul_forward(MatmulForward),
-        matmul_backward(MatmulBackward),
-        attention_forward(AttentionForward),
-        attention_backward(AttentionBackward),
-        gelu_forward(GeluForward),
-        gelu_backward(GeluBackward),
-        residual_forward(ResidualForward),
-        add_inplace(AddInplace),
-        crossentropy_forward(CrossEntropyForward),
-        crossentropy_backward(CrossEntropyBackward),
-        adamw(AdamWUpdate),
-        matmul_gelu_forward(MatmulGeluForward),
-        add_layernorm_forward(AddLayerNormForward),
-        crossentropy_forward_backward(CrossEntropyForwardBackward),
-    );
+    every_op!(profiled_ops);
 
     fn name(&self) -> String {
         self.inner.name()
