@@ -175,6 +175,23 @@ impl Fault {
         }
     }
 
+    /// The same fault acting on `new_rank` instead (a fault that acts on no rank is unchanged).
+    pub fn on_rank(mut self, new_rank: usize) -> Fault {
+        match &mut self {
+            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) => {}
+            Fault::SlowMessages { rank, .. }
+            | Fault::Duplicate { rank, .. }
+            | Fault::Drop { rank, .. }
+            | Fault::Kill { rank, .. }
+            | Fault::SlowCompute { rank, .. }
+            | Fault::Speed { rank, .. }
+            | Fault::Freeze { rank, .. }
+            | Fault::NonFinite { rank, .. }
+            | Fault::Flip { rank, .. } => *rank = new_rank,
+        }
+        self
+    }
+
     /// Whether it acts on the ring's messages or on a rank's place in it, which a job of one rank has none of.
     pub fn acts_on_ring(&self) -> bool {
         matches!(
@@ -411,6 +428,22 @@ impl FaultPlan {
     /// Parses `KIND=VALUE` specs, one fault each.
     pub fn parse(specs: &[impl AsRef<str>]) -> Result<FaultPlan> {
         FaultPlan::new(specs.iter().map(|s| Fault::parse(s.as_ref())).collect::<Result<_>>()?)
+    }
+
+    /// The plan of a re-formed group (elastic runs): a plan's ranks name the job's first members, so the
+    /// faults of the members in `members` (in their new rank order) move to their new ranks and the faults
+    /// of members no longer there are dropped; the faults on every message stay. A message count (`drop`,
+    /// `duplicate`) starts again in the new group.
+    pub fn for_members(&self, members: &[u32]) -> FaultPlan {
+        let faults = self
+            .faults
+            .iter()
+            .filter_map(|f| match f.rank() {
+                None => Some(*f),
+                Some(member) => members.iter().position(|&m| m as usize == member).map(|r| f.on_rank(r)),
+            })
+            .collect();
+        FaultPlan { faults }
     }
 
     /// The plan [`INJECT_FAULT_VAR`] arms: none when unset; its specs separated by commas.

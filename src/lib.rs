@@ -4,6 +4,7 @@ pub mod backend;
 pub mod collective;
 pub mod data;
 pub mod dist;
+pub mod elastic;
 pub mod fault_plan;
 pub mod metrics;
 pub mod model;

@@ -69,6 +69,11 @@ pub struct StepMetrics {
     /// step and whenever they change. Absent otherwise, and in files written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_shares: Option<Vec<usize>>,
+    /// Elastic runs, on the first step a re-formed group completes: who was lost, the new members, the step
+    /// the survivors continued from and the time to recover. Absent otherwise, and in files written before
+    /// it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub membership: Option<crate::elastic::MembershipChange>,
 }
 
 /// JSON has no NaN or infinity: serde_json writes a non-finite float as `null`. Read `null` back as NaN so a

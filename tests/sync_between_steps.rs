@@ -93,8 +93,14 @@ impl GradientSync<Be> for CarrySync {
         Ok(())
     }
 
-    fn membership_changed(&mut self, plan: &BucketPlan, owner: &ringtrain::collective::Owner) -> anyhow::Result<()> {
-        self.inner.membership_changed(plan, owner)
+    fn membership_changed(
+        &mut self,
+        be: &mut Be,
+        plan: &BucketPlan,
+        owner: &ringtrain::collective::Owner,
+        reduction: ringtrain::trainer::grad_sync::Reduction,
+    ) -> anyhow::Result<()> {
+        self.inner.membership_changed(be, plan, owner, reduction)
     }
 }
 

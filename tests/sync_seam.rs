@@ -82,8 +82,14 @@ impl<B: Backend> GradientSync<B> for EveryOtherStep<B> {
         self.inner.clear_comm_time();
     }
 
-    fn membership_changed(&mut self, plan: &BucketPlan, owner: &ringtrain::collective::Owner) -> anyhow::Result<()> {
-        self.inner.membership_changed(plan, owner)
+    fn membership_changed(
+        &mut self,
+        be: &mut B,
+        plan: &BucketPlan,
+        owner: &ringtrain::collective::Owner,
+        reduction: ringtrain::trainer::grad_sync::Reduction,
+    ) -> anyhow::Result<()> {
+        self.inner.membership_changed(be, plan, owner, reduction)
     }
 }
 

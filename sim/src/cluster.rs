@@ -22,6 +22,7 @@ use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
 use ringtrain::data::BatchSplit;
+use ringtrain::elastic::ElasticRules;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
 use std::collections::BTreeMap;
@@ -136,6 +137,13 @@ impl Cluster {
 
     pub fn transport(mut self, transport: Transport) -> Self {
         self.transport = transport;
+        self
+    }
+
+    /// Elastic membership: a lost worker (`kill`, `drop`, or `freeze` past the deadline) leaves, and the
+    /// survivors re-form the group under `rules` and go on (replicated update; in-memory transport).
+    pub fn elastic(mut self, rules: ElasticRules) -> Self {
+        self.options.elastic = Some(rules);
         self
     }
 
@@ -324,9 +332,10 @@ fn without_overlap(profile: ComputeProfile) -> ComputeProfile {
 pub struct StepRecord {
     /// Counted from 1.
     pub step: u64,
-    /// Each rank's loss (the global batch's mean, so the same on every rank up to the reduction's bits).
+    /// Each worker's loss (the global batch's mean, so the same on every rank up to the reduction's bits);
+    /// NaN for a worker of an elastic run that did not record the step (it had left, or caught up past it).
     pub losses: Vec<f64>,
-    /// Each rank's parameter fingerprint after the step.
+    /// Each worker's parameter fingerprint after the step; empty where its loss is NaN for that reason.
     pub hashes: Vec<String>,
     /// Some rank skipped the update for a non-finite loss or gradient norm (they all skip together).
     pub skipped: bool,
@@ -353,8 +362,16 @@ impl ClusterRun {
                 let step = i as u64 + 1;
                 StepRecord {
                     step,
-                    losses: report.ranks.iter().map(|r| r.losses[i]).collect(),
-                    hashes: report.ranks.iter().map(|r| r.hashes[i].clone()).collect(),
+                    losses: report
+                        .ranks
+                        .iter()
+                        .map(|r| r.at(step).map_or(f64::NAN, |a| a.0))
+                        .collect(),
+                    hashes: report
+                        .ranks
+                        .iter()
+                        .map(|r| r.at(step).map_or_else(String::new, |a| a.1.to_string()))
+                        .collect(),
                     skipped: report.ranks.iter().any(|r| r.skipped.contains(&step)),
                     single_worker_loss: report.single_worker_losses[i],
                     predicted,
@@ -383,9 +400,11 @@ impl ClusterRun {
         self.report.max_loss_gap()
     }
 
-    /// Rank 0's parameter fingerprint after the last step.
+    /// The parameter fingerprint after the last step (of the first worker that recorded it).
     pub fn final_hash(&self) -> &str {
-        self.steps.last().map_or("", |s| &s.hashes[0])
+        let last = self.steps.last();
+        last.and_then(|s| s.hashes.iter().find(|h| !h.is_empty()))
+            .map_or("", |h| h.as_str())
     }
 
     /// The split history of uneven shares (from rank 0's metrics): the step (from 1) of each change and the

@@ -7,11 +7,13 @@
 //! parameter chunk is computed by one owner and copied byte for byte. `--fault` injects faults inside the process ([`faults`]).
 
 pub mod cluster;
+pub mod elastic;
 pub mod netmodel;
 
 pub use cluster::{Cluster, ClusterRun, StepRecord};
 
 use anyhow::{bail, Context, Result};
+use elastic::Board;
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::backend::Backend;
 use ringtrain::collective::mem::single_rank;
@@ -57,9 +59,15 @@ pub struct SimConfig {
     pub split_replay: Option<std::collections::BTreeMap<u64, Vec<usize>>>,
 }
 
-/// What one rank saw: per-step loss and parameter fingerprint.
+/// What one worker saw: per-step loss and parameter fingerprint. Elastic runs: a worker lost on the way
+/// has no entries after it left, and one that caught up from a survivor ahead of it has none for the step
+/// it took over; `steps` says which step each entry is.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RankTrace {
+    /// The worker's rank in the first membership (its member id).
+    pub member: u32,
+    /// The step (from 1) of each entry of `losses` and `hashes`.
+    pub steps: Vec<u64>,
     pub losses: Vec<f64>,
     pub hashes: Vec<String>,
     /// Steps (counted from 1) skipped for a non-finite loss or gradient norm.
@@ -68,6 +76,36 @@ pub struct RankTrace {
     pub hash_after_flip: Option<String>,
     /// Uneven shares: the step (from 1) of each change of split, and the shares from then on.
     pub splits: Vec<(u64, Vec<usize>)>,
+    /// Elastic runs: each change of membership this worker went through.
+    pub memberships: Vec<ringtrain::elastic::MembershipChange>,
+    /// Elastic runs: why this worker left the job before its end (killed, or lost as frozen), if it did.
+    pub left: Option<String>,
+    /// The parameter fingerprint at the end of the run, for a worker that finished it (one that caught up
+    /// past the last step has no entry for it in `hashes`).
+    pub final_hash: Option<String>,
+}
+
+impl RankTrace {
+    fn new(member: u32) -> RankTrace {
+        RankTrace {
+            member,
+            steps: Vec::new(),
+            losses: Vec::new(),
+            hashes: Vec::new(),
+            skipped: Vec::new(),
+            hash_after_flip: None,
+            splits: Vec::new(),
+            memberships: Vec::new(),
+            left: None,
+            final_hash: None,
+        }
+    }
+
+    /// This worker's (loss, fingerprint) after step `step` (from 1), if it recorded that step.
+    pub fn at(&self, step: u64) -> Option<(f64, &str)> {
+        let i = self.steps.iter().position(|&s| s == step)?;
+        Some((self.losses[i], self.hashes[i].as_str()))
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -78,26 +116,50 @@ pub struct SimReport {
 }
 
 impl SimReport {
-    /// First (step, rank) whose fingerprint differs from rank 0's.
+    /// The last step any worker recorded.
+    pub fn last_step(&self) -> u64 {
+        self.ranks
+            .iter()
+            .filter_map(|r| r.steps.last().copied())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// First (step, worker) whose fingerprint differs from the first worker that recorded that step.
     pub fn first_divergence(&self) -> Option<(usize, usize)> {
-        let reference = &self.ranks[0].hashes;
-        for step in 0..reference.len() {
+        for step in 1..=self.last_step() {
+            let mut reference = None;
             for (rank, trace) in self.ranks.iter().enumerate() {
-                if trace.hashes.get(step) != reference.get(step) {
-                    return Some((step + 1, rank));
+                let Some((_, hash)) = trace.at(step) else { continue };
+                match reference {
+                    None => reference = Some(hash),
+                    Some(r) if r != hash => return Some((step as usize, rank)),
+                    Some(_) => {}
                 }
             }
         }
-        None
+        // The end, for every worker that finished.
+        let mut finished = self
+            .ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(r, t)| Some((r, t.final_hash.as_ref()?)));
+        let (_, first) = finished.next()?;
+        finished
+            .find(|(_, hash)| *hash != first)
+            .map(|(rank, _)| (self.last_step() as usize, rank))
     }
 
-    /// Largest |loss(N workers) - loss(1 worker, same global batch)| over the steps.
+    /// Largest |loss(N workers) - loss(1 worker, same global batch)| over the steps (each step's loss from
+    /// the first worker that recorded it).
     pub fn max_loss_gap(&self) -> f64 {
-        self.ranks[0]
-            .losses
+        self.single_worker_losses
             .iter()
-            .zip(&self.single_worker_losses)
-            .map(|(a, b)| (a - b).abs())
+            .enumerate()
+            .filter_map(|(i, single)| {
+                let loss = self.ranks.iter().find_map(|r| r.at(i as u64 + 1))?.0;
+                Some((loss - single).abs())
+            })
             .fold(0.0, f64::max)
     }
 }
@@ -118,7 +180,7 @@ fn build_trainer<B: Backend>(
     Trainer::new(be, ModelSource::Fresh(cfg.model.clone()), data, options, comm)
 }
 
-fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
+fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>, board: Option<&Board>) -> Result<RankTrace> {
     let rank = comm.rank();
     let choice = cfg
         .backends
@@ -129,22 +191,50 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>) -> Result<RankTrace> {
     let mut trainer = build_trainer(be, cfg, &cfg.options, comm).with_context(|| format!("rank {rank}"))?;
     trainer.arm_faults(cfg.faults.clone());
     let mut recorder = Recorder {
-        trace: RankTrace {
-            losses: Vec::new(),
-            hashes: Vec::new(),
-            skipped: Vec::new(),
-            hash_after_flip: None,
-            splits: Vec::new(),
-        },
+        trace: RankTrace::new(rank as u32),
     };
     if let Some(history) = &cfg.split_replay {
         trainer
             .replay_splits(history.clone())
             .with_context(|| format!("rank {rank}"))?;
     }
-    let run = trainer.run(&mut recorder);
-    run.with_context(|| format!("rank {rank}, step {}", trainer.step() + 1))?;
-    Ok(recorder.trace)
+    let Some(board) = board else {
+        let run = trainer.run(&mut recorder);
+        run.with_context(|| format!("rank {rank}, step {}", trainer.step() + 1))?;
+        recorder.trace.final_hash = Some(trainer.param_hash()?);
+        return Ok(recorder.trace);
+    };
+    let member = rank as u32;
+    match trainer.run_elastic(&mut recorder, &mut board.member(member)) {
+        Ok(_) => {
+            board.finished(member, trainer.step());
+            recorder.trace.final_hash = Some(trainer.param_hash()?);
+            Ok(recorder.trace)
+        }
+        // A worker the plan kills, or one the others went on without, leaves: that is the run's outcome, not
+        // its failure.
+        Err(e) if left_the_job(&cfg.faults, member, &e) => {
+            recorder.trace.left = Some(format!("step {}: {e:#}", trainer.step() + 1));
+            Ok(recorder.trace)
+        }
+        Err(e) => Err(e.context(format!(
+            "member {member} (rank {}), step {}",
+            trainer.rank(),
+            trainer.step() + 1
+        ))),
+    }
+}
+
+/// Whether `error` ended member `member`'s part in an elastic run as planned: its injected death, or the
+/// board's refusal of a member the group had already lost.
+fn left_the_job(faults: &FaultPlan, member: u32, error: &anyhow::Error) -> bool {
+    let text = format!("{error:#}");
+    let killed = faults
+        .faults()
+        .iter()
+        .any(|f| matches!(f, Fault::Kill { rank, .. } | Fault::Drop { rank, .. } if *rank == member as usize))
+        && text.contains("injected");
+    killed || text.contains("is no longer part of the job")
 }
 
 /// What the sim records of one rank after every step: the loss, the replica fingerprint and the skips; and
@@ -155,6 +245,7 @@ struct Recorder {
 
 impl<B: Backend> RunObserver<B> for Recorder {
     fn step(&mut self, trainer: &mut Trainer<B>, m: &StepMetrics) -> Result<()> {
+        self.trace.steps.push(m.step);
         self.trace.losses.push(m.loss);
         self.trace.hashes.push(trainer.param_hash()?);
         if m.skipped {
@@ -162,6 +253,9 @@ impl<B: Backend> RunObserver<B> for Recorder {
         }
         if let Some(shares) = &m.batch_shares {
             self.trace.splits.push((m.step, shares.clone()));
+        }
+        if let Some(change) = &m.membership {
+            self.trace.memberships.push(change.clone());
         }
         Ok(())
     }
@@ -205,6 +299,10 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     }
     faults::validate(&cfg.faults, cfg.transport, cfg.workers, &cfg.model, &cfg.options)?;
     let results: Vec<Result<RankTrace>> = match cfg.transport {
+        Transport::Mem if cfg.options.elastic.is_some() => run_elastic(cfg),
+        Transport::Quic | Transport::Shm if cfg.options.elastic.is_some() => {
+            bail!("--elastic runs over --transport mem only: the QUIC transport cannot re-form its ring yet")
+        }
         Transport::Mem => {
             let opts = MemOptions {
                 deadline: cfg.deadline,
@@ -215,7 +313,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
             std::thread::scope(|s| {
                 let handles: Vec<_> = ranks
                     .into_iter()
-                    .map(|c| s.spawn(move || run_rank(cfg, Box::new(c))))
+                    .map(|c| s.spawn(move || run_rank(cfg, Box::new(c), None)))
                     .collect();
                 handles
                     .into_iter()
@@ -227,7 +325,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
             let port = std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
             std::thread::scope(|s| {
                 let handles: Vec<_> = (0..cfg.workers)
-                    .map(|rank| s.spawn(move || run_rank(cfg, join_quic(cfg, rank, port)?)))
+                    .map(|rank| s.spawn(move || run_rank(cfg, join_quic(cfg, rank, port)?, None)))
                     .collect();
                 handles
                     .into_iter()
@@ -263,6 +361,29 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     Ok(SimReport {
         ranks,
         single_worker_losses,
+    })
+}
+
+/// The workers of an elastic run over the in-memory ring, sharing one [`Board`].
+fn run_elastic(cfg: &SimConfig) -> Vec<Result<RankTrace>> {
+    let rules = cfg.options.elastic.unwrap_or_default();
+    let ring = MemOptions {
+        deadline: cfg.deadline,
+        faults: cfg.faults.clone(),
+        ..MemOptions::default()
+    };
+    let board = Board::new(cfg.workers, rules, ring, cfg.deadline);
+    let group = board.first_group();
+    let board = &board;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|c| s.spawn(move || run_rank(cfg, c, Some(board))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| bail!("a rank thread panicked")))
+            .collect()
     })
 }
 

@@ -6,6 +6,7 @@ use clap::Parser;
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::collective::CollectiveChoice;
 use ringtrain::data::BatchSplit;
+use ringtrain::elastic::{ElasticRules, Quorum};
 use ringtrain::metrics::read_metrics;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{OnNonFinite, TrainOptions, UpdateMode};
@@ -68,6 +69,17 @@ struct Cli {
     /// of measuring; needs --batch-split auto
     #[arg(long)]
     replay_splits: Option<std::path::PathBuf>,
+    /// Survivors of a lost worker (kill, drop, or freeze past --timeout) re-form the group and go on
+    /// (replicated update, --transport mem)
+    #[arg(long)]
+    elastic: bool,
+    /// With --elastic: who may go on after a loss, a strict majority of the last membership, or any
+    /// survivors (then both sides of a partition may continue)
+    #[arg(long, default_value = "majority")]
+    quorum: String,
+    /// With --elastic: stop cleanly below this many workers
+    #[arg(long, default_value_t = 1)]
+    min_ranks: usize,
     #[arg(long, default_value_t = 1337)]
     seed: u64,
     /// Per-collective deadline, seconds
@@ -198,6 +210,13 @@ fn real_main() -> Result<ExitCode> {
         verify_every: 1,
         on_nonfinite,
         collective: cli.collective,
+        elastic: match cli.elastic {
+            true => Some(ElasticRules {
+                quorum: Quorum::parse(&cli.quorum).map_err(anyhow::Error::msg)?,
+                min_ranks: cli.min_ranks,
+            }),
+            false => None,
+        },
         ..TrainOptions::for_model(&model).with_steps(cli.steps)
     };
     if cli.timing_only
@@ -228,13 +247,28 @@ fn real_main() -> Result<ExitCode> {
         },
     };
     let report = run(&cfg)?;
-    for (step, loss) in report.ranks[0].losses.iter().enumerate() {
+    for (i, single) in report.single_worker_losses.iter().enumerate() {
+        let step = i as u64 + 1;
+        // The first worker that recorded the step (in an elastic run, worker 0 may have left).
+        let Some((loss, hash)) = report.ranks.iter().find_map(|r| r.at(step)) else {
+            continue;
+        };
+        let world = report.ranks.iter().filter(|r| r.at(step).is_some()).count();
         println!(
-            "step {:>4} | loss {loss:.6} | single worker {:.6} | replica hash {}",
-            step + 1,
-            report.single_worker_losses[step],
-            &report.ranks[0].hashes[step][..16]
+            "step {step:>4} | loss {loss:.6} | single worker {single:.6} | replica hash {} | {world} worker(s)",
+            &hash[..16]
         );
+    }
+    for trace in &report.ranks {
+        for change in &trace.memberships {
+            println!(
+                "member {}: epoch {}: lost {:?}, members {:?}, continued from step {}, recovered in {:.0} ms",
+                trace.member, change.epoch, change.lost, change.members, change.resumed_from_step, change.recovery_ms
+            );
+        }
+        if let Some(why) = &trace.left {
+            println!("member {} left the job: {why}", trace.member);
+        }
     }
     for (rank, trace) in report.ranks.iter().enumerate() {
         if !trace.skipped.is_empty() {

@@ -342,6 +342,9 @@ impl TrainArgs {
             }
         };
         let opts = TrainOptions {
+            // Elastic membership re-forms groups in the sim so far (`ringtrain-sim --elastic`); the QUIC
+            // transport has no re-form yet, so a lost rank ends a real job.
+            elastic: None,
             batch_size,
             seq_len,
             grad_accum,

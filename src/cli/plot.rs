@@ -291,6 +291,7 @@ mod tests {
             skipped: false,
             loss_spike_reference: None,
             batch_shares: None,
+            membership: None,
         }
     }
 

@@ -355,6 +355,10 @@ impl Collective for MemCollective {
     }
 
     fn abort(&mut self, reason: &str) {
+        // A dead rank (an injected death) tells nobody anything, as a killed process cannot.
+        if self.shared.state[self.rank].load(Ordering::SeqCst) == DEAD {
+            return;
+        }
         let mut a = self.shared.abort.lock().unwrap_or_else(|e| e.into_inner());
         if a.is_none() {
             *a = Some((self.rank, reason.to_string()));

@@ -315,8 +315,9 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
         self.ledger.clear();
     }
 
-    fn membership_changed(&mut self, plan: &BucketPlan, owner: &Owner) -> Result<()> {
-        let busy = self.reading.len() + self.in_flight.len() + self.gathering.len();
+    fn membership_changed(&mut self, be: &mut B, plan: &BucketPlan, owner: &Owner, reduction: Reduction) -> Result<()> {
+        self.forget_step(be);
+        let busy = self.gathering.len();
         anyhow::ensure!(
             busy == 0,
             "the group was re-formed with {busy} of this rank's transfers still in flight (settle the parameters \
@@ -325,6 +326,7 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
         self.plan = plan.clone();
         (self.world, self.rank) = (owner.world(), owner.rank());
         self.owner = owner.clone();
+        self.reduction = reduction;
         Ok(())
     }
 

@@ -1,11 +1,15 @@
 //! A re-formed group between steps: the collective replaced, the optimizer state re-cut for this rank's
 //! chunks, and the sync told of the new ownership ([`GradientSync::membership_changed`](super::sync)).
 
+use super::auto_split::AutoSplit;
+use super::grad_sync::Reduction;
 use super::shard_guard::ShardGuard;
 use super::Trainer;
 use crate::backend::Backend;
 use crate::collective::comm_thread::CommThread;
 use crate::collective::Collective;
+use crate::data::{BatchPlan, BatchSplit};
+use crate::elastic::Membership;
 use crate::optim::AdamW;
 use anyhow::{ensure, Context, Result};
 
@@ -42,10 +46,132 @@ impl<B: Backend> Trainer<B> {
         }
         self.comm = CommThread::spawn(comm).context("starting the communication thread")?;
         self.rank = rank;
-        self.sync.membership_changed(&self.plan, &owner)?;
+        self.sync.membership_changed(
+            &mut self.be,
+            &self.plan,
+            &owner,
+            Reduction::of(&self.batch, self.opts.seq_len),
+        )?;
         self.owner = owner;
         // The shard checksum was of the old chunk; it starts again with the next update.
         self.guard = ShardGuard::for_run(&self.opts, world);
         Ok(())
+    }
+}
+
+/// What each survivor tells the others when a group is re-formed after a loss: the last step it committed
+/// (parameters updated), its optimizer's step count, its token count and the fingerprint of its
+/// replicated state. 56 bytes, little-endian.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SurvivorState {
+    committed: u64,
+    optimizer_step: u64,
+    tokens_seen: u64,
+    hash: [u8; 32],
+}
+
+impl SurvivorState {
+    const BYTES: usize = 56;
+
+    fn to_bytes(self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(Self::BYTES);
+        for n in [self.committed, self.optimizer_step, self.tokens_seen] {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+        out.extend_from_slice(&self.hash);
+        out
+    }
+
+    fn from_bytes(rank: usize, bytes: &[u8]) -> Result<Self> {
+        ensure!(
+            bytes.len() == Self::BYTES,
+            "rank {rank} sent a {}-byte survivor state, not {}",
+            bytes.len(),
+            Self::BYTES
+        );
+        let word = |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        Ok(SurvivorState {
+            committed: word(0),
+            optimizer_step: word(1),
+            tokens_seen: word(2),
+            hash: bytes[24..].try_into().expect("32 bytes"),
+        })
+    }
+}
+
+impl<B: Backend> Trainer<B> {
+    /// Continues on `comm`, the group of the survivors of a loss (`membership`, already agreed), of any
+    /// size. Collective over the new group: every survivor calls it. Replicated update only: there every
+    /// survivor holds the whole state (the sharded update loses the dead rank's moments, which need the
+    /// buddy mirrors this build does not have; [`TrainOptions::validate`] refuses the combination).
+    ///
+    /// The survivors exchange the last step each committed; all continue from the highest, those behind
+    /// taking the state of the lowest-numbered rank that committed it (a loss during a step's last
+    /// collective can leave some survivors one step ahead: catching up needs no copy kept for a rollback).
+    /// The global batch stays the same and is re-split evenly over the new group (`auto` starts measuring
+    /// afresh), so a step's data does not depend on who is left. Returns the step the group continues from.
+    pub fn reform(&mut self, comm: Box<dyn Collective>, membership: Membership) -> Result<u64> {
+        ensure!(
+            self.moments_are_replicated(),
+            "an elastic re-form needs every survivor to hold the whole optimizer state (--update replicated)"
+        );
+        let (world, rank) = (comm.world(), comm.rank());
+        ensure!(
+            world == membership.world() && world >= 1,
+            "the re-formed group has {world} ranks, its membership {}",
+            membership.world()
+        );
+        let owner = comm.owner();
+        // The old thread holds a failed collective; whatever it still had queued fails with it.
+        self.comm = CommThread::spawn(comm).context("starting the communication thread")?;
+        (self.world, self.rank) = (world, rank);
+        let global = self.batch.global;
+        let split = match self.opts.batch_split {
+            BatchSplit::Auto => BatchSplit::Even,
+            ref other => other.clone(),
+        };
+        self.batch = BatchPlan::new(global, world, &split, self.opts.batch_size, self.opts.grad_accum)?;
+        self.auto_split = (self.opts.batch_split == BatchSplit::Auto && world > 1).then(AutoSplit::default);
+        let reduction = Reduction::of(&self.batch, self.opts.seq_len);
+        self.sync
+            .membership_changed(&mut self.be, &self.plan, &owner, reduction)?;
+        self.owner = owner;
+        self.guard = ShardGuard::for_run(&self.opts, world);
+        self.faults = self.armed_faults.for_members(&membership.members);
+        self.membership = membership;
+        let resumed = self.catch_up()?;
+        Ok(resumed)
+    }
+
+    /// Brings every survivor to the highest committed step among them (see [`Trainer::reform`]).
+    fn catch_up(&mut self) -> Result<u64> {
+        let mine = SurvivorState {
+            committed: self.step,
+            optimizer_step: self.opt.step,
+            tokens_seen: self.tokens_seen,
+            hash: self.state_hash(true)?,
+        };
+        let all = self.comm.run(move |c| c.gather_bytes(mine.to_bytes()))?;
+        let states = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| SurvivorState::from_bytes(r, b))
+            .collect::<Result<Vec<_>>>()?;
+        let newest = states.iter().map(|s| s.committed).max().unwrap_or(self.step);
+        let source = states.iter().position(|s| s.committed == newest).unwrap_or(0);
+        let reference = states[source];
+        if states.iter().any(|s| s.hash != reference.hash) {
+            self.broadcast_state_from(source)?;
+            let hash = self.state_hash(true)?;
+            ensure!(
+                hash == reference.hash,
+                "rank {}: after taking rank {source}'s state at step {newest} its fingerprint still differs",
+                self.rank
+            );
+        }
+        self.step = reference.committed;
+        self.opt.step = reference.optimizer_step;
+        self.tokens_seen = reference.tokens_seen;
+        Ok(newest)
     }
 }

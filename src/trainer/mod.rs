@@ -41,6 +41,7 @@ mod shard_guard;
 pub mod sync;
 
 use crate::data::BatchSplit;
+use crate::elastic::Membership;
 use crate::fault_plan::FaultPlan;
 use auto_split::AutoSplit;
 use buckets::BucketPlan;
@@ -51,7 +52,7 @@ use shard_guard::ShardGuard;
 use sync::{AgreedStep, GradientSync, LocalStep, SyncState};
 
 pub use replicas::hash_f32;
-pub use run::{Quiet, RunObserver};
+pub use run::{blamed_peer, Quiet, Regroup, Regrouped, RunObserver};
 
 pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
@@ -171,9 +172,14 @@ pub struct Trainer<B: Backend> {
     /// Injected faults ([`fault_injection`]); the trainer applies the kinds that act on its rank's compute
     /// and state.
     faults: FaultPlan,
+    /// The plan as armed, its ranks naming the first membership's members: a re-formed group takes the
+    /// faults of its members from it ([`FaultPlan::for_members`]).
+    armed_faults: FaultPlan,
     /// Sharded over several ranks with `--verify-every`: the checksum of this rank's shard between its updates
     /// ([`shard_guard`]).
     guard: ShardGuard,
+    /// The members of the group and its epoch (elastic runs re-form it; otherwise it stays the first).
+    membership: Membership,
     /// The sync's state read from the checkpoint this run resumes, handed to the sync before the first step
     /// (after any [`Trainer::wrap_sync`]).
     resumed_sync_state: Option<SyncState>,
@@ -323,7 +329,9 @@ impl<B: Backend> Trainer<B> {
             targets: vec![0; n],
             spikes,
             faults: FaultPlan::default(),
+            armed_faults: FaultPlan::default(),
             guard,
+            membership: Membership::initial(world),
             resumed_sync_state,
         };
         trainer.replicate()?;
@@ -336,6 +344,11 @@ impl<B: Backend> Trainer<B> {
 
     pub fn world(&self) -> usize {
         self.world
+    }
+
+    /// The group's members and epoch.
+    pub fn membership(&self) -> &Membership {
+        &self.membership
     }
 
     /// Optimizer steps completed (skipped ones included): the 0-based index of the next step.
@@ -393,7 +406,8 @@ impl<B: Backend> Trainer<B> {
     /// Arms a fault plan ([`fault_injection`]): the kinds that name this rank's gradient, compute or state
     /// fire at their steps. The transports apply the message kinds of the same plan.
     pub fn arm_faults(&mut self, plan: FaultPlan) {
-        self.faults = plan;
+        self.faults = plan.for_members(&self.membership.members);
+        self.armed_faults = plan;
     }
 
     /// Replaces the synchronisation between steps: `wrap` receives the current one (to wrap or drop) and
@@ -430,15 +444,17 @@ impl<B: Backend> Trainer<B> {
             .synchronise(&mut self.be, &self.comm, self.model.grads, local)?;
         let loss_spike_reference = self.spikes.observe(agreed.loss);
         let (lr, skipped) = self.update(agreed)?;
+        // Committed: the parameters are updated, so the step counts even if what follows fails (an elastic
+        // re-form continues from here).
+        self.step += 1;
+        self.tokens_seen += self.tokens_per_step();
         let comm = self.sync.take_comm_time();
         let verify = self.opts.verify_every;
-        let param_hash = match verify > 0 && (self.step + 1) % verify == 0 {
+        let param_hash = match verify > 0 && self.step % verify == 0 {
             true => Some(self.verify_replicas()?),
             false => None,
         };
         self.be.synchronize()?;
-        self.step += 1;
-        self.tokens_seen += self.tokens_per_step();
         let batch_shares = self.shares_to_report();
         if let Some(shares) = self
             .auto_split
@@ -470,6 +486,7 @@ impl<B: Backend> Trainer<B> {
             skipped,
             loss_spike_reference,
             batch_shares,
+            membership: None,
         })
     }
 

@@ -4,6 +4,7 @@
 use super::loss_spike::DEFAULT_LOSS_SPIKE;
 use crate::collective::CollectiveChoice;
 use crate::data::{BatchPlan, BatchSplit};
+use crate::elastic::ElasticRules;
 use crate::model::ModelConfig;
 use crate::optim::schedule::ScheduleKind;
 use crate::optim::{AdamWConfig, LrSchedule};
@@ -142,6 +143,9 @@ pub struct TrainOptions {
     /// Start each bucket's collective while backward goes on (`--overlap on`), or after it (`off`); the
     /// bits are the same.
     pub overlap: bool,
+    /// Elastic membership: the survivors of a lost rank re-form the group and go on under these rules
+    /// (`None`: a lost rank ends the job). Replicated update, flat ring, `even` or `auto` split only.
+    pub elastic: Option<ElasticRules>,
     /// The settings the run was asked for, as JSON (the command line stores its flags), kept in checkpoints
     /// for inspection; empty when the options were built in code.
     pub args_json: String,
@@ -188,8 +192,32 @@ impl TrainOptions {
             on_divergence: OnDivergence::Abort,
             bucket_elems: bucket_elems(DEFAULT_BUCKET_MB),
             overlap: true,
+            elastic: None,
             args_json: String::new(),
         }
+    }
+
+    /// What an elastic run can re-form today: every survivor must hold the whole state, and the global batch
+    /// must re-split over any number of ranks.
+    fn validate_elastic(&self) -> anyhow::Result<()> {
+        let Some(rules) = &self.elastic else { return Ok(()) };
+        anyhow::ensure!(rules.min_ranks >= 1, "--min-ranks must be at least 1");
+        anyhow::ensure!(
+            self.update == UpdateMode::Replicated,
+            "--elastic needs --update replicated: under the sharded update a lost rank takes its optimizer chunk \
+             with it, and the buddy mirrors that would keep a copy are not built"
+        );
+        anyhow::ensure!(
+            matches!(self.batch_split, BatchSplit::Even | BatchSplit::Auto),
+            "--elastic with --batch-split {}: weights name ranks, which a membership change renumbers; use even or \
+             auto",
+            self.batch_split
+        );
+        anyhow::ensure!(
+            self.collective != CollectiveChoice::Hierarchical,
+            "--elastic re-forms a flat ring; --collective hierarchical is not re-formed"
+        );
+        Ok(())
     }
 
     /// Sets the number of optimizer steps and the schedule's length with it (the cosine reaches its floor at
@@ -232,6 +260,7 @@ impl TrainOptions {
              --batch-size as its share needs, so give one of the two"
         );
         self.batch_plan(world)?;
+        self.validate_elastic()?;
         let lr = self.schedule.lr;
         ensure!(lr.is_finite() && lr > 0.0, "--lr {lr} must be a positive number");
         let min_lr = self.schedule.min_lr;

@@ -37,7 +37,7 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// blake3 over the parameters (and, when asked, both moments): the replica fingerprint.
-    fn state_hash(&mut self, with_moments: bool) -> Result<[u8; 32]> {
+    pub(super) fn state_hash(&mut self, with_moments: bool) -> Result<[u8; 32]> {
         self.settle_params()?;
         let mut hasher = blake3::Hasher::new();
         let views = if with_moments {
@@ -56,18 +56,23 @@ impl<B: Backend> Trainer<B> {
     /// Copies rank 0's replicated state (parameters, and moments when every rank holds them all) to every
     /// rank.
     fn broadcast_state(&mut self) -> Result<()> {
+        self.broadcast_state_from(0)
+    }
+
+    /// Copies rank `root`'s replicated state to every rank.
+    pub(super) fn broadcast_state_from(&mut self, root: usize) -> Result<()> {
         self.settle_params()?;
         for view in self.replicated_views() {
             let mut host = vec![0f32; view.len];
             self.be.download(view, &mut host)?;
-            let host = self.comm.run(move |c| c.broadcast(&mut host, 0).map(|()| host))?;
+            let host = self.comm.run(move |c| c.broadcast(&mut host, root).map(|()| host))?;
             self.be.upload(view, &host)?;
         }
         Ok(())
     }
 
     /// Compares replica fingerprints (parameters; plus moments in replicated mode, where each rank keeps
-    /// the whole optimizer state). On a mismatch: abort naming the ranks, or resync from rank 0.
+    /// the whole optimizer state), after the step's update has counted it. On a mismatch: abort naming the ranks, or resync from rank 0.
     pub(super) fn verify_replicas(&mut self) -> Result<String> {
         let with_moments = self.opts.update == UpdateMode::Replicated;
         let hash = self.state_hash(with_moments)?;
@@ -79,18 +84,18 @@ impl<B: Backend> Trainer<B> {
                     OnDivergence::Abort => bail!(
                         "step {}: replicas diverged: rank(s) {diverged:?} differ from the others \
                          (--on-divergence resync would copy rank 0's state)",
-                        self.step + 1
+                        self.step
                     ),
                     OnDivergence::Resync => {
                         tracing::warn!(
                             "step {}: rank(s) {diverged:?} diverged; resyncing from rank 0",
-                            self.step + 1
+                            self.step
                         );
                         // Sharded moments belong to their rank; only what is replicated is copied.
                         self.broadcast_state()?;
                         // The copy rewrote this rank's parameter chunks too.
                         self.guard
-                            .record(&mut self.be, self.model.params, &self.opt, self.step + 1)?;
+                            .record(&mut self.be, self.model.params, &self.opt, self.step)?;
                         return Ok(blake3::Hash::from(self.state_hash(with_moments)?).to_hex().to_string());
                     }
                 }

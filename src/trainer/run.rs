@@ -3,11 +3,14 @@
 
 use super::Trainer;
 use crate::backend::Backend;
+use crate::collective::{Collective, CollectiveError};
+use crate::elastic::{Cause, MemberId, Membership, MembershipChange};
 use crate::fault_plan::Fault;
 use crate::metrics::StepMetrics;
 use crate::model::checkpoint::check_save_target;
 use anyhow::{Context, Result};
 use std::path::Path;
+use std::time::Instant;
 
 /// What a caller of [`Trainer::run`] sees of the run: progress, metrics files, per-step checks.
 pub trait RunObserver<B: Backend> {
@@ -64,6 +67,42 @@ impl Saves {
     }
 }
 
+/// How an elastic run ([`Trainer::run_elastic`]) gets its next group after a loss: whatever agrees on the
+/// survivors (the sim's in-process board; a rendezvous among the ranks for real processes) and connects
+/// them.
+pub trait Regroup {
+    /// This rank's collective failed, blaming `blamed` (a member and why, when the transport named one),
+    /// after `committed` steps. Returns the agreed next membership, which holds this rank, with the
+    /// collective that joins it and the members it lost; or why the job stops.
+    fn regroup(&mut self, last: &Membership, blamed: Option<(MemberId, Cause)>, committed: u64) -> Result<Regrouped>;
+}
+
+/// A re-formed group, as [`Regroup::regroup`] returns it.
+pub struct Regrouped {
+    pub comm: Box<dyn Collective>,
+    pub membership: Membership,
+    /// The members of the last membership not in the new one, and why each was lost.
+    pub lost: Vec<(MemberId, Cause)>,
+}
+
+/// The member a failed collective blames, if the failure is a lost peer (dead, or silent until the
+/// deadline) rather than a peer's abort, a protocol violation or a local error, which an elastic run does
+/// not survive.
+pub fn blamed_peer(error: &anyhow::Error, membership: &Membership) -> Option<(MemberId, Cause)> {
+    let (rank, cause) = error.chain().find_map(|e| match e.downcast_ref::<CollectiveError>()? {
+        CollectiveError::PeerDead { rank, .. } => Some((*rank, Cause::Dead)),
+        CollectiveError::Timeout { waiting_on, .. } => Some((*waiting_on, Cause::Frozen)),
+        _ => None,
+    })?;
+    Some((*membership.members.get(rank)?, cause))
+}
+
+/// A change of membership not yet recorded: it goes into the metrics of the next completed step.
+struct Recovery {
+    change: MembershipChange,
+    since: Instant,
+}
+
 impl<B: Backend> Trainer<B> {
     /// Trains until `--steps`: evaluates every `eval_every` steps and at the end (when `eval_batches` is not
     /// 0), saves every `save_every` steps and at the end (when `save` is set), and tells `observer` after
@@ -71,14 +110,38 @@ impl<B: Backend> Trainer<B> {
     /// other ranks are told why ([`Trainer::abort`]) before it is returned. Returns the last step's metrics
     /// (none when the run was already at its last step).
     pub fn run(&mut self, observer: &mut dyn RunObserver<B>) -> Result<Option<StepMetrics>> {
-        let result = self.run_steps(observer);
+        let result = self.run_steps(observer, None);
         if let Err(e) = &result {
             self.abort(&format!("{e:#}"));
         }
         result
     }
 
-    fn run_steps(&mut self, observer: &mut dyn RunObserver<B>) -> Result<Option<StepMetrics>> {
+    /// [`Trainer::run`] for an elastic job (`TrainOptions::elastic`): when a collective fails because a peer
+    /// was lost, `regroup` agrees on the survivors and joins them, the trainer re-forms
+    /// ([`Trainer::reform`]) and the run goes on from the step the survivors agreed on. Any other error
+    /// ends the run as in [`Trainer::run`].
+    pub fn run_elastic(
+        &mut self,
+        observer: &mut dyn RunObserver<B>,
+        regroup: &mut dyn Regroup,
+    ) -> Result<Option<StepMetrics>> {
+        anyhow::ensure!(
+            self.opts.elastic.is_some(),
+            "run_elastic needs elastic options (TrainOptions::elastic)"
+        );
+        let result = self.run_steps(observer, Some(regroup));
+        if let Err(e) = &result {
+            self.abort(&format!("{e:#}"));
+        }
+        result
+    }
+
+    fn run_steps(
+        &mut self,
+        observer: &mut dyn RunObserver<B>,
+        mut regroup: Option<&mut dyn Regroup>,
+    ) -> Result<Option<StepMetrics>> {
         let save = self.opts.save.clone();
         // Rank 0 writes the checkpoints: find out now, not after the run, when the path cannot take one.
         if let (Some(dir), 0) = (&save, self.rank) {
@@ -92,37 +155,108 @@ impl<B: Backend> Trainer<B> {
         observer.started(self)?;
         let mut saves = Saves::default();
         let mut last = None;
+        let mut recovery: Option<Recovery> = None;
         while self.step < self.opts.steps {
-            let mut m = self.train_step()?;
-            let at_end = self.step == self.opts.steps;
-            if self.eval_due(at_end) {
-                m.val_loss = self.evaluate()?;
-            }
-            observer.step(self, &m)?;
-            if let Some((target, element)) = self.faults.flip_after(self.rank, m.step) {
-                self.apply_flip(target, element).context("fault flip")?;
-                let fault = Fault::Flip {
-                    rank: self.rank,
-                    step: m.step,
-                    target,
-                    element,
-                };
-                observer.state_corrupted(self, &fault)?;
-            }
-            let every = self.opts.save_every;
-            if let (Some(dir), false) = (&save, at_end) {
-                if every > 0 && self.step % every == 0 {
-                    saves.save(self, dir)?;
-                    observer.saved(self.step, dir);
+            match self.step_and_after(observer, &mut saves, save.as_deref(), &mut recovery) {
+                Ok(m) => last = Some(m),
+                Err(e) => {
+                    // A loss during the recovery from another counts from the first.
+                    let since = recovery.as_ref().map_or_else(Instant::now, |r| r.since);
+                    let mut lost_before = recovery.take().map(|r| r.change.lost).unwrap_or_default();
+                    let Some(regroup) = regroup.as_deref_mut() else {
+                        return Err(e);
+                    };
+                    let Some(blamed) = blamed_peer(&e, &self.membership) else {
+                        return Err(e);
+                    };
+                    let regrouped = regroup
+                        .regroup(&self.membership, Some(blamed), self.step)
+                        .with_context(|| format!("after {e:#}"))?;
+                    let (epoch, members) = (regrouped.membership.epoch, regrouped.membership.members.clone());
+                    tracing::warn!(
+                        "rank {}: lost member(s) {:?} ({e:#}); continuing as rank {} of {} (epoch {epoch})",
+                        self.rank,
+                        &regrouped.lost,
+                        regrouped.comm.rank(),
+                        members.len()
+                    );
+                    let resumed = self.reform(regrouped.comm, regrouped.membership)?;
+                    lost_before.extend(regrouped.lost);
+                    let change = MembershipChange {
+                        epoch,
+                        lost: lost_before,
+                        members,
+                        resumed_from_step: resumed,
+                        recovery_ms: 0.0,
+                    };
+                    // A save due at the step the survivors continue from, which the loss interrupted.
+                    let every = self.opts.save_every;
+                    if let Some(dir) = &save {
+                        let due = every > 0 && resumed > 0 && resumed % every == 0 && resumed < self.opts.steps;
+                        if due && saves.last != Some(resumed) {
+                            saves.save(self, dir)?;
+                            observer.saved(self.step, dir);
+                        }
+                    }
+                    recovery = Some(Recovery { change, since });
                 }
             }
-            last = Some(m);
         }
         if let Some(dir) = &save {
             saves.save(self, dir)?;
             observer.saved(self.step, dir);
         }
         Ok(last)
+    }
+
+    /// One step and what follows it: the record of a re-formed group's first step, the evaluation when
+    /// due, the observer, an injected `flip`, and the save when due.
+    fn step_and_after(
+        &mut self,
+        observer: &mut dyn RunObserver<B>,
+        saves: &mut Saves,
+        save: Option<&Path>,
+        recovery: &mut Option<Recovery>,
+    ) -> Result<StepMetrics> {
+        let mut m = self.train_step()?;
+        if let Some(r) = recovery.take() {
+            let change = MembershipChange {
+                recovery_ms: r.since.elapsed().as_secs_f64() * 1e3,
+                ..r.change
+            };
+            tracing::info!(
+                "rank {}: step {}: the group of epoch {} ({} ranks) completed its first step, {:.0} ms after the loss",
+                self.rank,
+                m.step,
+                change.epoch,
+                change.members.len(),
+                change.recovery_ms
+            );
+            m.membership = Some(change);
+        }
+        let at_end = self.step == self.opts.steps;
+        if self.eval_due(at_end) {
+            m.val_loss = self.evaluate()?;
+        }
+        observer.step(self, &m)?;
+        if let Some((target, element)) = self.faults.flip_after(self.rank, m.step) {
+            self.apply_flip(target, element).context("fault flip")?;
+            let fault = Fault::Flip {
+                rank: self.rank,
+                step: m.step,
+                target,
+                element,
+            };
+            observer.state_corrupted(self, &fault)?;
+        }
+        let every = self.opts.save_every;
+        if let (Some(dir), false) = (save, at_end) {
+            if every > 0 && self.step % every == 0 {
+                saves.save(self, dir)?;
+                observer.saved(self.step, dir);
+            }
+        }
+        Ok(m)
     }
 
     /// Whether the step just finished is evaluated: every `eval_every` steps and the last one, unless the

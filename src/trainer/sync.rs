@@ -11,7 +11,7 @@
 
 use super::buckets::BucketPlan;
 use super::comm_ledger::CommTime;
-use super::grad_sync::SyncTrace;
+use super::grad_sync::{Reduction, SyncTrace};
 use crate::backend::{Backend, View};
 use crate::collective::comm_thread::CommThread;
 use crate::collective::Owner;
@@ -115,7 +115,9 @@ pub trait GradientSync<B: Backend>: Send {
     /// number, the world, the layout), and with `plan` says who owns which part of every gradient bucket.
     /// The sync rebuilds whatever it derived from them; the trainer has already re-cut the optimizer state
     /// and replaced the collective.
-    fn membership_changed(&mut self, plan: &BucketPlan, owner: &Owner) -> Result<()>;
+    /// `reduction` is how the new group reduces (a change of size can turn equal shares into uneven
+    /// ones). A step that failed half way (the loss that re-formed the group) is forgotten first.
+    fn membership_changed(&mut self, be: &mut B, plan: &BucketPlan, owner: &Owner, reduction: Reduction) -> Result<()>;
 
     /// When the last step's collectives started against the end of its backward, for syncs that trace it.
     fn trace(&self) -> Option<&SyncTrace> {

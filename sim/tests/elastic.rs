@@ -1,0 +1,242 @@
+//! Elastic membership in the sim: a worker killed, frozen or dropped mid-collective leaves, the survivors
+//! re-form and finish, and their final bits are those of the same membership history replayed the slow
+//! way (the run stopped at the last committed step, checkpointed, and resumed on the survivors).
+
+use ringtrain::backend::factory::{self, BackendChoice};
+use ringtrain::collective::mem::{mem_cluster, MemOptions};
+use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::elastic::{Cause, ElasticRules, Quorum};
+use ringtrain::model::ModelConfig;
+use ringtrain::trainer::{ModelSource, Quiet, TrainOptions, Trainer, UpdateMode};
+use ringtrain_sim::cluster::{Cluster, ClusterRun};
+use std::path::Path;
+use std::time::Duration;
+
+const STEPS: u64 = 6;
+
+fn elastic(workers: usize, rules: ElasticRules) -> Cluster {
+    Cluster::new(workers)
+        .update(UpdateMode::Replicated)
+        .elastic(rules)
+        .timeout(Duration::from_secs(20))
+}
+
+/// The options of `cluster`'s run, as its workers train them.
+fn options_of(cluster: &Cluster) -> TrainOptions {
+    let mut options = cluster.config(STEPS).unwrap().options;
+    options.eval_batches = 0;
+    options.elastic = None;
+    options
+}
+
+fn trainer(
+    options: &TrainOptions,
+    source: ModelSource,
+    comm: Box<dyn ringtrain::collective::Collective>,
+) -> Trainer<Box<dyn ringtrain::backend::Backend>> {
+    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+    Trainer::new(be, source, data, options.clone(), comm).unwrap()
+}
+
+/// The membership history done the slow way: `first` workers train up to `committed` steps and save,
+/// then `then` workers resume from that checkpoint (the same global batch) and train to the end. Returns
+/// the final parameter fingerprint of every worker of the second group.
+fn replay(options: &TrainOptions, first: usize, committed: u64, then: usize, dir: &Path) -> Vec<String> {
+    let global = options
+        .global_batch
+        .unwrap_or(first * options.batch_size * options.grad_accum);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = mem_cluster(first, MemOptions::default())
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let mut t = trainer(options, ModelSource::Fresh(ModelConfig::tiny()), Box::new(comm));
+                    while t.step() < committed {
+                        t.train_step().unwrap();
+                    }
+                    t.save(dir).unwrap();
+                })
+            })
+            .collect();
+        handles.into_iter().for_each(|h| h.join().unwrap());
+    });
+    let resumed = TrainOptions {
+        global_batch: Some(global),
+        ..options.clone()
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = mem_cluster(then, MemOptions::default())
+            .into_iter()
+            .map(|comm| {
+                let resumed = &resumed;
+                s.spawn(move || {
+                    let mut t = trainer(resumed, ModelSource::Resume(dir.to_path_buf()), Box::new(comm));
+                    t.run(&mut Quiet).unwrap();
+                    t.param_hash().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The members that finished the run, and every change of membership the first of them recorded.
+fn survivors(run: &ClusterRun) -> Vec<u32> {
+    run.report
+        .ranks
+        .iter()
+        .filter(|r| r.left.is_none())
+        .map(|r| r.member)
+        .collect()
+}
+
+#[test]
+fn a_killed_worker_leaves_and_the_survivors_end_with_the_bits_of_a_restart_on_fewer_ranks() {
+    let cluster = elastic(3, ElasticRules::default()).fault("kill=2:3").unwrap();
+    let run = cluster.run(STEPS).unwrap();
+    assert!(run.replicas_identical(), "{:?}", run.first_divergence());
+    assert_eq!(survivors(&run), vec![0, 1]);
+    let killed = &run.report.ranks[2];
+    assert!(
+        killed.left.as_deref().unwrap().contains("injected removal at step 3"),
+        "{:?}",
+        killed.left
+    );
+    assert_eq!(killed.steps, vec![1, 2]);
+    for member in [0, 1] {
+        let changes = &run.report.ranks[member].memberships;
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        let change = &changes[0];
+        assert_eq!((change.epoch, change.resumed_from_step), (1, 2));
+        assert_eq!(change.lost, vec![(2, Cause::Dead)]);
+        assert_eq!(change.members, vec![0, 1]);
+        assert!(change.recovery_ms > 0.0);
+        assert_eq!(run.report.ranks[member].steps, (1..=STEPS).collect::<Vec<_>>());
+    }
+    // The same global batch, so the same loss as one worker up to the reduction's rounding.
+    assert!(run.max_loss_gap_to_single_worker() < 1e-5);
+
+    let dir = tempfile::tempdir().unwrap();
+    let replayed = replay(&options_of(&cluster), 3, 2, 2, dir.path());
+    assert_eq!(replayed, vec![run.final_hash().to_string(); 2]);
+}
+
+#[test]
+fn rank_0_killed_hands_its_place_to_the_lowest_survivor() {
+    let cluster = elastic(3, ElasticRules::default()).fault("kill=0:2").unwrap();
+    let run = cluster.run(STEPS).unwrap();
+    assert!(run.replicas_identical());
+    assert_eq!(survivors(&run), vec![1, 2]);
+    let change = &run.report.ranks[1].memberships[0];
+    assert_eq!((change.members.clone(), change.resumed_from_step), (vec![1, 2], 1));
+    let dir = tempfile::tempdir().unwrap();
+    let replayed = replay(&options_of(&cluster), 3, 1, 2, dir.path());
+    assert_eq!(replayed, vec![run.final_hash().to_string(); 2]);
+}
+
+#[test]
+fn a_lone_survivor_of_two_stops_unless_the_quorum_is_any() {
+    let err = elastic(2, ElasticRules::default())
+        .fault("kill=1:2")
+        .unwrap()
+        .run(4)
+        .unwrap_err();
+    let err = format!("{err:#}");
+    assert!(
+        err.contains("not a strict majority") && err.contains("--quorum any"),
+        "{err}"
+    );
+    assert!(err.contains("committed up to step 1"), "{err}");
+
+    let any = ElasticRules {
+        quorum: Quorum::Any,
+        min_ranks: 1,
+    };
+    let cluster = elastic(2, any).fault("kill=1:2").unwrap();
+    let run = cluster.run(4).unwrap();
+    assert_eq!(survivors(&run), vec![0]);
+    assert_eq!(run.report.ranks[0].steps, vec![1, 2, 3, 4]);
+
+    let floor = ElasticRules {
+        quorum: Quorum::Majority,
+        min_ranks: 3,
+    };
+    let err = elastic(3, floor).fault("kill=1:2").unwrap().run(4).unwrap_err();
+    assert!(format!("{err:#}").contains("fewer than --min-ranks 3"), "{err:#}");
+}
+
+#[test]
+fn a_frozen_worker_is_left_behind_and_refused_when_it_wakes() {
+    // Frozen for 3 s against a 0.5 s deadline: its neighbours time out, the stall travels round the ring,
+    // and the board waits the detection time for members only timed out on before it goes on.
+    let cluster = elastic(4, ElasticRules::default())
+        .timeout(Duration::from_millis(500))
+        .fault("freeze=1:2:3000")
+        .unwrap();
+    let run = cluster.run(4).unwrap();
+    assert!(run.replicas_identical());
+    assert_eq!(survivors(&run), vec![0, 2, 3]);
+    let frozen = run.report.ranks[1].left.as_deref().unwrap();
+    assert!(frozen.contains("no longer part of the job"), "{frozen}");
+    assert_eq!(run.report.ranks[0].memberships[0].lost, vec![(1, Cause::Frozen)]);
+}
+
+#[test]
+fn deaths_anywhere_in_a_step_leave_survivors_that_agree_and_catch_up() {
+    // Worker 1 dies after each number of sent messages in turn: before, inside and after each of a step's
+    // collectives (the gradient's all-reduce, the scalars, the replica check). Its first 2 messages are the
+    // start's fingerprint exchange, before the run: a death there fails the start, as in any job. Every run finishes with
+    // identical replicas; where the death fell inside the last collective of a step, some survivor had
+    // committed it and the others caught up from it (they have no record of that step).
+    let mut caught_up = 0;
+    // 3 steps send 24 messages after the start's 2 (8 per step: 4 for the all-reduce of the one bucket, 2
+    // for the scalars, 2 for the replica check).
+    for msgs in 2..26 {
+        let run = elastic(3, ElasticRules::default())
+            .fault(&format!("drop=1:{msgs}"))
+            .unwrap()
+            .run(3)
+            .unwrap();
+        assert!(
+            run.replicas_identical(),
+            "drop after {msgs}: {:?}",
+            run.first_divergence()
+        );
+        assert_eq!(survivors(&run), vec![0, 2], "drop after {msgs}");
+        let (a, b) = (&run.report.ranks[0], &run.report.ranks[2]);
+        assert!(
+            a.final_hash.is_some() && a.final_hash == b.final_hash,
+            "drop after {msgs}"
+        );
+        if let (Some(x), Some(y)) = (a.memberships.first(), b.memberships.first()) {
+            assert_eq!(x.resumed_from_step, y.resumed_from_step, "drop after {msgs}");
+        }
+        if a.steps != b.steps {
+            caught_up += 1;
+        }
+    }
+    assert!(
+        caught_up > 0,
+        "no death fell where survivors had committed different steps"
+    );
+}
+
+#[test]
+fn elastic_runs_are_refused_where_a_survivor_could_not_hold_the_state() {
+    let err = Cluster::new(3)
+        .update(UpdateMode::Sharded)
+        .elastic(ElasticRules::default())
+        .run(2)
+        .unwrap_err();
+    assert!(
+        format!("{err:#}").contains("--elastic needs --update replicated"),
+        "{err:#}"
+    );
+    let err = elastic(2, ElasticRules::default())
+        .batch_split(4, "3,1")
+        .unwrap()
+        .run(2)
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("weights name ranks"), "{err:#}");
+}
