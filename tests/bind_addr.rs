@@ -39,6 +39,7 @@ fn job_with_rank_0_bound_to(bind: &str, wildcard: &str, world: usize) -> Vec<Vec
         faults: Default::default(),
         transport: ringtrain::collective::shm::LinkTransport::Quic,
         collective: Default::default(),
+        epoch: 0,
     };
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -113,6 +114,7 @@ fn an_invalid_bind_address_is_refused_naming_the_variable() {
         faults: Default::default(),
         transport: ringtrain::collective::shm::LinkTransport::Quic,
         collective: Default::default(),
+        epoch: 0,
     };
     let e = format!("{:#}", join_with(&launch, &opts, &network).err().unwrap());
     assert!(e.contains("RINGTRAIN_BIND_ADDR=127.0.0.1 is a loopback address"), "{e}");
@@ -129,6 +131,7 @@ fn join_from_launch_env() {
         faults: Default::default(),
         transport: ringtrain::collective::shm::LinkTransport::Quic,
         collective: Default::default(),
+        epoch: 0,
     };
     // World size 1: no network at all.
     let solo = LaunchEnv {

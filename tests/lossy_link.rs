@@ -130,6 +130,7 @@ fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: Link
                     // The relay or the addresses under test are QUIC's; shared memory would bypass them.
                     transport: ringtrain::collective::shm::LinkTransport::Quic,
                     collective: Default::default(),
+                    epoch: 0,
                 };
                 // Each rank advertises its own front of the relay, whose port differs from the one it binds.
                 let front = relay.front(rank);

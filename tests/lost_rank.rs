@@ -3,44 +3,15 @@
 //! (not a healthy neighbour that was only waiting on it); `launch` then ends the rest, a stopped child
 //! included, and exits non-zero; no partial checkpoint is left.
 
+mod common;
+
+use common::worker_pid;
 use std::io::Read;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const TIMEOUT_S: u64 = 6;
-
-/// Pids of the direct children of `parent` (Linux `/proc`).
-fn children_of(parent: u32) -> Vec<u32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1));
-        if ppid == Some(&parent.to_string()) {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
-/// The pid of the launched worker with `RANK=rank`.
-fn worker_pid(launch: &Child, rank: usize) -> u32 {
-    let wanted = format!("RANK={rank}");
-    for pid in children_of(launch.id()) {
-        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if environ.split(|&b| b == 0).any(|var| var == wanted.as_bytes()) {
-            return pid;
-        }
-    }
-    panic!("no worker with {wanted} under launch {}", launch.id());
-}
 
 fn steps_logged(metrics: &Path) -> usize {
     std::fs::read_to_string(metrics).map_or(0, |s| s.lines().count())

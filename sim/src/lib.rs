@@ -288,6 +288,7 @@ fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collecti
             _ => LinkTransport::Quic,
         },
         collective: cfg.options.collective,
+        epoch: 0,
     };
     dist::join_with(&launch, &opts, &NetworkEnv::default())
 }

@@ -6,6 +6,7 @@ use clap::Args;
 use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::CollectiveChoice;
 use ringtrain::data::{BatchSplit, TokenizerKind};
+use ringtrain::elastic::{ElasticRules, Quorum};
 use ringtrain::model::ModelConfig;
 use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
 use ringtrain::optim::{AdamWConfig, LrSchedule};
@@ -121,6 +122,16 @@ pub struct TrainArgs {
     /// skip or abort
     #[arg(long)]
     pub on_nonfinite: Option<String>,
+    /// Survivors of a lost rank re-form the ring and go on (needs --update replicated)
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub elastic: Option<bool>,
+    /// With --elastic: who may go on after a loss, majority (a strict majority of the last membership) or
+    /// any (then both sides of a network partition may continue) [default: majority]
+    #[arg(long)]
+    pub quorum: Option<String>,
+    /// With --elastic: stop below this many ranks [default: 1]
+    #[arg(long)]
+    pub min_ranks: Option<usize>,
     /// Warn when a step's loss exceeds this many times the running average of the earlier losses; only
     /// logged, 0 turns it off [default: 3]
     #[arg(long, allow_negative_numbers = true)]
@@ -341,10 +352,18 @@ impl TrainArgs {
                 bucket_elems(mb)
             }
         };
+        let elastic = match self.elastic.unwrap_or(false) {
+            true => Some(ElasticRules {
+                quorum: Quorum::parse(self.quorum.as_deref().unwrap_or("majority")).map_err(anyhow::Error::msg)?,
+                min_ranks: self.min_ranks.unwrap_or(1),
+            }),
+            false if self.quorum.is_some() || self.min_ranks.is_some() => {
+                bail!("--quorum and --min-ranks apply to --elastic runs only")
+            }
+            false => None,
+        };
         let opts = TrainOptions {
-            // Elastic membership re-forms groups in the sim so far (`ringtrain-sim --elastic`); the QUIC
-            // transport has no re-form yet, so a lost rank ends a real job.
-            elastic: None,
+            elastic,
             batch_size,
             seq_len,
             grad_accum,

@@ -3,7 +3,9 @@
 //! (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), a fresh random cluster secret (unless
 //! RINGTRAIN_SECRET is already set) and a job id. If one child fails, the others are told by the ring and
 //! exit on their own; any still running after the grace period are killed, and a stopped one (SIGSTOP,
-//! which leaves a SIGTERM pending forever) at once.
+//! which leaves a SIGTERM pending forever) at once. With `--elastic` among the train flags the others go on
+//! without the failed rank instead: launch lets them finish (still killing a stopped rank) and exits 0
+//! when the job completed, that is when some rank finished it.
 
 use super::progress::eprint_line;
 use anyhow::{bail, ensure, Context, Result};
@@ -56,7 +58,75 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) ->
             .with_context(|| format!("starting rank {rank}"))?;
         children.push(Some(child));
     }
-    supervise(children)
+    match elastic_flag(command) {
+        true => supervise_elastic(children),
+        false => supervise(children),
+    }
+}
+
+/// Whether the train flags ask for `--elastic` (`--elastic`, `--elastic=true`, `--elastic true`).
+fn elastic_flag(command: &[String]) -> bool {
+    command.iter().enumerate().any(|(i, a)| match a.as_str() {
+        "--elastic" => command.get(i + 1).is_none_or(|next| next != "false"),
+        other => other == "--elastic=true",
+    })
+}
+
+/// Waits for every child of an elastic job: a failed rank leaves it, the others go on. A stopped rank is
+/// killed once another has failed (the survivors have gone on without it). Succeeds when some rank
+/// completed the job.
+fn supervise_elastic(mut children: Vec<Option<Child>>) -> Result<()> {
+    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut completed = 0;
+    while children.iter().any(Option::is_some) {
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            if let Some(status) = child.try_wait().with_context(|| format!("waiting for rank {rank}"))? {
+                match status.success() {
+                    true => completed += 1,
+                    false => {
+                        eprint_line(&format!("launch: rank {rank} left the elastic job ({status})"));
+                        failures.push((rank, status));
+                    }
+                }
+                *slot = None;
+            }
+        }
+        if !failures.is_empty() {
+            kill_stopped(&mut children, &mut failures)?;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let list: Vec<String> = failures.iter().map(|(r, s)| format!("rank {r} ({s})")).collect();
+    ensure!(
+        completed > 0,
+        "no rank completed the elastic job; {} failed: {}",
+        failures.len(),
+        list.join(", ")
+    );
+    if !failures.is_empty() {
+        eprint_line(&format!(
+            "launch: the elastic job completed on {completed} rank(s) without {}",
+            list.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+/// Kills every stopped child (SIGSTOP or a debugger), which cannot notice anything, recording it as failed.
+fn kill_stopped(children: &mut [Option<Child>], failures: &mut Vec<(usize, ExitStatus)>) -> Result<()> {
+    for (rank, slot) in children.iter_mut().enumerate() {
+        if slot.as_ref().is_some_and(|child| is_stopped(child.id())) {
+            let mut child = slot.take().expect("checked above");
+            eprint_line(&format!(
+                "launch: rank {rank} is stopped (SIGSTOP or a debugger); killing it"
+            ));
+            let _ = child.kill();
+            let status = child.wait().with_context(|| format!("waiting for rank {rank}"))?;
+            failures.push((rank, status));
+        }
+    }
+    Ok(())
 }
 
 /// Waits for every child; after the first failure, gives the rest `GRACE` to stop, then kills them.
@@ -76,17 +146,7 @@ pub(crate) fn supervise(mut children: Vec<Option<Child>>) -> Result<()> {
         }
         if first_failure.is_some() {
             // A stopped rank cannot notice anything; the others have already named it.
-            for (rank, slot) in children.iter_mut().enumerate() {
-                if slot.as_ref().is_some_and(|child| is_stopped(child.id())) {
-                    let mut child = slot.take().expect("checked above");
-                    eprint_line(&format!(
-                        "launch: rank {rank} is stopped (SIGSTOP or a debugger); killing it"
-                    ));
-                    let _ = child.kill();
-                    let status = child.wait().with_context(|| format!("waiting for rank {rank}"))?;
-                    failures.push((rank, status));
-                }
-            }
+            kill_stopped(&mut children, &mut failures)?;
         }
         if first_failure.is_some_and(|t| t.elapsed() > GRACE) {
             for (rank, slot) in children.iter_mut().enumerate() {

@@ -12,8 +12,10 @@ use ringtrain::backend::Backend;
 use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::{Collective, TwoLevel};
 use ringtrain::data::{load_splits, BatchPlan, BatchSplit, DataSplits};
+use ringtrain::dist::elastic::QuicRegroup;
 use ringtrain::dist::{
-    detect_launch, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags, ThreadBudget,
+    detect_launch, detect_network, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags,
+    ThreadBudget,
 };
 use ringtrain::fault_plan::{FaultPlan, INJECT_FAULT_VAR};
 use ringtrain::metrics::{rank_metrics_path, set_aside_earlier_run, MetricsWriter, StepMetrics};
@@ -152,8 +154,9 @@ fn check_memory_plan(s: &RunSetup, be: &dyn Backend) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{who}{e}"))
 }
 
-/// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise.
-fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
+/// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise; with
+/// `--elastic` over several ranks, also what re-forms it after a loss.
+fn connect(s: &RunSetup) -> Result<(Box<dyn Collective>, Option<QuicRegroup>)> {
     let secret = match s.launch.world_size {
         1 => None,
         _ => load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?,
@@ -165,8 +168,17 @@ fn connect(s: &RunSetup) -> Result<Box<dyn Collective>> {
         faults: s.faults.clone(),
         transport: s.transport,
         collective: s.opts.collective,
+        epoch: 0,
     };
-    join(&s.launch, &opts)
+    let comm = join(&s.launch, &opts)?;
+    let regroup = match s.opts.elastic {
+        Some(rules) if s.launch.world_size > 1 => {
+            let network = detect_network(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+            Some(QuicRegroup::new(&s.launch, &opts, &network, rules, &*comm)?)
+        }
+        _ => None,
+    };
+    Ok((comm, regroup))
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
@@ -174,7 +186,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let (be, selection) = open_backend(s.backend, s.launch.local_rank)?;
     check_memory_plan(&s, &*be)?;
     let resuming = s.source.is_resume();
-    let comm = connect(&s)?;
+    let (comm, mut regroup) = connect(&s)?;
     let links = format!("{}{}", links_note(comm.ring_links()), layout_note(comm.two_level()));
     let is_rank0 = s.launch.rank == 0;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
@@ -192,7 +204,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         links,
         comm: CommTotals::default(),
     };
-    let last = trainer.run(&mut observer).map_err(with_flag_hints)?;
+    let last = match &mut regroup {
+        Some(regroup) => trainer.run_elastic(&mut observer, regroup),
+        None => trainer.run(&mut observer),
+    }
+    .map_err(with_flag_hints)?;
     observer.progress.finish();
     if let (Some(m), true) = (last, is_rank0) {
         let val = m.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
@@ -382,7 +398,11 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result
         }
         false => (be, None),
     };
-    let comm = connect(&s)?;
+    ensure!(
+        s.opts.elastic.is_none(),
+        "bench step times steps, not recoveries: --elastic applies to train"
+    );
+    let (comm, _) = connect(&s)?;
     let plan_peak = s.plan.peak();
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_faults(&mut trainer, &s.faults);

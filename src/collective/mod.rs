@@ -112,6 +112,12 @@ pub trait Collective: Send {
     /// Tells every other rank that this one failed; later collectives on any rank then fail, naming it.
     fn abort(&mut self, reason: &str);
 
+    /// Where each rank listens, for a transport over the network (an elastic re-form dials the new rank 0
+    /// at its address); `None` for transports within one process.
+    fn ring_addrs(&self) -> Option<Vec<std::net::SocketAddr>> {
+        None
+    }
+
     /// Records the training step, stamped into frames (and checked) by transports that have frames.
     fn set_step(&mut self, _step: u64) {}
 

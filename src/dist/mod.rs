@@ -2,6 +2,7 @@
 //! secret and job id, and [`join`], the one function that turns them into a [`Collective`] for the binary,
 //! the sim and the tests. The rendezvous itself and its messages live in [`crate::collective::quic`].
 
+pub mod elastic;
 pub mod env;
 pub mod threads;
 
@@ -42,6 +43,9 @@ pub struct JoinOptions {
     pub transport: LinkTransport,
     /// The flat ring or the two-level one (`--collective`), resolved by rank 0 at rendezvous.
     pub collective: CollectiveChoice,
+    /// The membership epoch this join forms (0 at the start; an elastic re-form counts up), which gives
+    /// the ring its own job id ([`elastic::epoch_job_id`]).
+    pub epoch: u64,
 }
 
 /// The job id: the value of [`JOB_ID_VAR`] when it is set (`value`), else `config_hash`. A value that is not
@@ -110,7 +114,8 @@ fn join_ring(
     cfg.timeout = opts.timeout;
     cfg.rendezvous_timeout = opts.timeout;
     cfg.config_hash = opts.config_hash;
-    cfg.job_id = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
+    let job = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
+    cfg.job_id = elastic::epoch_job_id(job, opts.epoch);
     cfg.transport = opts.transport;
     cfg.collective = opts.collective;
     cfg.host_id = network.host_id.clone();

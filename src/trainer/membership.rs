@@ -143,6 +143,14 @@ impl<B: Backend> Trainer<B> {
         Ok(resumed)
     }
 
+    /// Drops the failed group's collective (and its thread), so that its sockets and ports are free before
+    /// the next group forms; a one-rank placeholder stands in until [`Trainer::reform`].
+    pub(super) fn release_collective(&mut self) -> Result<()> {
+        self.comm =
+            CommThread::spawn(crate::collective::mem::single_rank()).context("starting the communication thread")?;
+        Ok(())
+    }
+
     /// Brings every survivor to the highest committed step among them (see [`Trainer::reform`]).
     fn catch_up(&mut self) -> Result<u64> {
         let mine = SurvivorState {

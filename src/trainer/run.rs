@@ -169,6 +169,7 @@ impl<B: Backend> Trainer<B> {
                     let Some(blamed) = blamed_peer(&e, &self.membership) else {
                         return Err(e);
                     };
+                    self.release_collective()?;
                     let regrouped = regroup
                         .regroup(&self.membership, Some(blamed), self.step)
                         .with_context(|| format!("after {e:#}"))?;

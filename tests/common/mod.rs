@@ -5,7 +5,7 @@
 pub mod udp_relay;
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 
 /// Runs the `ringtrain` binary built for these tests with `args`.
 pub fn ringtrain(args: &[&str]) -> Output {
@@ -97,4 +97,36 @@ pub fn assert_trains_like(ranks: &[Run], reference: &Run, what: &str) {
             );
         }
     }
+}
+
+/// Pids of the direct children of `parent` (Linux `/proc`).
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1));
+        if ppid == Some(&parent.to_string()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The pid of the worker with `RANK=rank` that `launch` started.
+pub fn worker_pid(launch: &Child, rank: usize) -> u32 {
+    let wanted = format!("RANK={rank}");
+    for pid in children_of(launch.id()) {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if environ.split(|&b| b == 0).any(|var| var == wanted.as_bytes()) {
+            return pid;
+        }
+    }
+    panic!("no worker with {wanted} under launch {}", launch.id());
 }

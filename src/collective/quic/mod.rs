@@ -278,6 +278,8 @@ pub struct QuicCollective {
     faults: InjectedFaults,
     crashed: bool,
     failed: Option<CollectiveError>,
+    /// Where each rank listens: an elastic re-form dials the new rank 0 there.
+    ring_addrs: Vec<SocketAddr>,
     _keep: Vec<SendStream>,
 }
 
@@ -333,6 +335,7 @@ impl QuicCollective {
             faults: InjectedFaults::default(),
             crashed: false,
             failed: ring_error.clone(),
+            ring_addrs: s.addrs,
             _keep: s.links.keep,
         };
         match ring_error {
@@ -518,6 +521,8 @@ fn validate(cfg: &mut QuicConfig) -> Result<()> {
 /// What setup leaves for the collective loop.
 struct Setup {
     endpoint: Endpoint,
+    /// Where each rank of the ring listens (rank 0 at the master address).
+    addrs: Vec<SocketAddr>,
     links: DataLinks,
     two_level: Option<TwoLevel>,
     control: ControlPlane,
@@ -587,6 +592,7 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
     listener.refuse_late(cfg.job_id);
     Ok(Setup {
         endpoint,
+        addrs: ring.addrs.clone(),
         links,
         two_level,
         control,
@@ -597,6 +603,10 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
 impl Collective for QuicCollective {
     fn rank(&self) -> usize {
         self.cfg.rank
+    }
+
+    fn ring_addrs(&self) -> Option<Vec<SocketAddr>> {
+        Some(self.ring_addrs.clone())
     }
 
     fn world(&self) -> usize {

@@ -1,0 +1,225 @@
+//! Elastic jobs of real processes under `ringtrain launch`: a rank crashed by the fault plan, rank 0
+//! crashed, and a rank killed with SIGKILL at a step nobody planned. The survivors re-form the ring over
+//! QUIC, finish the steps and end with the bits of the same membership history replayed in one process
+//! (the first group to the committed step, a checkpoint, the survivors resuming it: what
+//! `sim/tests/elastic.rs` shows the sim's live shrink equals). A 2-rank job that loses one stops.
+
+mod common;
+
+use common::worker_pid;
+use ringtrain::backend::factory::{self, BackendChoice};
+use ringtrain::collective::mem::{mem_cluster, MemOptions};
+use ringtrain::collective::Collective;
+use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::metrics::{rank_metrics_path, read_metrics, StepMetrics};
+use ringtrain::model::ModelConfig;
+use ringtrain::trainer::{hash_f32, ModelSource, Quiet, TrainOptions, Trainer, UpdateMode};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const TIMEOUT_S: &str = "6";
+
+/// The train flags of every job here; `replay` trains the same options in one process.
+fn train_flags(steps: u64) -> Vec<String> {
+    let flags = [
+        "train",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--update",
+        "replicated",
+        "--elastic",
+        "--timeout",
+        TIMEOUT_S,
+        "--threads",
+        "1",
+    ];
+    let mut flags: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+    flags.extend(["--steps".to_string(), steps.to_string()]);
+    flags
+}
+
+fn launch(nproc: usize, steps: u64, dir: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
+    cmd.args(["launch", "--nproc", &nproc.to_string(), "--"])
+        .args(train_flags(steps))
+        .arg("--metrics")
+        .arg(dir.join("m.jsonl"))
+        .arg("--save")
+        .arg(dir.join("ck"))
+        .current_dir(dir);
+    cmd
+}
+
+fn options(steps: u64) -> TrainOptions {
+    let model = ModelConfig::tiny();
+    TrainOptions {
+        batch_size: 2,
+        seq_len: 32,
+        eval_every: 0,
+        eval_batches: 0,
+        update: UpdateMode::Replicated,
+        ..TrainOptions::for_model(&model).with_steps(steps)
+    }
+}
+
+fn trainer(
+    options: &TrainOptions,
+    source: ModelSource,
+    comm: Box<dyn Collective>,
+) -> Trainer<Box<dyn ringtrain::backend::Backend>> {
+    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+    Trainer::new(be, source, data, options.clone(), comm).unwrap()
+}
+
+/// `first` ranks train to `committed`, save, and `then` ranks resume with the same global batch to `steps`:
+/// the final parameters' fingerprint.
+fn replay(steps: u64, first: usize, committed: u64, then: usize) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let opts = options(steps);
+    std::thread::scope(|s| {
+        for comm in mem_cluster(first, MemOptions::default()) {
+            let (opts, ck) = (&opts, &ck);
+            s.spawn(move || {
+                let mut t = trainer(opts, ModelSource::Fresh(ModelConfig::tiny()), Box::new(comm));
+                while t.step() < committed {
+                    t.train_step().unwrap();
+                }
+                t.save(ck).unwrap();
+            });
+        }
+    });
+    let resumed = TrainOptions {
+        global_batch: Some(first * opts.batch_size),
+        ..opts
+    };
+    let hashes: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = mem_cluster(then, MemOptions::default())
+            .into_iter()
+            .map(|comm| {
+                let (resumed, ck) = (&resumed, &ck);
+                s.spawn(move || {
+                    let mut t = trainer(resumed, ModelSource::Resume(ck.clone()), Box::new(comm));
+                    t.run(&mut Quiet).unwrap();
+                    t.param_hash().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(hashes.windows(2).all(|w| w[0] == w[1]));
+    hashes[0].clone()
+}
+
+/// The fingerprint of the parameters in the checkpoint the job saved.
+fn saved_hash(dir: &Path) -> String {
+    let read = ModelSource::Resume(dir.join("ck")).read(0).unwrap();
+    hash_f32(&read.params)
+}
+
+/// The metrics member `member` wrote.
+fn metrics_of(dir: &Path, member: usize) -> Vec<StepMetrics> {
+    read_metrics(rank_metrics_path(&dir.join("m.jsonl"), member)).unwrap()
+}
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_crashed_rank_leaves_and_the_survivors_finish_with_the_replayed_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = launch(3, 6, dir.path())
+        .env("RINGTRAIN_INJECT_FAULT", "kill=2:3")
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("launch: rank 2 left the elastic job"), "{stderr}");
+    assert!(stderr.contains("the elastic job completed on 2 rank(s)"), "{stderr}");
+    for member in [0, 1] {
+        let m = metrics_of(dir.path(), member);
+        assert_eq!(m.iter().map(|m| m.step).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5, 6]);
+        let change = m[2].membership.as_ref().expect("step 3 records the change");
+        assert_eq!((change.epoch, change.resumed_from_step), (1, 2));
+        assert_eq!(change.members, vec![0, 1]);
+        assert_eq!(change.lost, vec![(2, ringtrain::elastic::Cause::Dead)]);
+        assert!(change.recovery_ms > 0.0 && change.recovery_ms < 10_000.0, "{change:?}");
+        assert_eq!((m[1].world_size, m[2].world_size), (3, 2));
+    }
+    assert_eq!(saved_hash(dir.path()), replay(6, 3, 2, 2));
+}
+
+#[test]
+fn rank_0_crashed_hands_rendezvous_and_checkpoints_to_the_lowest_survivor() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = launch(3, 5, dir.path())
+        .env("RINGTRAIN_INJECT_FAULT", "kill=0:2")
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("re-forming as rank 0 of 2 (epoch 1)"), "{stderr}");
+    let m = metrics_of(dir.path(), 1);
+    assert_eq!(m.last().unwrap().step, 5);
+    assert_eq!(m[1].membership.as_ref().unwrap().members, vec![1, 2]);
+    // Member 1, rank 0 of the new ring, wrote the final checkpoint.
+    assert_eq!(saved_hash(dir.path()), replay(5, 3, 1, 2));
+}
+
+#[test]
+fn a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 300;
+    let child = launch(3, steps, dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Some steps in, whichever they are.
+    let metrics = dir.path().join("m.jsonl");
+    let started = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 20 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let victim = worker_pid(&child, 1);
+    let killed = Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!(m.last().unwrap().step, steps, "{stderr}");
+    let change = m
+        .iter()
+        .find_map(|m| m.membership.clone())
+        .expect("a membership change");
+    assert_eq!(change.members, vec![0, 2]);
+    // The history: 3 ranks to the step the survivors continued from, then 2.
+    assert_eq!(saved_hash(dir.path()), replay(steps, 3, change.resumed_from_step, 2));
+}
+
+#[test]
+fn a_lone_survivor_of_two_stops_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = launch(2, 6, dir.path())
+        .env("RINGTRAIN_INJECT_FAULT", "kill=1:3")
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("not a strict majority"), "{stderr}");
+    assert!(stderr.contains("no rank completed the elastic job"), "{stderr}");
+}
