@@ -212,6 +212,44 @@ fn a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
 }
 
 #[test]
+fn a_rank_frozen_with_sigstop_is_gone_on_without_and_launch_ends_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 60;
+    let child = launch(3, steps, dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let started = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 5 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let frozen = worker_pid(&child, 2);
+    assert!(Command::new("kill")
+        .args(["-STOP", &frozen.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("launch: rank 2 is stopped"), "{stderr}");
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!(m.last().unwrap().step, steps);
+    let change = m
+        .iter()
+        .find_map(|m| m.membership.clone())
+        .expect("a membership change");
+    assert_eq!(change.members, vec![0, 1]);
+    eprintln!("membership change after SIGSTOP: {change:?}");
+    // Found out by the QUIC idle timeout (a third of --timeout), then re-formed.
+    assert!(change.recovery_ms < 6_000.0 + 2_000.0, "{change:?}");
+    assert_eq!(saved_hash(dir.path()), replay(steps, 3, change.resumed_from_step, 2));
+}
+
+#[test]
 fn a_lone_survivor_of_two_stops_with_its_reason() {
     let dir = tempfile::tempdir().unwrap();
     let out = launch(2, 6, dir.path())

@@ -73,7 +73,7 @@ fn elastic_flag(command: &[String]) -> bool {
 }
 
 /// Waits for every child of an elastic job: a failed rank leaves it, the others go on. A stopped rank is
-/// killed once another has failed (the survivors have gone on without it). Succeeds when some rank
+/// killed once another has exited (the survivors went on without it, or finished). Succeeds when some rank
 /// completed the job.
 fn supervise_elastic(mut children: Vec<Option<Child>>) -> Result<()> {
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
@@ -92,7 +92,8 @@ fn supervise_elastic(mut children: Vec<Option<Child>>) -> Result<()> {
                 *slot = None;
             }
         }
-        if !failures.is_empty() {
+        // Once any rank has exited, a stopped one has been (or will be) gone on without: it cannot finish.
+        if completed > 0 || !failures.is_empty() {
             kill_stopped(&mut children, &mut failures)?;
         }
         std::thread::sleep(Duration::from_millis(50));
