@@ -160,12 +160,15 @@ pub struct MembershipChange {
     pub epoch: u64,
     /// The members lost, and why.
     pub lost: Vec<(MemberId, Cause)>,
+    /// The members that joined.
+    #[serde(default)]
+    pub joined: Vec<MemberId>,
     /// The new membership, in rank order.
     pub members: Vec<MemberId>,
     /// The step every survivor continued from (the highest any of them had committed).
     pub resumed_from_step: u64,
-    /// From the moment this rank saw the loss (its collective failed) to the end of the first step
-    /// completed without the lost members, in milliseconds.
+    /// From the moment this rank saw the loss (its collective failed), or the change began, to the end of
+    /// the first step the new membership completed, in milliseconds.
     pub recovery_ms: f64,
 }
 

@@ -29,6 +29,9 @@ Inject a fault (repeatable, each kind at most once). RANK counts from 0, STEP fr
   drop=RANK:N       [mem, quic] RANK dies after sending N messages (quic: its connections close
                     without goodbye): every rank fails with an error naming RANK, within --timeout
   kill=RANK:STEP    [mem, quic] RANK dies at the start of STEP, before sending anything of it: same
+                    (with --elastic the others go on without it)
+  join=STEP         [mem, --elastic] a new worker joins before STEP: the workers re-form with it, and it
+                    takes the parameters, moments and step from them
   compute=RANK:MS   [any] RANK computes MS ms longer per micro-batch (a slow worker): bit-identical
   speed=RANK:PCT[:STEP]
                     [any] from STEP (default 1) RANK computes at PCT% of its speed (1-100): each
@@ -105,6 +108,8 @@ pub enum Fault {
     Drop { rank: usize, msgs: usize },
     /// `rank` dies at the start of `step`, before sending anything of it.
     Kill { rank: usize, step: u64 },
+    /// A new worker joins an elastic run before `step` (the sim's).
+    Join { step: u64 },
     /// `rank` computes this much longer per micro-batch.
     SlowCompute { rank: usize, delay: Duration },
     /// From `step` (1-based) `rank` computes at `percent`% of its speed.
@@ -134,6 +139,7 @@ impl Fault {
             Fault::Duplicate { .. } => "duplicate",
             Fault::Drop { .. } => "drop",
             Fault::Kill { .. } => "kill",
+            Fault::Join { .. } => "join",
             Fault::SlowCompute { .. } => "compute",
             Fault::Speed { .. } => "speed",
             Fault::Freeze { .. } => "freeze",
@@ -150,7 +156,7 @@ impl Fault {
     /// The rank it acts on, when it acts on one.
     pub fn rank(&self) -> Option<usize> {
         match *self {
-            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) => None,
+            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) | Fault::Join { .. } => None,
             Fault::SlowMessages { rank, .. }
             | Fault::Duplicate { rank, .. }
             | Fault::Drop { rank, .. }
@@ -167,6 +173,7 @@ impl Fault {
     pub fn step(&self) -> Option<u64> {
         match *self {
             Fault::Kill { step, .. }
+            | Fault::Join { step }
             | Fault::Speed { step, .. }
             | Fault::Freeze { step, .. }
             | Fault::NonFinite { step, .. }
@@ -178,7 +185,7 @@ impl Fault {
     /// The same fault acting on `new_rank` instead (a fault that acts on no rank is unchanged).
     pub fn on_rank(mut self, new_rank: usize) -> Fault {
         match &mut self {
-            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) => {}
+            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) | Fault::Join { .. } => {}
             Fault::SlowMessages { rank, .. }
             | Fault::Duplicate { rank, .. }
             | Fault::Drop { rank, .. }
@@ -203,6 +210,7 @@ impl Fault {
                 | Fault::Duplicate { .. }
                 | Fault::Drop { .. }
                 | Fault::Kill { .. }
+                | Fault::Join { .. }
         )
     }
 
@@ -210,7 +218,7 @@ impl Fault {
     pub fn mem_only(&self) -> bool {
         matches!(
             self,
-            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) | Fault::SlowMessages { .. }
+            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) | Fault::SlowMessages { .. } | Fault::Join { .. }
         )
     }
 
@@ -252,6 +260,9 @@ impl Fault {
                     step: from_one(kind, value, step)?,
                 }
             }
+            "join" => Fault::Join {
+                step: from_one(kind, value, numbers::<1>(kind, value, "STEP")?[0])?,
+            },
             "compute" => {
                 let [rank, delay] = numbers(kind, value, "RANK:MS")?;
                 Fault::SlowCompute {
@@ -316,7 +327,7 @@ impl Fault {
             }
             other => bail!(
                 "unknown fault kind {other:?}: expected delay, reorder, split, slow, duplicate, drop, kill, \
-                 compute, speed, freeze, nan, inf or flip"
+                 join, compute, speed, freeze, nan, inf or flip"
             ),
         })
     }
@@ -333,6 +344,7 @@ impl fmt::Display for Fault {
             }
             Fault::Duplicate { rank, msg: n } | Fault::Drop { rank, msgs: n } => write!(f, "{kind}={rank}:{n}"),
             Fault::Kill { rank, step } | Fault::NonFinite { rank, step, .. } => write!(f, "{kind}={rank}:{step}"),
+            Fault::Join { step } => write!(f, "{kind}={step}"),
             Fault::Freeze { rank, step, duration } => write!(f, "{kind}={rank}:{step}:{}", duration.as_millis()),
             Fault::Speed { rank, percent, step } => write!(f, "{kind}={rank}:{percent}:{step}"),
             Fault::Flip {
@@ -491,6 +503,14 @@ impl FaultPlan {
     /// The first kind only the in-memory transport applies, if any (QUIC refuses the plan then).
     pub fn mem_only_kind(&self) -> Option<&'static str> {
         self.faults.iter().find(|f| f.mem_only()).map(Fault::kind)
+    }
+
+    /// The step a `join` fault adds a worker before, if the plan has one.
+    pub fn join_before(&self) -> Option<u64> {
+        self.faults.iter().find_map(|f| match *f {
+            Fault::Join { step } => Some(step),
+            _ => None,
+        })
     }
 
     fn find<T>(&self, pick: impl Fn(&Fault) -> Option<T>) -> Option<T> {

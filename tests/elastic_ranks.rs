@@ -45,6 +45,14 @@ fn train_flags(steps: u64) -> Vec<String> {
     flags
 }
 
+/// One job at a time: each is 2-3 processes with a 2 s idle timeout, and the test harness runs tests in
+/// parallel on CI's 2 cores.
+static ONE_JOB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_job() -> std::sync::MutexGuard<'static, ()> {
+    ONE_JOB.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn launch(nproc: usize, steps: u64, dir: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
     cmd.args(["launch", "--nproc", &nproc.to_string(), "--"])
@@ -136,6 +144,7 @@ fn stderr_of(out: &Output) -> String {
 
 #[test]
 fn a_crashed_rank_leaves_and_the_survivors_finish_with_the_replayed_bits() {
+    let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let out = launch(3, 6, dir.path())
         .env("RINGTRAIN_INJECT_FAULT", "kill=2:3")
@@ -160,6 +169,7 @@ fn a_crashed_rank_leaves_and_the_survivors_finish_with_the_replayed_bits() {
 
 #[test]
 fn rank_0_crashed_hands_rendezvous_and_checkpoints_to_the_lowest_survivor() {
+    let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let out = launch(3, 5, dir.path())
         .env("RINGTRAIN_INJECT_FAULT", "kill=0:2")
@@ -177,6 +187,7 @@ fn rank_0_crashed_hands_rendezvous_and_checkpoints_to_the_lowest_survivor() {
 
 #[test]
 fn a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
+    let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let steps = 300;
     let child = launch(3, steps, dir.path())
@@ -213,6 +224,7 @@ fn a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
 
 #[test]
 fn a_rank_frozen_with_sigstop_is_gone_on_without_and_launch_ends_it() {
+    let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let steps = 60;
     let child = launch(3, steps, dir.path())
@@ -251,6 +263,7 @@ fn a_rank_frozen_with_sigstop_is_gone_on_without_and_launch_ends_it() {
 
 #[test]
 fn a_lone_survivor_of_two_stops_with_its_reason() {
+    let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let out = launch(2, 6, dir.path())
         .env("RINGTRAIN_INJECT_FAULT", "kill=1:3")

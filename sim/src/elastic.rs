@@ -47,10 +47,19 @@ struct BoardState {
     /// Members that finished the run, with their last step: they no longer answer, but they count for
     /// the quorum (they were not cut off; they are done).
     finished: BTreeMap<MemberId, u64>,
+    /// `join=STEP`: the step the new member joins before, whether that has happened, the member waiting
+    /// to be admitted, and whether this round is the planned one (every member asked for it).
+    join_before: Option<u64>,
+    join_done: bool,
+    joiner: Option<MemberId>,
+    growing: bool,
+    /// The members the last decision added.
+    joined: Vec<MemberId>,
 }
 
 impl Board {
     pub fn new(world: usize, rules: ElasticRules, ring: MemOptions, detection: Duration) -> Board {
+        let join_before = ring.faults.join_before();
         Board {
             rules,
             ring,
@@ -64,6 +73,11 @@ impl Board {
                 lost: Vec::new(),
                 stopped: None,
                 finished: BTreeMap::new(),
+                join_before,
+                join_done: false,
+                joiner: None,
+                growing: false,
+                joined: Vec::new(),
             }),
             changed: Condvar::new(),
         }
@@ -89,6 +103,37 @@ impl Board {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.finished.insert(member, step);
         self.changed.notify_all();
+    }
+
+    /// Whether the planned join happens after step `completed` (the same answer for every member).
+    fn change_due(&self, completed: u64) -> bool {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        !state.join_done && state.join_before == Some(completed + 1)
+    }
+
+    /// A new worker, `member`, waits to be admitted at the planned step boundary; returns its place in the
+    /// group that takes it in.
+    pub fn admit(&self, member: MemberId) -> Result<Regrouped> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.joiner = Some(member);
+        self.changed.notify_all();
+        loop {
+            if let Some(why) = &state.stopped {
+                bail!("{why}");
+            }
+            if let Some(comm) = state.handout.remove(&member) {
+                return Ok(Regrouped {
+                    comm,
+                    membership: state.membership.clone(),
+                    lost: state.lost.clone(),
+                    joined: state.joined.clone(),
+                });
+            }
+            if state.join_done {
+                bail!("member {member} was not admitted: the members did not wait for it");
+            }
+            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     fn regroup(
@@ -117,9 +162,12 @@ impl Board {
         }
         let epoch = last.epoch;
         state.reported.insert(member, committed);
-        if let Some((peer, cause)) = blamed {
+        match blamed {
             // A member that reports is alive, whatever a peer's timeout said.
-            state.blamed.entry(peer).or_insert(cause);
+            Some((peer, cause)) => {
+                state.blamed.entry(peer).or_insert(cause);
+            }
+            None => state.growing = true,
         }
         state.first_report.get_or_insert_with(Instant::now);
         self.changed.notify_all();
@@ -134,7 +182,7 @@ impl Board {
                 state.reported.contains_key(m)
                     || state.finished.contains_key(m)
                     || state.blamed.get(m) == Some(&Cause::Dead)
-            });
+            }) && (!state.growing || state.joiner.is_some());
             if accounted || first.elapsed() >= self.detection {
                 self.decide(&mut state);
                 self.changed.notify_all();
@@ -160,6 +208,7 @@ impl Board {
             comm,
             membership: state.membership.clone(),
             lost: state.lost.clone(),
+            joined: state.joined.clone(),
         })
     }
 
@@ -184,6 +233,15 @@ impl Board {
         match next_membership(&last, &alive, &self.rules) {
             Ok(mut next) => {
                 next.members.retain(|m| !state.finished.contains_key(m));
+                state.joined = Vec::new();
+                if state.growing {
+                    // The planned round: the joiner, if it came, takes the next rank.
+                    state.join_done = true;
+                    if let Some(joiner) = state.joiner.take() {
+                        next.members.push(joiner);
+                        state.joined = vec![joiner];
+                    }
+                }
                 let ring = MemOptions {
                     faults: self.ring.faults.for_members(&next.members),
                     ..self.ring.clone()
@@ -209,6 +267,7 @@ impl Board {
         state.reported.clear();
         state.blamed.clear();
         state.first_report = None;
+        state.growing = false;
     }
 }
 
@@ -221,5 +280,9 @@ pub struct BoardMember<'a> {
 impl Regroup for BoardMember<'_> {
     fn regroup(&mut self, last: &Membership, blamed: Option<(MemberId, Cause)>, committed: u64) -> Result<Regrouped> {
         self.board.regroup(self.member, last, blamed, committed)
+    }
+
+    fn change_due(&mut self, completed: u64) -> bool {
+        self.board.change_due(completed)
     }
 }

@@ -40,6 +40,16 @@ pub fn validate(
             flip_offset(rank, target, element, layout.total, &owned).map_err(|e| anyhow::anyhow!("--fault {e:#}"))?;
         }
     }
+    if let Some(step) = plan.join_before() {
+        ensure!(
+            opts.elastic.is_some(),
+            "--fault join={step} adds a worker to a running job, which needs --elastic"
+        );
+        ensure!(
+            step >= 2,
+            "--fault join={step}: a worker joining before step 1 is a bigger start (--workers)"
+        );
+    }
     match transport {
         Transport::Quic | Transport::Shm => {
             if let Some(kind) = plan.mem_only_kind() {

@@ -377,15 +377,47 @@ fn run_elastic(cfg: &SimConfig) -> Vec<Result<RankTrace>> {
     let group = board.first_group();
     let board = &board;
     std::thread::scope(|s| {
-        let handles: Vec<_> = group
+        let mut handles: Vec<_> = group
             .into_iter()
             .map(|c| s.spawn(move || run_rank(cfg, c, Some(board))))
             .collect();
+        if cfg.faults.join_before().is_some() {
+            handles.push(s.spawn(move || run_joiner(cfg, board, cfg.workers as u32)));
+        }
         handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|_| bail!("a rank thread panicked")))
             .collect()
     })
+}
+
+/// The worker a `join=STEP` fault adds: it waits to be admitted, takes the running members' state through
+/// the catch-up, and trains on with them.
+fn run_joiner(cfg: &SimConfig, board: &Board, member: u32) -> Result<RankTrace> {
+    let admitted = board.admit(member)?;
+    let choice = cfg.backends[member as usize % cfg.backends.len().max(1)];
+    let (be, _) = factory::open(choice, 0).with_context(|| format!("member {member}: {choice}"))?;
+    // The job's global batch, which a trainer of one rank would otherwise size for itself.
+    let global = cfg.options.global_batch_for(cfg.workers);
+    let options = TrainOptions {
+        global_batch: Some(global),
+        grad_accum: 1,
+        ..cfg.options.clone()
+    };
+    let mut trainer = build_trainer(be, cfg, &options, single_rank()).with_context(|| format!("member {member}"))?;
+    trainer.arm_faults(cfg.faults.clone());
+    trainer
+        .join_running(admitted.comm, admitted.membership)
+        .with_context(|| format!("member {member} joining"))?;
+    let mut recorder = Recorder {
+        trace: RankTrace::new(member),
+    };
+    trainer
+        .run_elastic(&mut recorder, &mut board.member(member))
+        .with_context(|| format!("member {member} (rank {}), step {}", trainer.rank(), trainer.step() + 1))?;
+    board.finished(member, trainer.step());
+    recorder.trace.final_hash = Some(trainer.param_hash()?);
+    Ok(recorder.trace)
 }
 
 /// The losses of a run, step by step.

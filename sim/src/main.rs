@@ -262,8 +262,15 @@ fn real_main() -> Result<ExitCode> {
     for trace in &report.ranks {
         for change in &trace.memberships {
             println!(
-                "member {}: epoch {}: lost {:?}, members {:?}, continued from step {}, recovered in {:.0} ms",
-                trace.member, change.epoch, change.lost, change.members, change.resumed_from_step, change.recovery_ms
+                "member {}: epoch {}: lost {:?}, joined {:?}, members {:?}, continued from step {}, recovered in \
+                 {:.0} ms",
+                trace.member,
+                change.epoch,
+                change.lost,
+                change.joined,
+                change.members,
+                change.resumed_from_step,
+                change.recovery_ms
             );
         }
         if let Some(why) = &trace.left {

@@ -122,6 +122,7 @@ impl Regroup for QuicRegroup {
             comm,
             membership: next,
             lost: vec![(lost, cause)],
+            joined: Vec::new(),
         })
     }
 }

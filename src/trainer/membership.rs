@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::collective::comm_thread::CommThread;
 use crate::collective::Collective;
 use crate::data::{BatchPlan, BatchSplit};
-use crate::elastic::Membership;
+use crate::elastic::{Membership, MembershipChange};
 use crate::optim::AdamW;
 use anyhow::{ensure, Context, Result};
 
@@ -140,6 +140,34 @@ impl<B: Backend> Trainer<B> {
         self.faults = self.armed_faults.for_members(&membership.members);
         self.membership = membership;
         let resumed = self.catch_up()?;
+        Ok(resumed)
+    }
+
+    /// A new member takes its place in a running elastic job: `comm` is the group that admitted it (with
+    /// `membership`, which it is part of), and this trainer, built over a one-rank collective with the
+    /// job's global batch, receives the parameters, moments and step through [`Trainer::reform`]'s
+    /// catch-up. Collective: the running members re-form at the same time. Returns the step the group
+    /// continues from.
+    pub fn join_running(&mut self, comm: Box<dyn Collective>, membership: Membership) -> Result<u64> {
+        ensure!(
+            self.world == 1,
+            "only a trainer of its own (a one-rank group) can join a running job"
+        );
+        let since = std::time::Instant::now();
+        let (epoch, members) = (membership.epoch, membership.members.clone());
+        let me = *members
+            .get(comm.rank())
+            .context("the admitting group has no place for this rank")?;
+        let resumed = self.reform(comm, membership)?;
+        let change = MembershipChange {
+            epoch,
+            lost: Vec::new(),
+            joined: vec![me],
+            members,
+            resumed_from_step: resumed,
+            recovery_ms: 0.0,
+        };
+        self.pending_change = Some((change, since));
         Ok(resumed)
     }
 

@@ -180,6 +180,9 @@ pub struct Trainer<B: Backend> {
     guard: ShardGuard,
     /// The members of the group and its epoch (elastic runs re-form it; otherwise it stays the first).
     membership: Membership,
+    /// A change of membership made before the run loop started (a joiner's admission), for the metrics of
+    /// its first step, with when it began.
+    pending_change: Option<(crate::elastic::MembershipChange, Instant)>,
     /// The sync's state read from the checkpoint this run resumes, handed to the sync before the first step
     /// (after any [`Trainer::wrap_sync`]).
     resumed_sync_state: Option<SyncState>,
@@ -332,6 +335,7 @@ impl<B: Backend> Trainer<B> {
             armed_faults: FaultPlan::default(),
             guard,
             membership: Membership::initial(world),
+            pending_change: None,
             resumed_sync_state,
         };
         trainer.replicate()?;

@@ -75,6 +75,13 @@ pub trait Regroup {
     /// after `committed` steps. Returns the agreed next membership, which holds this rank, with the
     /// collective that joins it and the members it lost; or why the job stops.
     fn regroup(&mut self, last: &Membership, blamed: Option<(MemberId, Cause)>, committed: u64) -> Result<Regrouped>;
+
+    /// Whether the group changes (a member joins) after step `completed`, which every rank has just
+    /// completed; the answer must be the same on every rank. Then every rank calls
+    /// [`Regroup::regroup`] with no one blamed.
+    fn change_due(&mut self, _completed: u64) -> bool {
+        false
+    }
 }
 
 /// A re-formed group, as [`Regroup::regroup`] returns it.
@@ -83,6 +90,8 @@ pub struct Regrouped {
     pub membership: Membership,
     /// The members of the last membership not in the new one, and why each was lost.
     pub lost: Vec<(MemberId, Cause)>,
+    /// The members of the new membership not in the last one.
+    pub joined: Vec<MemberId>,
 }
 
 /// The member a failed collective blames, if the failure is a lost peer (dead, or silent until the
@@ -95,6 +104,12 @@ pub fn blamed_peer(error: &anyhow::Error, membership: &Membership) -> Option<(Me
         _ => None,
     })?;
     Some((*membership.members.get(rank)?, cause))
+}
+
+/// Why the group is re-formed: a lost member (the one a failed collective blamed), or a planned change.
+struct Change {
+    blamed: Option<(MemberId, Cause)>,
+    why: String,
 }
 
 /// A change of membership not yet recorded: it goes into the metrics of the next completed step.
@@ -155,51 +170,39 @@ impl<B: Backend> Trainer<B> {
         observer.started(self)?;
         let mut saves = Saves::default();
         let mut last = None;
-        let mut recovery: Option<Recovery> = None;
+        // A joiner's admission (`Trainer::join_running`) is recorded like any change.
+        let mut recovery: Option<Recovery> = self
+            .pending_change
+            .take()
+            .map(|(change, since)| Recovery { change, since });
         while self.step < self.opts.steps {
             match self.step_and_after(observer, &mut saves, save.as_deref(), &mut recovery) {
-                Ok(m) => last = Some(m),
+                Ok(m) => {
+                    last = Some(m);
+                    // A planned change of membership (a joiner) at this step boundary, the same on every rank.
+                    let Some(regroup) = regroup.as_deref_mut() else {
+                        continue;
+                    };
+                    if self.step < self.opts.steps && regroup.change_due(self.step) {
+                        let change = Change {
+                            blamed: None,
+                            why: "a member joins".to_string(),
+                        };
+                        self.regroup_now(regroup, change, &mut recovery, &mut saves, save.as_deref(), observer)?;
+                    }
+                }
                 Err(e) => {
-                    // A loss during the recovery from another counts from the first.
-                    let since = recovery.as_ref().map_or_else(Instant::now, |r| r.since);
-                    let mut lost_before = recovery.take().map(|r| r.change.lost).unwrap_or_default();
                     let Some(regroup) = regroup.as_deref_mut() else {
                         return Err(e);
                     };
                     let Some(blamed) = blamed_peer(&e, &self.membership) else {
                         return Err(e);
                     };
-                    self.release_collective()?;
-                    let regrouped = regroup
-                        .regroup(&self.membership, Some(blamed), self.step)
-                        .with_context(|| format!("after {e:#}"))?;
-                    let (epoch, members) = (regrouped.membership.epoch, regrouped.membership.members.clone());
-                    tracing::warn!(
-                        "rank {}: lost member(s) {:?} ({e:#}); continuing as rank {} of {} (epoch {epoch})",
-                        self.rank,
-                        &regrouped.lost,
-                        regrouped.comm.rank(),
-                        members.len()
-                    );
-                    let resumed = self.reform(regrouped.comm, regrouped.membership)?;
-                    lost_before.extend(regrouped.lost);
-                    let change = MembershipChange {
-                        epoch,
-                        lost: lost_before,
-                        members,
-                        resumed_from_step: resumed,
-                        recovery_ms: 0.0,
+                    let change = Change {
+                        blamed: Some(blamed),
+                        why: format!("{e:#}"),
                     };
-                    // A save due at the step the survivors continue from, which the loss interrupted.
-                    let every = self.opts.save_every;
-                    if let Some(dir) = &save {
-                        let due = every > 0 && resumed > 0 && resumed % every == 0 && resumed < self.opts.steps;
-                        if due && saves.last != Some(resumed) {
-                            saves.save(self, dir)?;
-                            observer.saved(self.step, dir);
-                        }
-                    }
-                    recovery = Some(Recovery { change, since });
+                    self.regroup_now(regroup, change, &mut recovery, &mut saves, save.as_deref(), observer)?;
                 }
             }
         }
@@ -208,6 +211,59 @@ impl<B: Backend> Trainer<B> {
             observer.saved(self.step, dir);
         }
         Ok(last)
+    }
+
+    /// Drops the group, agrees on the next one through `regroup`, re-forms and notes the change for the
+    /// next step's metrics; saves when a save was due at the step the group continues from.
+    fn regroup_now(
+        &mut self,
+        regroup: &mut dyn Regroup,
+        change: Change,
+        recovery: &mut Option<Recovery>,
+        saves: &mut Saves,
+        save: Option<&Path>,
+        observer: &mut dyn RunObserver<B>,
+    ) -> Result<()> {
+        // A change during the recovery from another counts from the first.
+        let since = recovery.as_ref().map_or_else(Instant::now, |r| r.since);
+        let before = recovery.take().map(|r| r.change);
+        self.release_collective()?;
+        let regrouped = regroup
+            .regroup(&self.membership, change.blamed, self.step)
+            .with_context(|| format!("after {}", change.why))?;
+        let (epoch, members) = (regrouped.membership.epoch, regrouped.membership.members.clone());
+        tracing::warn!(
+            "rank {}: lost {:?}, joined {:?} ({}); continuing as rank {} of {} (epoch {epoch})",
+            self.rank,
+            &regrouped.lost,
+            &regrouped.joined,
+            change.why,
+            regrouped.comm.rank(),
+            members.len()
+        );
+        let resumed = self.reform(regrouped.comm, regrouped.membership)?;
+        let (mut lost, mut joined) = before.map(|c| (c.lost, c.joined)).unwrap_or_default();
+        lost.extend(regrouped.lost);
+        joined.extend(regrouped.joined);
+        let change = MembershipChange {
+            epoch,
+            lost,
+            joined,
+            members,
+            resumed_from_step: resumed,
+            recovery_ms: 0.0,
+        };
+        // A save due at the step the group continues from, which a loss interrupted.
+        let every = self.opts.save_every;
+        if let Some(dir) = save {
+            let due = every > 0 && resumed > 0 && resumed % every == 0 && resumed < self.opts.steps;
+            if due && saves.last != Some(resumed) {
+                saves.save(self, dir)?;
+                observer.saved(self.step, dir);
+            }
+        }
+        *recovery = Some(Recovery { change, since });
+        Ok(())
     }
 
     /// One step and what follows it: the record of a re-formed group's first step, the evaluation when
