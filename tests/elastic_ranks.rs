@@ -261,6 +261,104 @@ fn a_rank_frozen_with_sigstop_is_gone_on_without_and_launch_ends_it() {
     assert_eq!(saved_hash(dir.path()), replay(steps, 3, change.resumed_from_step, 2));
 }
 
+/// Three processes started by hand from the torchrun variables (no launcher), rank 1 crashed at step 2.
+#[test]
+fn ranks_started_directly_from_the_torchrun_variables_survive_a_crash() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let children: Vec<_> = (0..3)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+                .args(train_flags(5))
+                .arg("--metrics")
+                .arg(dir.path().join("m.jsonl"))
+                .arg("--save")
+                .arg(dir.path().join("ck"))
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", "3".to_string()),
+                    ("LOCAL_WORLD_SIZE", "3".to_string()),
+                    ("MASTER_ADDR", "127.0.0.1".to_string()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("RINGTRAIN_INJECT_FAULT", "kill=1:2".to_string()),
+                ])
+                .current_dir(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    assert!(!outs[1].status.success());
+    for rank in [0, 2] {
+        assert!(outs[rank].status.success(), "rank {rank}: {}", stderr_of(&outs[rank]));
+    }
+    let change = metrics_of(dir.path(), 2)[1]
+        .membership
+        .clone()
+        .expect("step 2 records the change");
+    assert_eq!((change.members, change.resumed_from_step), (vec![0, 2], 1));
+    assert_eq!(saved_hash(dir.path()), replay(5, 3, 1, 2));
+}
+
+/// A rank frozen long enough to be gone on without, then woken: it finds it is no longer part of the job
+/// and leaves without disturbing the others.
+#[test]
+fn a_frozen_rank_that_wakes_after_the_re_form_leaves_without_disturbing_the_job() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 400;
+    let child = launch(3, steps, dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let started = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 5 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let frozen = worker_pid(&child, 2);
+    assert!(Command::new("kill")
+        .args(["-STOP", &frozen.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    // Until the others have re-formed without it.
+    let reformed = |text: &str| text.contains("\"membership\"");
+    while !reformed(&std::fs::read_to_string(&metrics).unwrap_or_default()) {
+        assert!(started.elapsed() < Duration::from_secs(60), "no re-form");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(Command::new("kill")
+        .args(["-CONT", &frozen.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("launch: rank 2 left the elastic job"), "{stderr}");
+    for line in stderr.lines().filter(|l| l.starts_with("error:")) {
+        eprintln!("the woken rank: {line}");
+    }
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!(m.last().unwrap().step, steps, "{stderr}");
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 1, "the woken rank changed nothing: {changes:?}");
+    assert_eq!(
+        saved_hash(dir.path()),
+        replay(steps, 3, changes[0].resumed_from_step, 2)
+    );
+}
+
 #[test]
 fn a_lone_survivor_of_two_stops_with_its_reason() {
     let _one = one_job();
