@@ -8,6 +8,10 @@
 //! the two-level ring grouped by namespace, keep their replicas bit-identical every step (`--verify-every 1`)
 //! and train like one worker on the global batch within 1e-5.
 //!
+//! Last, `bench/hosts/elastic.sh` runs `train --elastic` across 3 namespaces and kills one rank with SIGKILL
+//! (the two others must finish), then splits 4 ranks on 2 namespaces by taking a switch port down (neither
+//! side may go on).
+//!
 //! It needs root with the right to create network namespaces (a container has it only with `--privileged`
 //! or `--cap-add SYS_ADMIN --cap-add NET_ADMIN`) and iproute2 (`ip`, `tc`). Without either it skips with a
 //! notice, except under `CI=true`, where CI runs as root and a skip would hide the check. Both runs use the
@@ -65,4 +69,11 @@ fn two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames_and_run_the_tw
         stdout.contains("OK: the two-level ring grouped the ranks by namespace"),
         "two_level.sh reported no result: {stdout}"
     );
+    // Elastic jobs across hosts: a rank SIGKILLed on one of 3 hosts is survived; a 2 + 2 partition lets
+    // neither side go on.
+    let out = run_repo_script("bench/hosts/elastic.sh", &["150", "1gbit", "20"], &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench/hosts/elastic.sh failed: {}", out.status);
+    assert!(stdout.contains("OK: the 2 survivors re-formed"), "{stdout}");
+    assert!(stdout.contains("OK: neither side of the 2 + 2 partition went on"), "{stdout}");
 }
