@@ -155,7 +155,13 @@ impl Fault {
 
     /// The rank it acts on, when it acts on one.
     pub fn rank(&self) -> Option<usize> {
-        match *self {
+        let mut copy = *self;
+        copy.rank_mut().map(|r| *r)
+    }
+
+    /// Where the fault keeps the rank it acts on.
+    fn rank_mut(&mut self) -> Option<&mut usize> {
+        match self {
             Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) | Fault::Join { .. } => None,
             Fault::SlowMessages { rank, .. }
             | Fault::Duplicate { rank, .. }
@@ -184,17 +190,8 @@ impl Fault {
 
     /// The same fault acting on `new_rank` instead (a fault that acts on no rank is unchanged).
     pub fn on_rank(mut self, new_rank: usize) -> Fault {
-        match &mut self {
-            Fault::Delay(_) | Fault::Reorder(_) | Fault::Split(_) | Fault::Join { .. } => {}
-            Fault::SlowMessages { rank, .. }
-            | Fault::Duplicate { rank, .. }
-            | Fault::Drop { rank, .. }
-            | Fault::Kill { rank, .. }
-            | Fault::SlowCompute { rank, .. }
-            | Fault::Speed { rank, .. }
-            | Fault::Freeze { rank, .. }
-            | Fault::NonFinite { rank, .. }
-            | Fault::Flip { rank, .. } => *rank = new_rank,
+        if let Some(rank) = self.rank_mut() {
+            *rank = new_rank;
         }
         self
     }

@@ -65,6 +65,21 @@ fn launch(nproc: usize, steps: u64, dir: &Path) -> Command {
     cmd
 }
 
+/// A launched job of `nproc` ranks once rank 0 has logged `logged` steps.
+fn started_job(nproc: usize, steps: u64, dir: &Path, logged: usize) -> std::process::Child {
+    let child = launch(nproc, steps, dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (metrics, started) = (dir.join("m.jsonl"), Instant::now());
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < logged {
+        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
 fn options(steps: u64) -> TrainOptions {
     let model = ModelConfig::tiny();
     TrainOptions {
@@ -138,6 +153,20 @@ fn metrics_of(dir: &Path, member: usize) -> Vec<StepMetrics> {
     read_metrics(rank_metrics_path(&dir.join("m.jsonl"), member)).unwrap()
 }
 
+/// Sends `signal` (`-KILL`, `-STOP`, `-CONT`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let sent = Command::new("kill").args([signal, &pid.to_string()]).status().unwrap();
+    assert!(sent.success(), "kill {signal} {pid}");
+}
+
+/// The first membership change member `member` recorded.
+fn first_change(dir: &Path, member: usize) -> ringtrain::elastic::MembershipChange {
+    metrics_of(dir, member)
+        .iter()
+        .find_map(|m| m.membership.clone())
+        .expect("a membership change")
+}
+
 fn stderr_of(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -190,33 +219,15 @@ fn a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
     let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let steps = 300;
-    let child = launch(3, steps, dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
     // Some steps in, whichever they are.
-    let metrics = dir.path().join("m.jsonl");
-    let started = Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 20 {
-        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let child = started_job(3, steps, dir.path(), 20);
     let victim = worker_pid(&child, 1);
-    let killed = Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    signal(victim, "-KILL");
     let out = child.wait_with_output().unwrap();
     let stderr = stderr_of(&out);
     assert!(out.status.success(), "{stderr}");
-    let m = metrics_of(dir.path(), 0);
-    assert_eq!(m.last().unwrap().step, steps, "{stderr}");
-    let change = m
-        .iter()
-        .find_map(|m| m.membership.clone())
-        .expect("a membership change");
+    assert_eq!(metrics_of(dir.path(), 0).last().unwrap().step, steps, "{stderr}");
+    let change = first_change(dir.path(), 0);
     assert_eq!(change.members, vec![0, 2]);
     // The history: 3 ranks to the step the survivors continued from, then 2.
     assert_eq!(saved_hash(dir.path()), replay(steps, 3, change.resumed_from_step, 2));
@@ -227,33 +238,15 @@ fn a_rank_frozen_with_sigstop_is_gone_on_without_and_launch_ends_it() {
     let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let steps = 60;
-    let child = launch(3, steps, dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let metrics = dir.path().join("m.jsonl");
-    let started = Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 5 {
-        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let child = started_job(3, steps, dir.path(), 5);
     let frozen = worker_pid(&child, 2);
-    assert!(Command::new("kill")
-        .args(["-STOP", &frozen.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    signal(frozen, "-STOP");
     let out = child.wait_with_output().unwrap();
     let stderr = stderr_of(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("launch: rank 2 is stopped"), "{stderr}");
-    let m = metrics_of(dir.path(), 0);
-    assert_eq!(m.last().unwrap().step, steps);
-    let change = m
-        .iter()
-        .find_map(|m| m.membership.clone())
-        .expect("a membership change");
+    assert_eq!(metrics_of(dir.path(), 0).last().unwrap().step, steps);
+    let change = first_change(dir.path(), 0);
     assert_eq!(change.members, vec![0, 1]);
     eprintln!("membership change after SIGSTOP: {change:?}");
     // Found out by the QUIC idle timeout (a third of --timeout), then re-formed.
@@ -314,34 +307,17 @@ fn a_frozen_rank_that_wakes_after_the_re_form_leaves_without_disturbing_the_job(
     let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
     let steps = 400;
-    let child = launch(3, steps, dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let metrics = dir.path().join("m.jsonl");
-    let started = Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 5 {
-        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let child = started_job(3, steps, dir.path(), 5);
     let frozen = worker_pid(&child, 2);
-    assert!(Command::new("kill")
-        .args(["-STOP", &frozen.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    signal(frozen, "-STOP");
     // Until the others have re-formed without it.
+    let (metrics, started) = (dir.path().join("m.jsonl"), Instant::now());
     let reformed = |text: &str| text.contains("\"membership\"");
     while !reformed(&std::fs::read_to_string(&metrics).unwrap_or_default()) {
         assert!(started.elapsed() < Duration::from_secs(60), "no re-form");
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(Command::new("kill")
-        .args(["-CONT", &frozen.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    signal(frozen, "-CONT");
     let out = child.wait_with_output().unwrap();
     let stderr = stderr_of(&out);
     assert!(out.status.success(), "{stderr}");

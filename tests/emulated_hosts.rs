@@ -75,5 +75,8 @@ fn two_emulated_hosts_match_loopback_on_standard_and_jumbo_frames_and_run_the_tw
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "bench/hosts/elastic.sh failed: {}", out.status);
     assert!(stdout.contains("OK: the 2 survivors re-formed"), "{stdout}");
-    assert!(stdout.contains("OK: neither side of the 2 + 2 partition went on"), "{stdout}");
+    assert!(
+        stdout.contains("OK: neither side of the 2 + 2 partition went on"),
+        "{stdout}"
+    );
 }
