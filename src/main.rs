@@ -34,6 +34,10 @@ enum Command {
         nproc: usize,
         #[arg(long)]
         master_port: Option<u16>,
+        /// With `--elastic` among the train flags: restart a rank that failed, up to this many times per
+        /// rank, as a member asking to rejoin the running job
+        #[arg(long, default_value_t = 0)]
+        max_restarts: usize,
         /// `train` and its flags, after `--`
         #[arg(last = true, required = true)]
         command: Vec<String>,
@@ -178,8 +182,9 @@ fn main() -> ExitCode {
         Command::Launch {
             nproc,
             master_port,
+            max_restarts,
             command,
-        } => launch::run_launch(nproc, master_port, &command),
+        } => launch::run_launch(nproc, master_port, max_restarts, &command),
         Command::Sample {
             checkpoint,
             prompt,

@@ -13,7 +13,7 @@ use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::metrics::{rank_metrics_path, read_metrics, StepMetrics};
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{hash_f32, ModelSource, Quiet, TrainOptions, Trainer, UpdateMode};
+use ringtrain::trainer::{hash_f32, ModelSource, TrainOptions, Trainer, UpdateMode};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -54,8 +54,15 @@ fn one_job() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn launch(nproc: usize, steps: u64, dir: &Path) -> Command {
+    launch_with(nproc, steps, dir, &[])
+}
+
+/// [`launch`] with flags of `launch` itself.
+fn launch_with(nproc: usize, steps: u64, dir: &Path, launch_flags: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
-    cmd.args(["launch", "--nproc", &nproc.to_string(), "--"])
+    cmd.args(["launch", "--nproc", &nproc.to_string()])
+        .args(launch_flags)
+        .arg("--")
         .args(train_flags(steps))
         .arg("--metrics")
         .arg(dir.join("m.jsonl"))
@@ -105,39 +112,45 @@ fn trainer(
 /// `first` ranks train to `committed`, save, and `then` ranks resume with the same global batch to `steps`:
 /// the final parameters' fingerprint.
 fn replay(steps: u64, first: usize, committed: u64, then: usize) -> String {
+    replay_history(steps, &[(first, committed), (then, steps)])
+}
+
+/// A membership history done by hand: each phase's world trains to its step and saves, the next phase's
+/// ranks resuming that checkpoint with the first phase's global batch. The final parameters' fingerprint.
+fn replay_history(steps: u64, phases: &[(usize, u64)]) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let ck = dir.path().join("ck");
-    let opts = options(steps);
-    std::thread::scope(|s| {
-        for comm in mem_cluster(first, MemOptions::default()) {
-            let (opts, ck) = (&opts, &ck);
-            s.spawn(move || {
-                let mut t = trainer(opts, ModelSource::Fresh(ModelConfig::tiny()), Box::new(comm));
-                while t.step() < committed {
-                    t.train_step().unwrap();
-                }
-                t.save(ck).unwrap();
-            });
-        }
-    });
-    let resumed = TrainOptions {
-        global_batch: Some(first * opts.batch_size),
-        ..opts
+    let opts = TrainOptions {
+        global_batch: Some(phases[0].0 * options(steps).batch_size),
+        ..options(steps)
     };
-    let hashes: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = mem_cluster(then, MemOptions::default())
-            .into_iter()
-            .map(|comm| {
-                let (resumed, ck) = (&resumed, &ck);
-                s.spawn(move || {
-                    let mut t = trainer(resumed, ModelSource::Resume(ck.clone()), Box::new(comm));
-                    t.run(&mut Quiet).unwrap();
-                    t.param_hash().unwrap()
+    let mut hashes = Vec::new();
+    for (i, &(world, until)) in phases.iter().enumerate() {
+        let (from, to) = (
+            dir.path().join(format!("ck{i}")),
+            dir.path().join(format!("ck{}", i + 1)),
+        );
+        hashes = std::thread::scope(|s| {
+            let handles: Vec<_> = mem_cluster(world, MemOptions::default())
+                .into_iter()
+                .map(|comm| {
+                    let (opts, from, to) = (&opts, &from, &to);
+                    s.spawn(move || {
+                        let source = match i {
+                            0 => ModelSource::Fresh(ModelConfig::tiny()),
+                            _ => ModelSource::Resume(from.clone()),
+                        };
+                        let mut t = trainer(opts, source, Box::new(comm));
+                        while t.step() < until {
+                            t.train_step().unwrap();
+                        }
+                        t.save(to).unwrap();
+                        t.param_hash().unwrap()
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<String>>()
+        });
+    }
     assert!(hashes.windows(2).all(|w| w[0] == w[1]));
     hashes[0].clone()
 }
@@ -182,7 +195,10 @@ fn a_crashed_rank_leaves_and_the_survivors_finish_with_the_replayed_bits() {
     let stderr = stderr_of(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("launch: rank 2 left the elastic job"), "{stderr}");
-    assert!(stderr.contains("the elastic job completed on 2 rank(s)"), "{stderr}");
+    assert!(
+        stderr.contains("the elastic job completed on 2 rank(s); failed on the way: rank 2"),
+        "{stderr}"
+    );
     for member in [0, 1] {
         let m = metrics_of(dir.path(), member);
         assert_eq!(m.iter().map(|m| m.step).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5, 6]);
@@ -333,6 +349,43 @@ fn a_frozen_rank_that_wakes_after_the_re_form_leaves_without_disturbing_the_job(
         saved_hash(dir.path()),
         replay(steps, 3, changes[0].resumed_from_step, 2)
     );
+}
+
+/// `launch --max-restarts 1`: the crashed rank is started again, asks the running job to take it back, and is
+/// admitted at a step boundary: the job ends with its full world and the bits of the history it went
+/// through (3 ranks, then 2, then 3 again).
+#[test]
+fn a_crashed_rank_restarted_by_launch_rejoins_and_the_job_ends_with_the_full_world() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 300;
+    let out = launch_with(3, steps, dir.path(), &["--max-restarts", "1"])
+        .env("RINGTRAIN_INJECT_FAULT", "kill=2:10")
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("launch: restarting rank 2 to rejoin the job (restart 1 of 1)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("member 2: rejoined the running job at step"),
+        "{stderr}"
+    );
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!(m.last().unwrap().step, steps);
+    assert_eq!(m.last().unwrap().world_size, 3, "the job ends with the full world");
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 2, "{changes:?}");
+    assert_eq!(
+        (changes[0].members.clone(), changes[1].members.clone()),
+        (vec![0, 1], vec![0, 1, 2])
+    );
+    assert_eq!(changes[1].joined, vec![2]);
+    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
+    let history = replay_history(steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
+    assert_eq!(saved_hash(dir.path()), history);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use anyhow::{anyhow, bail, Result};
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::collective::Collective;
 use ringtrain::elastic::{next_membership, Cause, ElasticRules, MemberId, Membership};
-use ringtrain::trainer::{Regroup, Regrouped};
+use ringtrain::trainer::{MembershipEvent, Regroup, Regrouped};
 use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -29,6 +29,8 @@ pub struct Board {
     ring: MemOptions,
     /// How long the board waits for members it has not heard from.
     detection: Duration,
+    /// The size of the first membership (a joiner's id is the next one).
+    first_world: usize,
     state: Mutex<BoardState>,
     changed: Condvar,
 }
@@ -64,6 +66,7 @@ impl Board {
             rules,
             ring,
             detection,
+            first_world: world,
             state: Mutex::new(BoardState {
                 membership: Membership::initial(world),
                 reported: BTreeMap::new(),
@@ -105,10 +108,12 @@ impl Board {
         self.changed.notify_all();
     }
 
-    /// Whether the planned join happens after step `completed` (the same answer for every member).
-    fn change_due(&self, completed: u64) -> bool {
+    /// The member the plan adds after step `completed` (the same answer for every member): the first id
+    /// after the first membership's.
+    fn joiner_due(&self, completed: u64) -> Option<MemberId> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        !state.join_done && state.join_before == Some(completed + 1)
+        let due = !state.join_done && state.join_before == Some(completed + 1);
+        due.then_some(self.first_world as MemberId)
     }
 
     /// A new worker, `member`, waits to be admitted at the planned step boundary; returns its place in the
@@ -140,7 +145,7 @@ impl Board {
         &self,
         member: MemberId,
         last: &Membership,
-        blamed: Option<(MemberId, Cause)>,
+        event: MembershipEvent,
         committed: u64,
     ) -> Result<Regrouped> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -162,12 +167,12 @@ impl Board {
         }
         let epoch = last.epoch;
         state.reported.insert(member, committed);
-        match blamed {
+        match event {
             // A member that reports is alive, whatever a peer's timeout said.
-            Some((peer, cause)) => {
+            MembershipEvent::Lost(peer, cause) => {
                 state.blamed.entry(peer).or_insert(cause);
             }
-            None => state.growing = true,
+            MembershipEvent::Joins(_) => state.growing = true,
         }
         state.first_report.get_or_insert_with(Instant::now);
         self.changed.notify_all();
@@ -278,11 +283,11 @@ pub struct BoardMember<'a> {
 }
 
 impl Regroup for BoardMember<'_> {
-    fn regroup(&mut self, last: &Membership, blamed: Option<(MemberId, Cause)>, committed: u64) -> Result<Regrouped> {
-        self.board.regroup(self.member, last, blamed, committed)
+    fn regroup(&mut self, last: &Membership, event: MembershipEvent, committed: u64) -> Result<Regrouped> {
+        self.board.regroup(self.member, last, event, committed)
     }
 
-    fn change_due(&mut self, completed: u64) -> bool {
-        self.board.change_due(completed)
+    fn joiner_due(&mut self, completed: u64) -> Option<MemberId> {
+        self.board.joiner_due(completed)
     }
 }

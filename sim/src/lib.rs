@@ -289,6 +289,7 @@ fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collecti
         },
         collective: cfg.options.collective,
         epoch: 0,
+        elastic: None,
     };
     dist::join_with(&launch, &opts, &NetworkEnv::default())
 }

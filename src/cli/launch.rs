@@ -9,7 +9,8 @@
 
 use super::progress::eprint_line;
 use anyhow::{bail, ensure, Context, Result};
-use ringtrain::dist::{generate_secret, JOB_ID_VAR};
+use ringtrain::dist::{generate_secret, JOB_ID_VAR, REJOIN_VAR};
+use ringtrain::fault_plan::INJECT_FAULT_VAR;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -18,7 +19,7 @@ const MAX_NPROC: usize = 64;
 /// How long the others may take to notice a failed rank before they are killed.
 const GRACE: Duration = Duration::from_secs(30);
 
-pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) -> Result<()> {
+pub fn run_launch(nproc: usize, master_port: Option<u16>, max_restarts: usize, command: &[String]) -> Result<()> {
     ensure!(
         (1..=MAX_NPROC).contains(&nproc),
         "--nproc {nproc} must be between 1 and {MAX_NPROC}"
@@ -42,10 +43,9 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) ->
     let secret = std::env::var("RINGTRAIN_SECRET").unwrap_or_else(|_| generate_secret());
     let job_id = rand::random::<u64>() >> 1;
     let exe = std::env::current_exe().context("locating the ringtrain executable")?;
-    let mut children = Vec::with_capacity(nproc);
-    for rank in 0..nproc {
-        let child = Command::new(&exe)
-            .args(command)
+    let spawn = |rank: usize, rejoin: bool| -> Result<Child> {
+        let mut cmd = Command::new(&exe);
+        cmd.args(command)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", nproc.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -53,13 +53,22 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, command: &[String]) ->
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("RINGTRAIN_SECRET", &secret)
-            .env(JOB_ID_VAR, job_id.to_string())
-            .spawn()
-            .with_context(|| format!("starting rank {rank}"))?;
-        children.push(Some(child));
-    }
+            .env(JOB_ID_VAR, job_id.to_string());
+        if rejoin {
+            // A restarted rank rejoins as it is: the injected faults rehearsed the first failure.
+            cmd.env(REJOIN_VAR, "1").env_remove(INJECT_FAULT_VAR);
+        }
+        cmd.spawn().with_context(|| format!("starting rank {rank}"))
+    };
+    let children = (0..nproc)
+        .map(|rank| spawn(rank, false).map(Some))
+        .collect::<Result<Vec<_>>>()?;
+    ensure!(
+        max_restarts == 0 || elastic_flag(command),
+        "--max-restarts restarts a rank into a running elastic job: add --elastic to the train flags"
+    );
     match elastic_flag(command) {
-        true => supervise_elastic(children),
+        true => supervise_elastic(children, max_restarts, &spawn),
         false => supervise(children),
     }
 }
@@ -75,21 +84,34 @@ fn elastic_flag(command: &[String]) -> bool {
 /// Waits for every child of an elastic job: a failed rank leaves it, the others go on. A stopped rank is
 /// killed once another has exited (the survivors went on without it, or finished). Succeeds when some rank
 /// completed the job.
-fn supervise_elastic(mut children: Vec<Option<Child>>) -> Result<()> {
+fn supervise_elastic(
+    mut children: Vec<Option<Child>>,
+    max_restarts: usize,
+    spawn: &dyn Fn(usize, bool) -> Result<Child>,
+) -> Result<()> {
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut restarts = vec![0; children.len()];
     let mut completed = 0;
     while children.iter().any(Option::is_some) {
         for (rank, slot) in children.iter_mut().enumerate() {
             let Some(child) = slot else { continue };
             if let Some(status) = child.try_wait().with_context(|| format!("waiting for rank {rank}"))? {
-                match status.success() {
-                    true => completed += 1,
-                    false => {
-                        eprint_line(&format!("launch: rank {rank} left the elastic job ({status})"));
-                        failures.push((rank, status));
-                    }
-                }
                 *slot = None;
+                if status.success() {
+                    completed += 1;
+                    continue;
+                }
+                eprint_line(&format!("launch: rank {rank} left the elastic job ({status})"));
+                failures.push((rank, status));
+                // Back into the running job, while it runs.
+                if completed == 0 && restarts[rank] < max_restarts {
+                    restarts[rank] += 1;
+                    eprint_line(&format!(
+                        "launch: restarting rank {rank} to rejoin the job (restart {} of {max_restarts})",
+                        restarts[rank]
+                    ));
+                    *slot = Some(spawn(rank, true)?);
+                }
             }
         }
         // Once any rank has exited, a stopped one has been (or will be) gone on without: it cannot finish.
@@ -107,7 +129,7 @@ fn supervise_elastic(mut children: Vec<Option<Child>>) -> Result<()> {
     );
     if !failures.is_empty() {
         eprint_line(&format!(
-            "launch: the elastic job completed on {completed} rank(s) without {}",
+            "launch: the elastic job completed on {completed} rank(s); failed on the way: {}",
             list.join(", ")
         ));
     }

@@ -9,14 +9,17 @@ use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::op_cost::OpFamily;
 use ringtrain::backend::profiled::{FamilyTotals, Profile, Profiled};
 use ringtrain::backend::Backend;
+use ringtrain::collective::mem::single_rank;
 use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::{Collective, TwoLevel};
 use ringtrain::data::{load_splits, BatchPlan, BatchSplit, DataSplits};
-use ringtrain::dist::elastic::QuicRegroup;
+use ringtrain::dist::elastic::{rejoin as rejoin_running, QuicRegroup};
+use ringtrain::dist::REJOIN_VAR;
 use ringtrain::dist::{
     detect_launch, detect_network, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags,
     ThreadBudget,
 };
+use ringtrain::elastic::Membership;
 use ringtrain::fault_plan::{FaultPlan, INJECT_FAULT_VAR};
 use ringtrain::metrics::{rank_metrics_path, set_aside_earlier_run, MetricsWriter, StepMetrics};
 use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, RunObserver, TrainOptions, Trainer};
@@ -154,13 +157,21 @@ fn check_memory_plan(s: &RunSetup, be: &dyn Backend) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{who}{e}"))
 }
 
-/// The ring this process belongs to: a one-rank stand-in for a single process, QUIC otherwise; with
-/// `--elastic` over several ranks, also what re-forms it after a loss.
-fn connect(s: &RunSetup) -> Result<(Box<dyn Collective>, Option<QuicRegroup>)> {
+/// How this process joins: the ring it belongs to (a one-rank stand-in for a single process, QUIC
+/// otherwise); with `--elastic` over several ranks, also what re-forms it after a loss; and for a rank
+/// restarted to rejoin a running job (`launch --max-restarts`), the membership that admitted it.
+struct Connection {
+    comm: Box<dyn Collective>,
+    regroup: Option<QuicRegroup>,
+    admitted: Option<Membership>,
+}
+
+fn connect(s: &RunSetup) -> Result<Connection> {
     let secret = match s.launch.world_size {
         1 => None,
         _ => load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?,
     };
+    let elastic = s.opts.elastic.filter(|_| s.launch.world_size > 1);
     let opts = JoinOptions {
         config_hash: s.job_hash,
         secret,
@@ -169,16 +180,36 @@ fn connect(s: &RunSetup) -> Result<(Box<dyn Collective>, Option<QuicRegroup>)> {
         transport: s.transport,
         collective: s.opts.collective,
         epoch: 0,
+        elastic: elastic.map(|_| s.launch.world_size),
     };
+    let rejoin = std::env::var(REJOIN_VAR).is_ok_and(|v| v == "1");
+    let Some(rules) = elastic else {
+        ensure!(
+            !rejoin,
+            "{REJOIN_VAR} is set, but only an --elastic job of several ranks can be rejoined"
+        );
+        return Ok(Connection {
+            comm: join(&s.launch, &opts)?,
+            regroup: None,
+            admitted: None,
+        });
+    };
+    let network = detect_network(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    if rejoin {
+        let (comm, membership, regroup) = rejoin_running(&s.launch, &opts, &network, rules)?;
+        return Ok(Connection {
+            comm,
+            regroup: Some(regroup),
+            admitted: Some(membership),
+        });
+    }
     let comm = join(&s.launch, &opts)?;
-    let regroup = match s.opts.elastic {
-        Some(rules) if s.launch.world_size > 1 => {
-            let network = detect_network(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
-            Some(QuicRegroup::new(&s.launch, &opts, &network, rules, &*comm)?)
-        }
-        _ => None,
-    };
-    Ok((comm, regroup))
+    let regroup = QuicRegroup::new(&s.launch, &opts, &network, rules, &*comm)?;
+    Ok(Connection {
+        comm,
+        regroup: Some(regroup),
+        admitted: None,
+    })
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
@@ -186,11 +217,38 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let (be, selection) = open_backend(s.backend, s.launch.local_rank)?;
     check_memory_plan(&s, &*be)?;
     let resuming = s.source.is_resume();
-    let (comm, mut regroup) = connect(&s)?;
+    let Connection {
+        comm,
+        mut regroup,
+        admitted,
+    } = connect(&s)?;
     let links = format!("{}{}", links_note(comm.ring_links()), layout_note(comm.two_level()));
-    let is_rank0 = s.launch.rank == 0;
-    let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
-    arm_faults(&mut trainer, &s.faults);
+    let is_rank0 = s.launch.rank == 0 && admitted.is_none();
+    let mut trainer = match admitted {
+        // Alone first, with the job's global batch; the running ranks then hand over their state.
+        Some(membership) => {
+            let opts = TrainOptions {
+                global_batch: Some(s.opts.global_batch_for(s.launch.world_size)),
+                grad_accum: 1,
+                ..s.opts
+            };
+            let mut trainer = Trainer::new(be, s.source, s.data, opts, single_rank()).map_err(with_flag_hints)?;
+            arm_faults(&mut trainer, &s.faults);
+            let step = trainer.join_running(comm, membership)?;
+            eprint_line(&format!(
+                "member {}: rejoined the running job at step {step} as rank {} of {}",
+                s.launch.rank,
+                trainer.rank(),
+                trainer.world()
+            ));
+            trainer
+        }
+        None => {
+            let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
+            arm_faults(&mut trainer, &s.faults);
+            trainer
+        }
+    };
     let mut observer = CliObserver {
         progress: match is_rank0 {
             true => Progress::new(trainer.options().steps, trainer.step()),
@@ -402,7 +460,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result
         s.opts.elastic.is_none(),
         "bench step times steps, not recoveries: --elastic applies to train"
     );
-    let (comm, _) = connect(&s)?;
+    let comm = connect(&s)?.comm;
     let plan_peak = s.plan.peak();
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_faults(&mut trainer, &s.faults);

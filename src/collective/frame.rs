@@ -31,7 +31,7 @@ pub const MAGIC: [u8; 4] = *b"RTRF";
 /// and a hello may carry the address the rank asks the others to dial. Version 3: hellos and welcomes carry
 /// each rank's host identity and shared-memory endpoint, and a peer hello says whether the link's data goes
 /// through shared memory.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 pub const HEADER_LEN: usize = 48;
 /// Hard ceiling on any payload, whatever the caller allows (64 MiB).
 pub const ABSOLUTE_MAX_PAYLOAD: usize = 64 << 20;

@@ -118,6 +118,18 @@ pub trait Collective: Send {
         None
     }
 
+    /// Rank 0 of an elastic job over the network: the member (its first rank) that has asked to join and
+    /// waits to be admitted, if any.
+    fn pending_join(&self) -> Option<u32> {
+        None
+    }
+
+    /// Rank 0 of an elastic job: tells the waiting `member` it is admitted into membership `epoch`
+    /// (`members` in rank order, itself included). Nothing where no member waits.
+    fn admit_join(&mut self, _member: u32, _epoch: u64, _members: &[u32]) -> Result<()> {
+        Ok(())
+    }
+
     /// Records the training step, stamped into frames (and checked) by transports that have frames.
     fn set_step(&mut self, _step: u64) {}
 

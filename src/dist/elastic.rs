@@ -9,12 +9,13 @@
 //! than continue split. Each epoch runs under its own job id ([`epoch_job_id`]), so no frame or hello of an
 //! older ring is taken for one of the new ring.
 
-use super::{join_on, join_with, JoinOptions, LaunchEnv, NetworkEnv};
+use super::{join_on, join_with, quic_config, JoinOptions, LaunchEnv, NetworkEnv};
 use crate::collective::mem::single_rank;
+use crate::collective::quic::ask_to_join;
 use crate::collective::Collective;
-use crate::elastic::{next_membership, Cause, ElasticRules, MemberId, Membership};
-use crate::trainer::{Regroup, Regrouped};
-use anyhow::{bail, Context, Result};
+use crate::elastic::{next_membership, ElasticRules, MemberId, Membership};
+use crate::trainer::{MembershipEvent, Regroup, Regrouped};
+use anyhow::{ensure, Context, Result};
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
@@ -69,64 +70,131 @@ impl QuicRegroup {
     }
 }
 
-impl Regroup for QuicRegroup {
-    fn regroup(&mut self, last: &Membership, blamed: Option<(MemberId, Cause)>, committed: u64) -> Result<Regrouped> {
-        let Some((lost, cause)) = blamed else {
-            bail!("the collective failed without naming a lost rank, so the survivors cannot agree on one")
+impl QuicRegroup {
+    /// Joins membership `next` as `rank`, with rank 0 at `master`: the new rank 0 rebinds that address
+    /// (where the last ring knew it) and hosts the epoch's rendezvous.
+    fn join_epoch(&mut self, next: &Membership, rank: usize, master: SocketAddr) -> Result<Box<dyn Collective>> {
+        if next.world() == 1 {
+            return Ok(single_rank());
+        }
+        let launch = LaunchEnv {
+            rank,
+            world_size: next.world(),
+            local_world_size: self.launch.local_world_size.min(next.world()),
+            master_addr: master.ip().to_string(),
+            master_port: master.port(),
+            ..self.launch.clone()
         };
-        let survivors: Vec<MemberId> = last.members.iter().copied().filter(|&m| m != lost).collect();
-        let next = next_membership(last, &survivors, &self.rules).map_err(|stop| {
-            anyhow::anyhow!("the job stops after losing member {lost} ({cause}) at committed step {committed}: {stop}")
-        })?;
+        let opts = JoinOptions {
+            epoch: next.epoch,
+            // The plan's ranks name first members: each group takes its members' faults.
+            faults: self.opts.faults.for_members(&next.members),
+            ..self.opts.clone()
+        };
+        let comm = if rank == 0 {
+            let ip = self.network.bind_ip.unwrap_or(master.ip());
+            let socket = rebind(SocketAddr::new(ip, master.port()))?;
+            join_on(&launch, &opts, &self.network, socket)?
+        } else {
+            join_with(&launch, &opts, &self.network)?
+        };
+        self.addrs = comm.ring_addrs().context("the re-formed ring has no addresses")?;
+        Ok(comm)
+    }
+}
+
+impl Regroup for QuicRegroup {
+    fn regroup(&mut self, last: &Membership, event: MembershipEvent, committed: u64) -> Result<Regrouped> {
+        let (next, lost, joined) = match event {
+            MembershipEvent::Lost(lost, cause) => {
+                let survivors: Vec<MemberId> = last.members.iter().copied().filter(|&m| m != lost).collect();
+                let next = next_membership(last, &survivors, &self.rules).map_err(|stop| {
+                    anyhow::anyhow!(
+                        "the job stops after losing member {lost} ({cause}) at committed step {committed}: {stop}"
+                    )
+                })?;
+                (next, vec![(lost, cause)], Vec::new())
+            }
+            MembershipEvent::Joins(member) => {
+                let mut members = last.members.clone();
+                members.push(member);
+                let next = Membership {
+                    epoch: last.epoch + 1,
+                    members,
+                };
+                (next, Vec::new(), vec![member])
+            }
+        };
         let rank = next
             .rank_of(self.member)
-            .context("this member is not among the survivors")?;
+            .context("this member is not part of the next membership")?;
         let master = self.addrs[last
             .rank_of(next.members[0])
-            .expect("a survivor of the last membership")];
+            .expect("rank 0 comes from the last membership")];
         tracing::warn!(
-            "member {}: member {lost} lost ({cause}); re-forming as rank {rank} of {} (epoch {}) with rank 0 at \
-             {master}",
+            "member {}: {event:?}; re-forming as rank {rank} of {} (epoch {}) with rank 0 at {master}",
             self.member,
             next.world(),
             next.epoch
         );
-        let comm = if next.world() == 1 {
-            single_rank()
-        } else {
-            let launch = LaunchEnv {
-                rank,
-                world_size: next.world(),
-                local_world_size: self.launch.local_world_size.min(next.world()),
-                master_addr: master.ip().to_string(),
-                master_port: master.port(),
-                ..self.launch.clone()
-            };
-            let opts = JoinOptions {
-                epoch: next.epoch,
-                // The plan's ranks name first members: each group takes its members' faults.
-                faults: self.opts.faults.for_members(&next.members),
-                ..self.opts.clone()
-            };
-            let comm = if rank == 0 {
-                let ip = self.network.bind_ip.unwrap_or(master.ip());
-                let socket = rebind(SocketAddr::new(ip, master.port()))?;
-                join_on(&launch, &opts, &self.network, socket)?
-            } else {
-                join_with(&launch, &opts, &self.network)?
-            };
-            self.addrs = comm.ring_addrs().context("the re-formed ring has no addresses")?;
-            comm
-        };
+        let comm = self.join_epoch(&next, rank, master)?;
         Ok(Regrouped {
             comm,
             membership: next,
-            lost: vec![(lost, cause)],
-            joined: Vec::new(),
+            lost,
+            joined,
         })
     }
 }
 
+/// A member (a restarted rank, `launch` under `--max-restarts`) asking to join the running elastic job
+/// whose rank 0 listens at the launch's master address: it says hello as in the first epoch, waits there
+/// until the running ranks admit it at a step boundary, then joins the new epoch's rendezvous. Returns its
+/// collective, the membership it joined, and the regroup for its later changes.
+pub fn rejoin(
+    launch: &LaunchEnv,
+    opts: &JoinOptions,
+    network: &NetworkEnv,
+    rules: ElasticRules,
+) -> Result<(Box<dyn Collective>, Membership, QuicRegroup)> {
+    let member = launch.rank as MemberId;
+    // A hello of the first epoch: the member's first rank in the first world.
+    let first = JoinOptions {
+        epoch: 0,
+        ..opts.clone()
+    };
+    let cfg = quic_config(launch, &first, network)?;
+    let admitted = ask_to_join(cfg).with_context(|| {
+        format!(
+            "member {member} asking to join the running job at {}:{}",
+            launch.master_addr, launch.master_port
+        )
+    })?;
+    let (epoch, rank, members) = admitted;
+    let membership = Membership { epoch, members };
+    ensure!(
+        membership.rank_of(member) == Some(rank),
+        "rank 0 admitted member {member} as rank {rank} of {:?}",
+        membership.members
+    );
+    let master = SocketAddr::new(
+        launch
+            .master_addr
+            .parse()
+            .context("MASTER_ADDR must be an IP address to rejoin")?,
+        launch.master_port,
+    );
+    let mut regroup = QuicRegroup {
+        member,
+        launch: launch.clone(),
+        opts: opts.clone(),
+        network: network.clone(),
+        rules,
+        addrs: Vec::new(),
+    };
+    let comm = regroup.join_epoch(&membership, rank, master)?;
+    Ok((comm, membership, regroup))
+}
 /// Binds `addr`, retrying while the last ring's endpoint still holds it.
 fn rebind(addr: SocketAddr) -> Result<UdpSocket> {
     let until = Instant::now() + REBIND_FOR;

@@ -27,6 +27,10 @@ use crate::collective::{Collective, CollectiveChoice};
 /// `ringtrain launch` sets it to a fresh random id.
 pub const JOB_ID_VAR: &str = "RINGTRAIN_JOB_ID";
 
+/// Set (to `1`) by `ringtrain launch --max-restarts` on a rank it restarts: the rank asks the running
+/// elastic job to take it back ([`elastic::rejoin`]) instead of joining a first rendezvous.
+pub const REJOIN_VAR: &str = "RINGTRAIN_ELASTIC_REJOIN";
+
 /// What [`join`] needs besides the launch environment.
 #[derive(Clone, Debug)]
 pub struct JoinOptions {
@@ -46,6 +50,9 @@ pub struct JoinOptions {
     /// The membership epoch this join forms (0 at the start; an elastic re-form counts up), which gives
     /// the ring its own job id ([`elastic::epoch_job_id`]).
     pub epoch: u64,
+    /// An elastic job: its first world size (rank 0 then parks a member asking to join until the running
+    /// ranks admit it).
+    pub elastic: Option<usize>,
 }
 
 /// The job id: the value of [`JOB_ID_VAR`] when it is set (`value`), else `config_hash`. A value that is not
@@ -100,25 +107,8 @@ fn join_ring(
     if launch.world_size == 1 {
         return Ok(single_rank());
     }
-    let master = resolve_master(&launch.master_addr, launch.master_port).map_err(anyhow::Error::msg)?;
-    refuse_unreachable_master(launch, master)?;
-    let advertise = match &network.advertise {
-        Some(a) => Some(a.resolve().map_err(anyhow::Error::msg)?),
-        None => None,
-    };
-    refuse_unreachable_rank(launch, master, network.bind_ip, advertise)?;
-    let mut cfg = QuicConfig::new(launch.rank, launch.world_size, master);
-    cfg.bind_ip = network.bind_ip;
-    cfg.advertise_addr = advertise;
-    cfg.secret = opts.secret.clone();
-    cfg.timeout = opts.timeout;
-    cfg.rendezvous_timeout = opts.timeout;
-    cfg.config_hash = opts.config_hash;
-    let job = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
-    cfg.job_id = elastic::epoch_job_id(job, opts.epoch);
-    cfg.transport = opts.transport;
-    cfg.collective = opts.collective;
-    cfg.host_id = network.host_id.clone();
+    let cfg = quic_config(launch, opts, network)?;
+    let master = cfg.master;
     let connected = match socket {
         Some(socket) => QuicCollective::connect_with_socket(cfg, socket),
         None => QuicCollective::connect(cfg),
@@ -135,6 +125,32 @@ fn join_ring(
     })?;
     comm.inject_faults(&opts.faults)?;
     Ok(Box::new(comm))
+}
+
+/// The QUIC settings of this rank's join: the master resolved and checked, this rank's addresses, the
+/// secret, timeouts, the epoch's job id and the elastic job's first epoch.
+pub(crate) fn quic_config(launch: &LaunchEnv, opts: &JoinOptions, network: &NetworkEnv) -> anyhow::Result<QuicConfig> {
+    let master = resolve_master(&launch.master_addr, launch.master_port).map_err(anyhow::Error::msg)?;
+    refuse_unreachable_master(launch, master)?;
+    let advertise = match &network.advertise {
+        Some(a) => Some(a.resolve().map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    refuse_unreachable_rank(launch, master, network.bind_ip, advertise)?;
+    let mut cfg = QuicConfig::new(launch.rank, launch.world_size, master);
+    cfg.bind_ip = network.bind_ip;
+    cfg.advertise_addr = advertise;
+    cfg.secret = opts.secret.clone();
+    cfg.timeout = opts.timeout;
+    cfg.rendezvous_timeout = opts.timeout;
+    cfg.config_hash = opts.config_hash;
+    let job = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
+    cfg.job_id = elastic::epoch_job_id(job, opts.epoch);
+    cfg.elastic_first = opts.elastic.map(|world| (job, world));
+    cfg.transport = opts.transport;
+    cfg.collective = opts.collective;
+    cfg.host_id = network.host_id.clone();
+    Ok(cfg)
 }
 
 /// Why ranks on other hosts could not reach this one, or `None` when every rank runs here.

@@ -52,7 +52,7 @@ use shard_guard::ShardGuard;
 use sync::{AgreedStep, GradientSync, LocalStep, SyncState};
 
 pub use replicas::hash_f32;
-pub use run::{blamed_peer, Quiet, Regroup, Regrouped, RunObserver};
+pub use run::{blamed_peer, MembershipEvent, Quiet, Regroup, Regrouped, RunObserver};
 
 pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 

@@ -67,20 +67,28 @@ impl Saves {
     }
 }
 
-/// How an elastic run ([`Trainer::run_elastic`]) gets its next group after a loss: whatever agrees on the
-/// survivors (the sim's in-process board; a rendezvous among the ranks for real processes) and connects
-/// them.
-pub trait Regroup {
-    /// This rank's collective failed, blaming `blamed` (a member and why, when the transport named one),
-    /// after `committed` steps. Returns the agreed next membership, which holds this rank, with the
-    /// collective that joins it and the members it lost; or why the job stops.
-    fn regroup(&mut self, last: &Membership, blamed: Option<(MemberId, Cause)>, committed: u64) -> Result<Regrouped>;
+/// What re-forms an elastic group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MembershipEvent {
+    /// A collective failed blaming this member (dead, or silent until the deadline).
+    Lost(MemberId, Cause),
+    /// The ranks agreed, after a step, to take this member in.
+    Joins(MemberId),
+}
 
-    /// Whether the group changes (a member joins) after step `completed`, which every rank has just
-    /// completed; the answer must be the same on every rank. Then every rank calls
-    /// [`Regroup::regroup`] with no one blamed.
-    fn change_due(&mut self, _completed: u64) -> bool {
-        false
+/// How an elastic run ([`Trainer::run_elastic`]) gets its next group: whatever agrees on the members (the
+/// sim's in-process board; the QUIC ranks' own rule and a new rendezvous) and connects them.
+pub trait Regroup {
+    /// The group must change (`event`), after `committed` steps on this rank. Returns the agreed next
+    /// membership, which holds this rank, with the collective that joins it and who left and joined; or why
+    /// the job stops.
+    fn regroup(&mut self, last: &Membership, event: MembershipEvent, committed: u64) -> Result<Regrouped>;
+
+    /// A member this rank knows is due to join after step `completed` (the sim's plan). The ranks agree on
+    /// it, together with any join request their collectives hold ([`Collective::pending_join`]), by an
+    /// all-reduce after every step of an elastic run.
+    fn joiner_due(&mut self, _completed: u64) -> Option<MemberId> {
+        None
     }
 }
 
@@ -106,9 +114,9 @@ pub fn blamed_peer(error: &anyhow::Error, membership: &Membership) -> Option<(Me
     Some((*membership.members.get(rank)?, cause))
 }
 
-/// Why the group is re-formed: a lost member (the one a failed collective blamed), or a planned change.
+/// Why the group is re-formed, and the words for the log.
 struct Change {
-    blamed: Option<(MemberId, Cause)>,
+    event: MembershipEvent,
     why: String,
 }
 
@@ -179,14 +187,23 @@ impl<B: Backend> Trainer<B> {
             match self.step_and_after(observer, &mut saves, save.as_deref(), &mut recovery) {
                 Ok(m) => {
                     last = Some(m);
-                    // A planned change of membership (a joiner) at this step boundary, the same on every rank.
+                    // A member joining at this step boundary, agreed by every rank.
                     let Some(regroup) = regroup.as_deref_mut() else {
                         continue;
                     };
-                    if self.step < self.opts.steps && regroup.change_due(self.step) {
+                    if self.step >= self.opts.steps {
+                        continue;
+                    }
+                    let joiner = match self.agree_on_joiner(regroup.joiner_due(self.step)) {
+                        Ok(joiner) => joiner,
+                        // Lost while agreeing: the next step's collectives fail the same way, and re-form.
+                        Err(e) if blamed_peer(&e, &self.membership).is_some() => None,
+                        Err(e) => return Err(e),
+                    };
+                    if let Some(member) = joiner {
                         let change = Change {
-                            blamed: None,
-                            why: "a member joins".to_string(),
+                            event: MembershipEvent::Joins(member),
+                            why: format!("member {member} joins"),
                         };
                         self.regroup_now(regroup, change, &mut recovery, &mut saves, save.as_deref(), observer)?;
                     }
@@ -199,7 +216,7 @@ impl<B: Backend> Trainer<B> {
                         return Err(e);
                     };
                     let change = Change {
-                        blamed: Some(blamed),
+                        event: MembershipEvent::Lost(blamed.0, blamed.1),
                         why: format!("{e:#}"),
                     };
                     self.regroup_now(regroup, change, &mut recovery, &mut saves, save.as_deref(), observer)?;
@@ -227,9 +244,17 @@ impl<B: Backend> Trainer<B> {
         // A change during the recovery from another counts from the first.
         let since = recovery.as_ref().map_or_else(Instant::now, |r| r.since);
         let before = recovery.take().map(|r| r.change);
+        if let MembershipEvent::Joins(member) = change.event {
+            // Rank 0 tells the waiting member where it will stand, before the old ring (and its connection)
+            // is dropped.
+            let epoch = self.membership.epoch + 1;
+            let mut members = self.membership.members.clone();
+            members.push(member);
+            self.comm.run(move |c| c.admit_join(member, epoch, &members))?;
+        }
         self.release_collective()?;
         let regrouped = regroup
-            .regroup(&self.membership, change.blamed, self.step)
+            .regroup(&self.membership, change.event, self.step)
             .with_context(|| format!("after {}", change.why))?;
         let (epoch, members) = (regrouped.membership.epoch, regrouped.membership.members.clone());
         tracing::warn!(
@@ -264,6 +289,30 @@ impl<B: Backend> Trainer<B> {
         }
         *recovery = Some(Recovery { change, since });
         Ok(())
+    }
+
+    /// The member the ranks take in after this step, if any: the largest of each rank's planned joiner and
+    /// the join request its collective holds (only rank 0's can), by an all-reduce of one scalar. A member
+    /// that is already part of the group is not taken in.
+    fn agree_on_joiner(&mut self, planned: Option<MemberId>) -> Result<Option<MemberId>> {
+        let mine = planned.map_or(0.0, |m| f64::from(m) + 1.0);
+        let agreed = self.comm.run(move |c| {
+            let waiting = c.pending_join().map_or(0.0, |m| f64::from(m) + 1.0);
+            let mut v = [mine.max(waiting)];
+            c.all_reduce_scalars_max(&mut v)?;
+            Ok(v[0])
+        })?;
+        let joiner = (agreed > 0.0).then(|| agreed as MemberId - 1);
+        match joiner {
+            Some(m) if self.membership.rank_of(m).is_some() => {
+                tracing::warn!(
+                    "rank {}: member {m} asks to join but is already a member; not taken in",
+                    self.rank
+                );
+                Ok(None)
+            }
+            other => Ok(other),
+        }
     }
 
     /// One step and what follows it: the record of a re-formed group's first step, the evaluation when

@@ -16,6 +16,7 @@ use super::framing::{control_frame, read_data_frame, LinkEvent, ReadFail};
 use super::listener::{Cause, Listener, Refusals};
 use super::messages::Control;
 use super::messages::LocalEndpoint;
+use super::rendezvous::RENDEZVOUS_CLOSED;
 use super::shm_links::{self, ShmListener, ShmReceiver, ShmSender};
 use super::{local, QuicConfig, Shared, MAX_GATHER_BLOB};
 use crate::collective::shm::LinkTransport;
@@ -415,7 +416,7 @@ async fn accept_left(
             Control::Hello(h) => (
                 Cause::Refused,
                 format!(
-                    "the rendezvous is closed (all ranks have joined): rank {} has already joined",
+                    "{RENDEZVOUS_CLOSED} (all ranks have joined): rank {} has already joined",
                     h.rank
                 ),
             ),

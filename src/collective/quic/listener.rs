@@ -13,7 +13,8 @@ use tokio::sync::mpsc;
 use super::auth::{self, AcceptFail};
 use super::close_reason;
 use super::framing::{control_frame, read_control};
-use super::messages::Control;
+use super::messages::{Control, Hello};
+use super::rendezvous::RENDEZVOUS_CLOSED;
 
 /// An authenticated incoming connection, after its first control message.
 pub(super) struct Joined {
@@ -130,8 +131,10 @@ impl Listener {
     }
 
     /// After setup: late connections (a second peer claiming a rank, a retry) keep being answered with a
-    /// refusal that names the rank they claim. Early peers that were never taken are closed.
-    pub(super) fn refuse_late(self, job: u64) {
+    /// refusal that names the rank they claim. Early peers that were never taken are closed. With `joins`
+    /// (rank 0 of an elastic job), a hello of the job's first epoch that passes the join check waits there
+    /// to be admitted instead.
+    pub(super) fn refuse_late(self, job: u64, joins: Option<JoinDesk>) {
         let Listener {
             mut arrivals,
             early_peers,
@@ -140,16 +143,105 @@ impl Listener {
         drop(early_peers);
         tokio::spawn(async move {
             while let Some(j) = arrivals.recv().await {
-                let reason = match &j.msg {
-                    Control::Hello(h) => format!("the rendezvous is closed: rank {} has already joined", h.rank),
-                    Control::PeerHello { rank, .. } => {
+                let reason = match (&j.msg, &joins) {
+                    (Control::Hello(h), Some(desk)) if h.job_id == desk.first_job => match desk.park(j).await {
+                        Ok(()) => continue,
+                        Err((j, reason)) => {
+                            j.refuse(job, &refusals, Cause::Refused, reason);
+                            continue;
+                        }
+                    },
+                    (Control::Hello(h), _) => format!("{RENDEZVOUS_CLOSED}: rank {} has already joined", h.rank),
+                    (Control::PeerHello { rank, .. }, _) => {
                         format!("the ring is formed: rank {rank}'s link is already connected")
                     }
-                    other => format!("unexpected {other:?} after setup"),
+                    (other, _) => format!("unexpected {other:?} after setup"),
                 };
                 j.refuse(job, &refusals, Cause::Refused, reason);
             }
         });
+    }
+}
+
+/// Rank 0 of an elastic job: where one member asking to join waits (its connection kept open) until the
+/// running ranks admit it at a step boundary.
+#[derive(Clone)]
+pub(super) struct JoinDesk {
+    /// Rank 0's own hello for the running epoch, which a join must match (but for job id and world).
+    host: Hello,
+    pub(super) first_job: u64,
+    first_world: usize,
+    waiting: Arc<Mutex<Option<(u32, Joined)>>>,
+}
+
+impl JoinDesk {
+    pub(super) fn new(host: Hello, first_job: u64, first_world: usize) -> Self {
+        JoinDesk {
+            host,
+            first_job,
+            first_world,
+            waiting: Arc::default(),
+        }
+    }
+
+    /// The member waiting to join, if any.
+    pub(super) fn waiting(&self) -> Option<u32> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|(m, _)| *m)
+    }
+
+    /// Keeps a join request, or gives it back with the reason it is refused.
+    async fn park(&self, mut j: Joined) -> std::result::Result<(), (Joined, String)> {
+        let Control::Hello(h) = &j.msg else {
+            return Err((j, "not a hello".into()));
+        };
+        if let Err(reason) = h.check_join(&self.host, self.first_job, self.first_world) {
+            return Err((j, reason));
+        }
+        let member = h.rank as u32;
+        if let Some(other) = self.waiting() {
+            return Err((j, format!("member {other} is already waiting to join; try again later")));
+        }
+        let note = format!("rank 0: member {member} asks to join; it is admitted at the next step boundary");
+        tracing::warn!("{note}");
+        let frame = control_frame(self.first_job, &Control::Waiting { note });
+        // The note is small: the stream's credit takes it at once.
+        let _ = tokio::time::timeout(Duration::from_secs(2), j.send.write_all(&frame)).await;
+        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = Some((member, j));
+        Ok(())
+    }
+
+    /// Tells the waiting `member` that it is admitted into `epoch` with `members`.
+    pub(super) async fn admit(
+        &self,
+        job: u64,
+        member: u32,
+        epoch: u64,
+        members: &[u32],
+    ) -> crate::collective::Result<()> {
+        let taken = {
+            let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+            match waiting.as_ref() {
+                Some((m, _)) if *m == member => waiting.take(),
+                _ => None,
+            }
+        };
+        let Some((_, mut j)) = taken else { return Ok(()) };
+        let rank = members.iter().position(|&m| m == member).unwrap_or(members.len());
+        let admitted = Control::Admitted {
+            epoch,
+            rank,
+            world: members.len(),
+            members: members.to_vec(),
+        };
+        let frame = control_frame(job, &admitted);
+        let _ = tokio::time::timeout(Duration::from_secs(5), j.send.write_all(&frame)).await;
+        let _ = j.send.finish();
+        let _ = tokio::time::timeout(Duration::from_secs(2), j.send.stopped()).await;
+        Ok(())
     }
 }
 

@@ -59,6 +59,23 @@ impl LocalEndpoint {
 
 impl Hello {
     /// Checks a joining rank's hello against rank 0's own. The error names the first mismatching field.
+    /// Whether a member asking to join a running elastic job (`self`, a hello of the job's first epoch)
+    /// may: the same protocol version, job, configuration and collective as `host` (rank 0's hello of
+    /// the running epoch, whose job id is `first_job`), and a member id of the first membership.
+    pub fn check_join(&self, host: &Hello, first_job: u64, first_world: usize) -> Result<(), String> {
+        let me = Hello {
+            job_id: first_job,
+            world: first_world,
+            ..host.clone()
+        };
+        // A member id is a first rank; rank 0 included (it may have left and be coming back).
+        let as_joiner = Hello {
+            rank: self.rank.max(1),
+            ..self.clone()
+        };
+        as_joiner.check_against(&me).map_err(|e| format!("join refused: {e}"))
+    }
+
     pub fn check_against(&self, host: &Hello) -> Result<(), String> {
         let r = self.rank;
         if self.version != host.version {
@@ -143,6 +160,15 @@ pub enum Control {
     PeerHello { job_id: u64, rank: usize, shm: bool },
     /// A rank leaving cleanly after its last collective → rank 0.
     Bye,
+    /// Rank 0 of an elastic job → a member that asked to join (with a hello of the job's first epoch): the
+    /// running ranks take it in now, as rank `rank` of `world` in membership `epoch` (`members` in rank
+    /// order); it joins that epoch's rendezvous at rank 0's address (protocol version 5).
+    Admitted {
+        epoch: u64,
+        rank: usize,
+        world: usize,
+        members: Vec<u32>,
+    },
 }
 
 #[cfg(test)]

@@ -63,6 +63,7 @@ mod endpoint;
 mod framing;
 #[cfg(test)]
 mod hostile_tests;
+mod join_request;
 mod links;
 mod listener;
 mod messages;
@@ -81,6 +82,7 @@ mod transport_tests;
 #[cfg(all(test, target_os = "linux"))]
 mod two_level_tests;
 
+pub use join_request::{ask_to_join, Admission};
 pub use messages::{Control, Hello};
 
 use std::collections::BTreeMap;
@@ -103,7 +105,7 @@ use super::{run_ring, Collective, CollectiveError, ComputeBusy, Result};
 use crate::fault_plan::FaultPlan;
 use control::ControlPlane;
 use links::{DataLinks, LeftLink, RightLink, Ring};
-use listener::Listener;
+use listener::{JoinDesk, Listener};
 use shm_links::LocalSide;
 
 /// Largest byte-gather blob (hashes, scalars) accepted on a data link.
@@ -150,6 +152,10 @@ pub struct QuicConfig {
     /// `--collective`: the flat ring or the two-level one ([`crate::collective::two_level`]); rank 0
     /// resolves it at rendezvous. `new` gives [`CollectiveChoice::Flat`].
     pub collective: CollectiveChoice,
+    /// An elastic job: its first epoch's job id and world size. Rank 0 then takes a late hello of that
+    /// job as a member asking to join (parked until the running ranks admit it, [`Collective::pending_join`])
+    /// instead of refusing it.
+    pub elastic_first: Option<(u64, usize)>,
 }
 
 impl QuicConfig {
@@ -171,6 +177,7 @@ impl QuicConfig {
             shm_capacity: crate::collective::shm::DEFAULT_CAPACITY,
             host_id: None,
             collective: CollectiveChoice::Flat,
+            elastic_first: None,
         }
     }
 }
@@ -280,6 +287,8 @@ pub struct QuicCollective {
     failed: Option<CollectiveError>,
     /// Where each rank listens: an elastic re-form dials the new rank 0 there.
     ring_addrs: Vec<SocketAddr>,
+    /// Rank 0 of an elastic job: a member waiting to join.
+    joins: Option<JoinDesk>,
     _keep: Vec<SendStream>,
 }
 
@@ -336,6 +345,7 @@ impl QuicCollective {
             crashed: false,
             failed: ring_error.clone(),
             ring_addrs: s.addrs,
+            joins: s.joins,
             _keep: s.links.keep,
         };
         match ring_error {
@@ -521,6 +531,8 @@ fn validate(cfg: &mut QuicConfig) -> Result<()> {
 /// What setup leaves for the collective loop.
 struct Setup {
     endpoint: Endpoint,
+    /// Rank 0 of an elastic job: where a member asking to join waits.
+    joins: Option<JoinDesk>,
     /// Where each rank of the ring listens (rank 0 at the master address).
     addrs: Vec<SocketAddr>,
     links: DataLinks,
@@ -589,9 +601,16 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
         Ok(links) => (links, None),
         Err(e) => (DataLinks::default(), Some(e)),
     };
-    listener.refuse_late(cfg.job_id);
+    let joins = match (cfg.elastic_first, cfg.rank) {
+        (Some((first_job, first_world)), 0) => {
+            Some(JoinDesk::new(rendezvous::hello(cfg, None), first_job, first_world))
+        }
+        _ => None,
+    };
+    listener.refuse_late(cfg.job_id, joins.clone());
     Ok(Setup {
         endpoint,
+        joins: joins.clone(),
         addrs: ring.addrs.clone(),
         links,
         two_level,
@@ -607,6 +626,16 @@ impl Collective for QuicCollective {
 
     fn ring_addrs(&self) -> Option<Vec<SocketAddr>> {
         Some(self.ring_addrs.clone())
+    }
+
+    fn pending_join(&self) -> Option<u32> {
+        self.joins.as_ref()?.waiting()
+    }
+
+    fn admit_join(&mut self, member: u32, epoch: u64, members: &[u32]) -> Result<()> {
+        let Some(desk) = &self.joins else { return Ok(()) };
+        let rt = self.rt.as_ref().ok_or_else(|| local("the runtime is gone"))?;
+        rt.block_on(desk.admit(self.cfg.job_id, member, epoch, members))
     }
 
     fn world(&self) -> usize {

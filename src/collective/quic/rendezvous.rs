@@ -21,8 +21,14 @@ use crate::collective::shm::host_identity;
 use crate::collective::two_level;
 use crate::collective::Result;
 
+/// How a rank whose setup is over answers a rendezvous hello.
+pub(super) const RENDEZVOUS_CLOSED: &str = "the rendezvous is closed";
+
+/// Rank 0's answer to a member asking to join while the running ranks re-form their ring.
+pub(super) const RE_FORMING: &str = "rank 0 is re-forming the ring; ask again when it runs";
+
 /// This rank's hello, with its shared-memory endpoint `local`.
-fn hello(cfg: &QuicConfig, local: Option<LocalEndpoint>) -> Hello {
+pub(super) fn hello(cfg: &QuicConfig, local: Option<LocalEndpoint>) -> Hello {
     Hello {
         version: PROTOCOL_VERSION,
         job_id: cfg.job_id,
@@ -149,6 +155,14 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
             }
             _ => continue,
         };
+        // A member asking to join while the running ranks re-form: it asks again once they run.
+        let rejoining = cfg
+            .elastic_first
+            .is_some_and(|(first, _)| first == hello.job_id && first != cfg.job_id);
+        if rejoining {
+            j.refuse(cfg.job_id, &listener.refusals, Cause::Refused, RE_FORMING.to_string());
+            continue;
+        }
         let verdict = hello.check_against(&me).and_then(|_| {
             if slots[hello.rank].is_some() {
                 Err(format!("rank {} has already joined", hello.rank))
@@ -248,19 +262,37 @@ pub(super) async fn join(
     own_local: Option<LocalEndpoint>,
     deadline: Instant,
 ) -> Result<(Ring, HostLink)> {
-    let (conn, mut send, mut recv) = dial_host(cfg, endpoint, key, deadline).await?;
-    send.write_all(&control_frame(cfg.job_id, &Control::Hello(hello(cfg, own_local))))
+    let (conn, send, recv, reply) = loop {
+        let (conn, mut send, mut recv) = dial_host(cfg, endpoint, key, deadline).await?;
+        send.write_all(&control_frame(
+            cfg.job_id,
+            &Control::Hello(hello(cfg, own_local.clone())),
+        ))
         .await
         .map_err(|e| local(format!("rendezvous: {e}")))?;
-    let reply = loop {
-        let reply = tokio::time::timeout_at(deadline, read_control(&mut recv, None))
-            .await
-            .map_err(|_| local("rendezvous timed out waiting for the other ranks"))?
-            .map_err(|e| local(format!("rendezvous with rank 0: {e}")))?;
-        match reply {
-            Control::Waiting { note } => tracing::warn!("rank {}: rendezvous: {note}", cfg.rank),
-            other => break other,
+        let reply = loop {
+            let reply = tokio::time::timeout_at(deadline, read_control(&mut recv, None))
+                .await
+                .map_err(|_| local("rendezvous timed out waiting for the other ranks"))?;
+            match reply {
+                Ok(Control::Waiting { note }) => tracing::warn!("rank {}: rendezvous: {note}", cfg.rank),
+                other => break other,
+            }
+        };
+        // An elastic re-form: rank 0's last ring may still answer at its address for a moment, refusing or
+        // closing; the new epoch's rendezvous opens there right after.
+        let old_ring = match &reply {
+            Ok(Control::Refused { reason }) => reason.starts_with(RENDEZVOUS_CLOSED),
+            Ok(_) => false,
+            Err(e) => e.contains("closed"),
+        };
+        let reply = reply.map_err(|e| local(format!("rendezvous with rank 0: {e}")));
+        if old_ring && cfg.elastic_first.is_some() && Instant::now() + Duration::from_millis(200) < deadline {
+            conn.close(0u32.into(), b"again");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
         }
+        break (conn, send, recv, reply?);
     };
     let ring = welcomed_ring(reply, cfg.world)?;
     // Rank 0's entry must be the certificate it presented to this connection, the control plane.
