@@ -388,6 +388,74 @@ fn a_crashed_rank_restarted_by_launch_rejoins_and_the_job_ends_with_the_full_wor
     assert_eq!(saved_hash(dir.path()), history);
 }
 
+/// Rank 0's metrics records so far (a line still being written is left out).
+fn records_so_far(dir: &Path) -> Vec<StepMetrics> {
+    let text = std::fs::read_to_string(dir.join("m.jsonl")).unwrap_or_default();
+    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+/// The soak: `RINGTRAIN_SOAK_KILLS` (default 20) times, once the job is back to its full world, a rank
+/// other than 0 is killed with SIGKILL and `launch --max-restarts` starts it again to rejoin. The job
+/// finishes with its full world, nothing hangs, and the final parameters equal the whole history
+/// (3 ranks, 2, 3, 2, ...) replayed in one process.
+#[test]
+fn soak_kills_and_rejoins_end_with_the_replayed_bits() {
+    let _one = one_job();
+    let kills: usize = std::env::var("RINGTRAIN_SOAK_KILLS").map_or(20, |v| v.parse().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 40 * kills as u64 + 200;
+    let restarts = kills.to_string();
+    let child = launch_with(3, steps, dir.path(), &["--max-restarts", &restarts])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let mut changes_seen = 0;
+    for kill in 0..kills {
+        // Back to the full world, a few steps after the last change.
+        loop {
+            assert!(
+                started.elapsed() < Duration::from_secs(600),
+                "kill {kill}: the job did not recover"
+            );
+            let records = records_so_far(dir.path());
+            let changes = records.iter().filter(|m| m.membership.is_some()).count();
+            let full = records.last().is_some_and(|m| m.world_size == 3);
+            let since = records.iter().rev().take_while(|m| m.membership.is_none()).count();
+            if changes == changes_seen && full && since >= 5 {
+                break;
+            }
+            assert!(
+                records.last().is_none_or(|m| m.step < steps),
+                "the job ended after {kill} kills"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        signal(worker_pid(&child, 1 + kill % 2), "-KILL");
+        changes_seen += 2; // the loss, then the rejoin
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!((m.last().unwrap().step, m.last().unwrap().world_size), (steps, 3));
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 2 * kills, "{changes:?}");
+    let mut phases: Vec<(usize, u64)> = Vec::new();
+    let mut world = 3;
+    for change in &changes {
+        phases.push((world, change.resumed_from_step));
+        world = change.members.len();
+    }
+    phases.push((world, steps));
+    eprintln!(
+        "soak: {kills} kills and rejoins in {:.1} s; history {phases:?}",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(saved_hash(dir.path()), replay_history(steps, &phases));
+}
+
 #[test]
 fn a_lone_survivor_of_two_stops_with_its_reason() {
     let _one = one_job();
