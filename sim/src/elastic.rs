@@ -88,8 +88,12 @@ impl Board {
 
     /// The first group's collectives, in rank order.
     pub fn first_group(&self) -> Vec<Box<dyn Collective>> {
-        let world = self.state.lock().unwrap_or_else(|e| e.into_inner()).membership.world();
-        mem_cluster(world, self.ring.clone())
+        let first = self.state.lock().unwrap_or_else(|e| e.into_inner()).membership.clone();
+        let ring = MemOptions {
+            faults: self.ring.faults.for_members(&first.members),
+            ..self.ring.clone()
+        };
+        mem_cluster(first.world(), ring)
             .into_iter()
             .map(|c| Box::new(c) as Box<dyn Collective>)
             .collect()

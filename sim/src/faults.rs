@@ -27,7 +27,9 @@ pub fn validate(
     model: &ModelConfig,
     opts: &TrainOptions,
 ) -> Result<()> {
-    plan.validate(workers, opts.steps)
+    // A planned joiner is member `workers`: faults may name it.
+    let members = workers + usize::from(plan.join_before().is_some());
+    plan.validate(members, opts.steps)
         .map_err(|e| anyhow::anyhow!("--{e:#}"))?;
     for f in plan.faults() {
         if let Fault::Flip {

@@ -407,18 +407,27 @@ fn run_joiner(cfg: &SimConfig, board: &Board, member: u32) -> Result<RankTrace> 
     };
     let mut trainer = build_trainer(be, cfg, &options, single_rank()).with_context(|| format!("member {member}"))?;
     trainer.arm_faults(cfg.faults.clone());
-    trainer
-        .join_running(admitted.comm, admitted.membership)
-        .with_context(|| format!("member {member} joining"))?;
     let mut recorder = Recorder {
         trace: RankTrace::new(member),
     };
-    trainer
-        .run_elastic(&mut recorder, &mut board.member(member))
-        .with_context(|| format!("member {member} (rank {}), step {}", trainer.rank(), trainer.step() + 1))?;
-    board.finished(member, trainer.step());
-    recorder.trace.final_hash = Some(trainer.param_hash()?);
-    Ok(recorder.trace)
+    let joined = trainer.join_running(admitted.comm, admitted.membership);
+    let run = joined.and_then(|_| trainer.run_elastic(&mut recorder, &mut board.member(member)));
+    match run {
+        Ok(_) => {
+            board.finished(member, trainer.step());
+            recorder.trace.final_hash = Some(trainer.param_hash()?);
+            Ok(recorder.trace)
+        }
+        Err(e) if left_the_job(&cfg.faults, member, &e) => {
+            recorder.trace.left = Some(format!("step {}: {e:#}", trainer.step() + 1));
+            Ok(recorder.trace)
+        }
+        Err(e) => Err(e.context(format!(
+            "member {member} (rank {}), step {}",
+            trainer.rank(),
+            trainer.step() + 1
+        ))),
+    }
 }
 
 /// The losses of a run, step by step.

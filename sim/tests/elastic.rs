@@ -318,6 +318,32 @@ fn a_loss_then_a_join_keeps_the_replicas_identical() {
 }
 
 #[test]
+fn a_joiner_lost_during_its_state_transfer_is_dropped_and_the_job_finishes() {
+    // The joiner (member 2) dies after its first message in the group that admitted it: inside the
+    // catch-up that hands it the state. The members re-form again without it and finish.
+    let cluster = elastic(2, ElasticRules::default())
+        .fault("join=3")
+        .unwrap()
+        .fault("drop=2:1")
+        .unwrap();
+    let run = cluster.run(STEPS).unwrap();
+    assert!(run.replicas_identical(), "{:?}", run.first_divergence());
+    assert_eq!(survivors(&run), vec![0, 1]);
+    assert!(run.report.ranks[2]
+        .left
+        .as_deref()
+        .unwrap()
+        .contains("injected failure"));
+    let change = &run.report.ranks[0].memberships[0];
+    assert_eq!((change.epoch, change.members.clone()), (2, vec![0, 1]));
+    assert_eq!(change.lost, vec![(2, Cause::Dead)]);
+    // Nothing of the failed join remains: the bits of two workers that never stopped.
+    let dir = tempfile::tempdir().unwrap();
+    let straight = replay(&options_of(&cluster), 2, 2, 2, dir.path());
+    assert_eq!(straight, vec![run.final_hash().to_string(); 2]);
+}
+
+#[test]
 fn elastic_runs_are_refused_where_a_survivor_could_not_hold_the_state() {
     let err = Cluster::new(3)
         .update(UpdateMode::Sharded)

@@ -121,6 +121,7 @@ struct Change {
 }
 
 /// A change of membership not yet recorded: it goes into the metrics of the next completed step.
+#[derive(Clone)]
 struct Recovery {
     change: MembershipChange,
     since: Instant,
@@ -233,6 +234,36 @@ impl<B: Backend> Trainer<B> {
     /// Drops the group, agrees on the next one through `regroup`, re-forms and notes the change for the
     /// next step's metrics; saves when a save was due at the step the group continues from.
     fn regroup_now(
+        &mut self,
+        regroup: &mut dyn Regroup,
+        mut change: Change,
+        recovery: &mut Option<Recovery>,
+        saves: &mut Saves,
+        save: Option<&Path>,
+        observer: &mut dyn RunObserver<B>,
+    ) -> Result<()> {
+        loop {
+            let before = recovery.clone();
+            match self.regroup_once(regroup, change, recovery, saves, save, observer) {
+                Ok(()) => return Ok(()),
+                // A member lost while the group re-forms (during the catch-up, say): it re-forms again
+                // without that member.
+                Err(e) => {
+                    let Some((member, cause)) = blamed_peer(&e, &self.membership) else {
+                        return Err(e);
+                    };
+                    *recovery = before;
+                    change = Change {
+                        event: MembershipEvent::Lost(member, cause),
+                        why: format!("{e:#}"),
+                    };
+                }
+            }
+        }
+    }
+
+    /// One attempt of [`Trainer::regroup_now`].
+    fn regroup_once(
         &mut self,
         regroup: &mut dyn Regroup,
         change: Change,
