@@ -205,14 +205,26 @@ fn run_rank(cfg: &SimConfig, comm: Box<dyn Collective>, board: Option<&Board>) -
         return Ok(recorder.trace);
     };
     let member = rank as u32;
-    match trainer.run_elastic(&mut recorder, &mut board.member(member)) {
-        Ok(_) => {
+    let run = trainer.run_elastic(&mut recorder, &mut board.member(member));
+    elastic_outcome(cfg, board, member, &mut trainer, recorder, run.map(|_| ()))
+}
+
+/// What an elastic worker's run came to: its trace when it finished (the board is told) or left as the plan
+/// says (killed, or gone on without: the run's outcome, not its failure), else its error.
+fn elastic_outcome<B: Backend>(
+    cfg: &SimConfig,
+    board: &Board,
+    member: u32,
+    trainer: &mut Trainer<B>,
+    mut recorder: Recorder,
+    run: Result<()>,
+) -> Result<RankTrace> {
+    match run {
+        Ok(()) => {
             board.finished(member, trainer.step());
             recorder.trace.final_hash = Some(trainer.param_hash()?);
             Ok(recorder.trace)
         }
-        // A worker the plan kills, or one the others went on without, leaves: that is the run's outcome, not
-        // its failure.
         Err(e) if left_the_job(&cfg.faults, member, &e) => {
             recorder.trace.left = Some(format!("step {}: {e:#}", trainer.step() + 1));
             Ok(recorder.trace)
@@ -412,22 +424,7 @@ fn run_joiner(cfg: &SimConfig, board: &Board, member: u32) -> Result<RankTrace> 
     };
     let joined = trainer.join_running(admitted.comm, admitted.membership);
     let run = joined.and_then(|_| trainer.run_elastic(&mut recorder, &mut board.member(member)));
-    match run {
-        Ok(_) => {
-            board.finished(member, trainer.step());
-            recorder.trace.final_hash = Some(trainer.param_hash()?);
-            Ok(recorder.trace)
-        }
-        Err(e) if left_the_job(&cfg.faults, member, &e) => {
-            recorder.trace.left = Some(format!("step {}: {e:#}", trainer.step() + 1));
-            Ok(recorder.trace)
-        }
-        Err(e) => Err(e.context(format!(
-            "member {member} (rank {}), step {}",
-            trainer.rank(),
-            trainer.step() + 1
-        ))),
-    }
+    elastic_outcome(cfg, board, member, &mut trainer, recorder, run.map(|_| ()))
 }
 
 /// The losses of a run, step by step.
