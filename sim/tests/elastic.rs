@@ -344,6 +344,26 @@ fn a_joiner_lost_during_its_state_transfer_is_dropped_and_the_job_finishes() {
 }
 
 #[test]
+fn a_loss_under_auto_split_overlap_off_or_accumulation_still_ends_identical() {
+    // `auto` re-measures on the new group (from the even split); overlap off and several micro-batches per
+    // rank take the same re-form.
+    let runs = [
+        elastic(3, ElasticRules::default())
+            .batch(1)
+            .batch_split(6, "auto")
+            .unwrap(),
+        elastic(3, ElasticRules::default()).overlap(false),
+        elastic(3, ElasticRules::default()).batch(1).grad_accum(2),
+    ];
+    for cluster in runs {
+        let run = cluster.fault("kill=1:3").unwrap().run(STEPS).unwrap();
+        assert!(run.replicas_identical(), "{:?}", run.first_divergence());
+        assert_eq!(survivors(&run), vec![0, 2]);
+        assert!(run.max_loss_gap_to_single_worker() < 1e-5);
+    }
+}
+
+#[test]
 fn elastic_runs_are_refused_where_a_survivor_could_not_hold_the_state() {
     let err = Cluster::new(3)
         .update(UpdateMode::Sharded)
