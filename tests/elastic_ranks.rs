@@ -316,6 +316,76 @@ fn ranks_started_directly_from_the_torchrun_variables_survive_a_crash() {
     assert_eq!(saved_hash(dir.path()), replay(5, 3, 1, 2));
 }
 
+/// A running job of 3 ranks started by hand with a known job id, and two processes that ask it to take
+/// them in: one claiming member 1, which is running, and one started with another `--seed` (another
+/// configuration). Rank 0 turns both away naming why, and the job finishes with the bits of 3 ranks that
+/// never changed.
+#[test]
+fn joins_claiming_a_running_member_or_another_configuration_are_refused_and_change_nothing() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let steps = 400;
+    let start = |rank: usize, extra: &[&str], rejoin: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
+        cmd.args(train_flags(steps))
+            .args(extra)
+            .arg("--metrics")
+            .arg(dir.path().join(if rejoin { "intruder.jsonl" } else { "m.jsonl" }))
+            // The save settings are part of the configuration every rank must share.
+            .arg("--save")
+            .arg(dir.path().join("ck"))
+            .envs([
+                ("RANK", rank.to_string()),
+                ("WORLD_SIZE", "3".to_string()),
+                ("LOCAL_WORLD_SIZE", "3".to_string()),
+                ("MASTER_ADDR", "127.0.0.1".to_string()),
+                ("MASTER_PORT", port.to_string()),
+                ("RINGTRAIN_JOB_ID", "4242".to_string()),
+            ])
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        match rejoin {
+            true => cmd.env("RINGTRAIN_ELASTIC_REJOIN", "1"),
+            // Slowed (bits unchanged), so that the job is still running when the intruders knock.
+            false => cmd.env("RINGTRAIN_INJECT_FAULT", "compute=0:20"),
+        };
+        cmd.spawn().unwrap()
+    };
+    let ranks: Vec<_> = (0..3).map(|rank| start(rank, &[], false)).collect();
+    let started = Instant::now();
+    while records_so_far(dir.path()).len() < 20 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let claims_running = start(1, &[], true).wait_with_output().unwrap();
+    let other_config = start(2, &["--seed", "7"], true).wait_with_output().unwrap();
+    for (out, why) in [
+        (&claims_running, "member 1 is already part of the running job"),
+        (&other_config, "config hash mismatch"),
+    ] {
+        let stderr = stderr_of(out);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(
+            stderr.contains("rank 0 refused the join") && stderr.contains(why),
+            "{stderr}"
+        );
+    }
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "rank {rank}: {}", stderr_of(&out));
+    }
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!(m.last().unwrap().step, steps);
+    assert!(m.iter().all(|m| m.membership.is_none() && m.world_size == 3));
+    assert_eq!(saved_hash(dir.path()), replay_history(steps, &[(3, steps)]));
+}
+
 /// A rank frozen long enough to be gone on without, then woken: it finds it is no longer part of the job
 /// and leaves without disturbing the others.
 #[test]

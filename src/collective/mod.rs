@@ -130,6 +130,12 @@ pub trait Collective: Send {
         Ok(())
     }
 
+    /// Rank 0 of an elastic job: turns the waiting `member` away, telling it `reason`. Nothing where no
+    /// member waits.
+    fn refuse_join(&mut self, _member: u32, _reason: &str) -> Result<()> {
+        Ok(())
+    }
+
     /// Records the training step, stamped into frames (and checked) by transports that have frames.
     fn set_step(&mut self, _step: u64) {}
 

@@ -336,10 +336,12 @@ impl<B: Backend> Trainer<B> {
         let joiner = (agreed > 0.0).then(|| agreed as MemberId - 1);
         match joiner {
             Some(m) if self.membership.rank_of(m).is_some() => {
-                tracing::warn!(
-                    "rank {}: member {m} asks to join but is already a member; not taken in",
-                    self.rank
+                // Someone claiming a place that is taken: turned away, and the job goes on as it was.
+                let reason = format!(
+                    "member {m} is already part of the running job (epoch {}, members {:?})",
+                    self.membership.epoch, self.membership.members
                 );
+                self.comm.run(move |c| c.refuse_join(m, &reason))?;
                 Ok(None)
             }
             other => Ok(other),

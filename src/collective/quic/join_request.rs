@@ -87,8 +87,10 @@ pub fn ask_to_join(mut cfg: QuicConfig) -> Result<Admission> {
                 Ok(admission) => break (conn, Ok(admission)),
             }
         };
-        // Rank 0 drops this connection with its ring; nothing here needs to wait for the close.
+        // Closed at once and the close sent (briefly waited for), so that rank 0, which holds the other end
+        // until this member has read its answer, can go on.
         conn.close(0u32.into(), b"bye");
+        let _ = tokio::time::timeout(Duration::from_millis(300), ep.wait_idle()).await;
         answer
     })
 }

@@ -214,6 +214,32 @@ impl JoinDesk {
         Ok(())
     }
 
+    /// Turns the waiting `member` away with `reason`.
+    pub(super) async fn refuse(&self, job: u64, member: u32, reason: &str) {
+        let taken = {
+            let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+            match waiting.as_ref() {
+                Some((m, _)) if *m == member => waiting.take(),
+                _ => None,
+            }
+        };
+        let Some((_, mut j)) = taken else { return };
+        tracing::warn!("rank 0: refused member {member}'s join: {reason}");
+        let frame = control_frame(
+            job,
+            &Control::Refused {
+                reason: reason.to_string(),
+            },
+        );
+        // The connection stays up until the member has read why (or 2 s), as for any refusal.
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(2), j.send.write_all(&frame)).await;
+            let _ = j.send.finish();
+            let _ = tokio::time::timeout(Duration::from_secs(2), j.send.stopped()).await;
+            j.conn.close(3u32.into(), b"refused");
+        });
+    }
+
     /// Tells the waiting `member` that it is admitted into `epoch` with `members`.
     pub(super) async fn admit(
         &self,

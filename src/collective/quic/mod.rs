@@ -632,6 +632,13 @@ impl Collective for QuicCollective {
         self.joins.as_ref()?.waiting()
     }
 
+    fn refuse_join(&mut self, member: u32, reason: &str) -> Result<()> {
+        let Some(desk) = &self.joins else { return Ok(()) };
+        let rt = self.rt.as_ref().ok_or_else(|| local("the runtime is gone"))?;
+        rt.block_on(desk.refuse(self.cfg.job_id, member, reason));
+        Ok(())
+    }
+
     fn admit_join(&mut self, member: u32, epoch: u64, members: &[u32]) -> Result<()> {
         let Some(desk) = &self.joins else { return Ok(()) };
         let rt = self.rt.as_ref().ok_or_else(|| local("the runtime is gone"))?;
