@@ -11,6 +11,7 @@ use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
 use ringtrain::collective::Collective;
 use ringtrain::data::{load_splits, TokenizerKind};
+use ringtrain::elastic::MembershipChange;
 use ringtrain::metrics::{rank_metrics_path, read_metrics, StepMetrics};
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{hash_f32, ModelSource, TrainOptions, Trainer, UpdateMode};
@@ -173,11 +174,22 @@ fn signal(pid: u32, signal: &str) {
 }
 
 /// The first membership change member `member` recorded.
-fn first_change(dir: &Path, member: usize) -> ringtrain::elastic::MembershipChange {
+fn first_change(dir: &Path, member: usize) -> MembershipChange {
     metrics_of(dir, member)
         .iter()
         .find_map(|m| m.membership.clone())
         .expect("a membership change")
+}
+
+/// A launched 3-rank job of `steps` steps with `fault` injected, which must complete: launch's stderr.
+fn completed_with_fault(steps: u64, fault: &str, dir: &Path) -> String {
+    let out = launch(3, steps, dir)
+        .env("RINGTRAIN_INJECT_FAULT", fault)
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    stderr
 }
 
 fn stderr_of(out: &Output) -> String {
@@ -188,12 +200,7 @@ fn stderr_of(out: &Output) -> String {
 fn a_crashed_rank_leaves_and_the_survivors_finish_with_the_replayed_bits() {
     let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
-    let out = launch(3, 6, dir.path())
-        .env("RINGTRAIN_INJECT_FAULT", "kill=2:3")
-        .output()
-        .unwrap();
-    let stderr = stderr_of(&out);
-    assert!(out.status.success(), "{stderr}");
+    let stderr = completed_with_fault(6, "kill=2:3", dir.path());
     assert!(stderr.contains("launch: rank 2 left the elastic job"), "{stderr}");
     assert!(
         stderr.contains("the elastic job completed on 2 rank(s); failed on the way: rank 2"),
@@ -216,12 +223,7 @@ fn a_crashed_rank_leaves_and_the_survivors_finish_with_the_replayed_bits() {
 fn rank_0_crashed_hands_rendezvous_and_checkpoints_to_the_lowest_survivor() {
     let _one = one_job();
     let dir = tempfile::tempdir().unwrap();
-    let out = launch(3, 5, dir.path())
-        .env("RINGTRAIN_INJECT_FAULT", "kill=0:2")
-        .output()
-        .unwrap();
-    let stderr = stderr_of(&out);
-    assert!(out.status.success(), "{stderr}");
+    let stderr = completed_with_fault(5, "kill=0:2", dir.path());
     assert!(stderr.contains("re-forming as rank 0 of 2 (epoch 1)"), "{stderr}");
     let m = metrics_of(dir.path(), 1);
     assert_eq!(m.last().unwrap().step, 5);
@@ -230,75 +232,80 @@ fn rank_0_crashed_hands_rendezvous_and_checkpoints_to_the_lowest_survivor() {
     assert_eq!(saved_hash(dir.path()), replay(5, 3, 1, 2));
 }
 
-#[test]
-fn a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
-    let _one = one_job();
+/// A 3-rank job of `steps` steps whose rank `victim` gets `signal` once rank 0 has logged `logged` steps:
+/// it must finish every step with the two others and the bits of the history replayed in one process.
+/// Returns launch's stderr and the change the survivors recorded.
+fn lose_a_rank_to(signal_name: &str, victim: usize, steps: u64, logged: usize) -> (String, MembershipChange) {
     let dir = tempfile::tempdir().unwrap();
-    let steps = 300;
-    // Some steps in, whichever they are.
-    let child = started_job(3, steps, dir.path(), 20);
-    let victim = worker_pid(&child, 1);
-    signal(victim, "-KILL");
+    let child = started_job(3, steps, dir.path(), logged);
+    signal(worker_pid(&child, victim), signal_name);
     let out = child.wait_with_output().unwrap();
     let stderr = stderr_of(&out);
     assert!(out.status.success(), "{stderr}");
     assert_eq!(metrics_of(dir.path(), 0).last().unwrap().step, steps, "{stderr}");
     let change = first_change(dir.path(), 0);
-    assert_eq!(change.members, vec![0, 2]);
+    let survivors: Vec<u32> = (0..3).filter(|&m| m != victim as u32).collect();
+    assert_eq!(change.members, survivors);
     // The history: 3 ranks to the step the survivors continued from, then 2.
     assert_eq!(saved_hash(dir.path()), replay(steps, 3, change.resumed_from_step, 2));
+    (stderr, change)
+}
+
+#[test]
+fn a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
+    let _one = one_job();
+    // Some steps in, whichever they are.
+    lose_a_rank_to("-KILL", 1, 300, 20);
 }
 
 #[test]
 fn a_rank_frozen_with_sigstop_is_gone_on_without_and_launch_ends_it() {
     let _one = one_job();
-    let dir = tempfile::tempdir().unwrap();
-    let steps = 60;
-    let child = started_job(3, steps, dir.path(), 5);
-    let frozen = worker_pid(&child, 2);
-    signal(frozen, "-STOP");
-    let out = child.wait_with_output().unwrap();
-    let stderr = stderr_of(&out);
-    assert!(out.status.success(), "{stderr}");
+    let (stderr, change) = lose_a_rank_to("-STOP", 2, 60, 5);
     assert!(stderr.contains("launch: rank 2 is stopped"), "{stderr}");
-    assert_eq!(metrics_of(dir.path(), 0).last().unwrap().step, steps);
-    let change = first_change(dir.path(), 0);
-    assert_eq!(change.members, vec![0, 1]);
     eprintln!("membership change after SIGSTOP: {change:?}");
     // Found out by the QUIC idle timeout (a third of --timeout), then re-formed.
     assert!(change.recovery_ms < 6_000.0 + 2_000.0, "{change:?}");
-    assert_eq!(saved_hash(dir.path()), replay(steps, 3, change.resumed_from_step, 2));
+}
+
+/// A UDP port free on loopback now, for a rank 0 started by hand.
+fn free_port() -> u16 {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    socket.local_addr().unwrap().port()
+}
+
+/// Rank `rank` of a 3-rank job of `steps` steps started by hand from the torchrun variables (rank 0 at
+/// `port` on loopback), writing its metrics to `metrics` and checkpoints to `ck` in `dir` (the save
+/// settings are part of the configuration every rank must share).
+fn direct_rank(rank: usize, port: u16, steps: u64, dir: &Path, metrics: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
+    cmd.args(train_flags(steps))
+        .arg("--metrics")
+        .arg(dir.join(metrics))
+        .arg("--save")
+        .arg(dir.join("ck"))
+        .envs([
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "3".to_string()),
+            ("LOCAL_WORLD_SIZE", "3".to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", port.to_string()),
+        ])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cmd
 }
 
 /// Three processes started by hand from the torchrun variables (no launcher), rank 1 crashed at step 2.
 #[test]
 fn ranks_started_directly_from_the_torchrun_variables_survive_a_crash() {
     let _one = one_job();
-    let dir = tempfile::tempdir().unwrap();
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (dir, port) = (tempfile::tempdir().unwrap(), free_port());
     let children: Vec<_> = (0..3)
         .map(|rank| {
-            Command::new(env!("CARGO_BIN_EXE_ringtrain"))
-                .args(train_flags(5))
-                .arg("--metrics")
-                .arg(dir.path().join("m.jsonl"))
-                .arg("--save")
-                .arg(dir.path().join("ck"))
-                .envs([
-                    ("RANK", rank.to_string()),
-                    ("WORLD_SIZE", "3".to_string()),
-                    ("LOCAL_WORLD_SIZE", "3".to_string()),
-                    ("MASTER_ADDR", "127.0.0.1".to_string()),
-                    ("MASTER_PORT", port.to_string()),
-                    ("RINGTRAIN_INJECT_FAULT", "kill=1:2".to_string()),
-                ])
-                .current_dir(dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
+            direct_rank(rank, port, 5, dir.path(), "m.jsonl")
+                .env("RINGTRAIN_INJECT_FAULT", "kill=1:2")
                 .spawn()
                 .unwrap()
         })
@@ -323,33 +330,17 @@ fn ranks_started_directly_from_the_torchrun_variables_survive_a_crash() {
 #[test]
 fn joins_claiming_a_running_member_or_another_configuration_are_refused_and_change_nothing() {
     let _one = one_job();
-    let dir = tempfile::tempdir().unwrap();
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (dir, port) = (tempfile::tempdir().unwrap(), free_port());
     let steps = 400;
     let start = |rank: usize, extra: &[&str], rejoin: bool| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
-        cmd.args(train_flags(steps))
-            .args(extra)
-            .arg("--metrics")
-            .arg(dir.path().join(if rejoin { "intruder.jsonl" } else { "m.jsonl" }))
-            // The save settings are part of the configuration every rank must share.
-            .arg("--save")
-            .arg(dir.path().join("ck"))
-            .envs([
-                ("RANK", rank.to_string()),
-                ("WORLD_SIZE", "3".to_string()),
-                ("LOCAL_WORLD_SIZE", "3".to_string()),
-                ("MASTER_ADDR", "127.0.0.1".to_string()),
-                ("MASTER_PORT", port.to_string()),
-                ("RINGTRAIN_JOB_ID", "4242".to_string()),
-            ])
-            .current_dir(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        let mut cmd = direct_rank(
+            rank,
+            port,
+            steps,
+            dir.path(),
+            if rejoin { "intruder.jsonl" } else { "m.jsonl" },
+        );
+        cmd.args(extra).env("RINGTRAIN_JOB_ID", "4242");
         match rejoin {
             true => cmd.env("RINGTRAIN_ELASTIC_REJOIN", "1"),
             // Slowed (bits unchanged), so that the job is still running when the intruders knock.
