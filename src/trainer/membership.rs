@@ -7,7 +7,7 @@ use super::shard_guard::ShardGuard;
 use super::Trainer;
 use crate::backend::Backend;
 use crate::collective::comm_thread::CommThread;
-use crate::collective::Collective;
+use crate::collective::{Collective, Owner};
 use crate::data::{BatchPlan, BatchSplit};
 use crate::elastic::{Membership, MembershipChange};
 use crate::optim::AdamW;
@@ -22,7 +22,7 @@ impl<B: Backend> Trainer<B> {
     /// continues with the bits it would have had without the change. A group of another size is refused:
     /// its global batch and shards would have to be re-split, which this build does not do.
     pub fn replace_collective(&mut self, comm: Box<dyn Collective>) -> Result<()> {
-        let (world, rank, owner) = (comm.world(), comm.rank(), comm.owner());
+        let (world, owner) = (comm.world(), comm.owner());
         ensure!(
             world == self.world,
             "the re-formed group has {world} ranks, this run {}: a change of size needs the global batch and the \
@@ -44,17 +44,20 @@ impl<B: Backend> Trainer<B> {
             self.be.free(old.m);
             self.be.free(old.v);
         }
+        self.install_group(comm, owner)
+    }
+
+    /// Puts `comm` (whose ownership map is `owner`) on a new communication thread in place of the old
+    /// group's, takes its world and rank, and tells the sync of the new ownership and of how the current
+    /// batch plan reduces. The shard checksum was of the old chunk; it starts again with the next update.
+    fn install_group(&mut self, comm: Box<dyn Collective>, owner: Owner) -> Result<()> {
+        (self.world, self.rank) = (comm.world(), comm.rank());
         self.comm = CommThread::spawn(comm).context("starting the communication thread")?;
-        self.rank = rank;
-        self.sync.membership_changed(
-            &mut self.be,
-            &self.plan,
-            &owner,
-            Reduction::of(&self.batch, self.opts.seq_len),
-        )?;
+        let reduction = Reduction::of(&self.batch, self.opts.seq_len);
+        self.sync
+            .membership_changed(&mut self.be, &self.plan, &owner, reduction)?;
         self.owner = owner;
-        // The shard checksum was of the old chunk; it starts again with the next update.
-        self.guard = ShardGuard::for_run(&self.opts, world);
+        self.guard = ShardGuard::for_run(&self.opts, self.world);
         Ok(())
     }
 }
@@ -115,16 +118,13 @@ impl<B: Backend> Trainer<B> {
             self.moments_are_replicated(),
             "an elastic re-form needs every survivor to hold the whole optimizer state (--update replicated)"
         );
-        let (world, rank) = (comm.world(), comm.rank());
+        let world = comm.world();
         ensure!(
             world == membership.world() && world >= 1,
             "the re-formed group has {world} ranks, its membership {}",
             membership.world()
         );
         let owner = comm.owner();
-        // The old thread holds a failed collective; whatever it still had queued fails with it.
-        self.comm = CommThread::spawn(comm).context("starting the communication thread")?;
-        (self.world, self.rank) = (world, rank);
         let global = self.batch.global;
         let split = match self.opts.batch_split {
             BatchSplit::Auto => BatchSplit::Even,
@@ -132,11 +132,8 @@ impl<B: Backend> Trainer<B> {
         };
         self.batch = BatchPlan::new(global, world, &split, self.opts.batch_size, self.opts.grad_accum)?;
         self.auto_split = (self.opts.batch_split == BatchSplit::Auto && world > 1).then(AutoSplit::default);
-        let reduction = Reduction::of(&self.batch, self.opts.seq_len);
-        self.sync
-            .membership_changed(&mut self.be, &self.plan, &owner, reduction)?;
-        self.owner = owner;
-        self.guard = ShardGuard::for_run(&self.opts, world);
+        // The old thread holds a failed collective; whatever it still had queued fails with it.
+        self.install_group(comm, owner)?;
         self.faults = self.armed_faults.for_members(&membership.members);
         self.membership = membership;
         let resumed = self.catch_up()?;
