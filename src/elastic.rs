@@ -77,6 +77,18 @@ pub struct ElasticRules {
     pub min_ranks: usize,
 }
 
+impl ElasticRules {
+    /// The smallest group a job that starts with `world` ranks can shrink to: `--min-ranks`, and under a
+    /// majority quorum two (a group of two cannot lose one: one is not a strict majority of two).
+    pub fn smallest_group(&self, world: usize) -> usize {
+        let quorum_floor = match self.quorum {
+            Quorum::Majority => 2,
+            Quorum::Any => 1,
+        };
+        self.min_ranks.max(quorum_floor).min(world).max(1)
+    }
+}
+
 impl Default for ElasticRules {
     fn default() -> Self {
         ElasticRules {
@@ -204,6 +216,19 @@ mod tests {
             let both = next_membership(&last, &a, &rules).is_ok() && next_membership(&last, &b, &rules).is_ok();
             assert!(!both, "{a:?} and {b:?} would both continue");
         }
+    }
+
+    #[test]
+    fn the_smallest_group_follows_the_quorum_and_min_ranks() {
+        let majority = ElasticRules::default();
+        assert_eq!([1, 2, 3, 8].map(|w| majority.smallest_group(w)), [1, 2, 2, 2]);
+        let any = ElasticRules {
+            quorum: Quorum::Any,
+            min_ranks: 1,
+        };
+        assert_eq!([1, 2, 8].map(|w| any.smallest_group(w)), [1, 1, 1]);
+        let four = ElasticRules { min_ranks: 4, ..any };
+        assert_eq!([3, 4, 8].map(|w| four.smallest_group(w)), [3, 4, 4]);
     }
 
     #[test]

@@ -139,6 +139,19 @@ impl CommThread {
         self.submit(move |comm| comm.reduce_scatter_sum(&mut buf).map(|_| buf))
     }
 
+    /// Starts a reduce-scatter of `buf` (a sum with `sum`, else a mean) and then hands the reduced chunk to
+    /// the right neighbour ([`Collective::shift_right`]): the handle gives the buffer back with this rank's
+    /// chunk reduced and its left neighbour's reduced chunk beside it.
+    pub fn reduce_scatter_and_shift(&self, mut buf: Vec<f32>, sum: bool) -> Pending<Vec<f32>> {
+        self.submit(move |comm| {
+            match sum {
+                true => comm.reduce_scatter_sum(&mut buf)?,
+                false => comm.reduce_scatter_mean(&mut buf)?,
+            };
+            comm.shift_right(&mut buf).map(|()| buf)
+        })
+    }
+
     /// Starts an all-gather of `buf` (this rank's chunk filled in); the handle gives back the whole buffer.
     pub fn all_gather(&self, mut buf: Vec<f32>) -> Pending<Vec<f32>> {
         self.submit(move |comm| comm.all_gather(&mut buf).map(|()| buf))

@@ -185,6 +185,12 @@ pub trait Collective: Send {
         self.run_f32(RingOp::AllGather, buf)
     }
 
+    /// Sends this rank's [`owned_range`](Collective::owned_range) of `buf` to its right neighbour, which
+    /// stores it in place: every rank ends also holding its left neighbour's part. Flat ring only.
+    fn shift_right(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.run_f32(RingOp::Shift, buf)
+    }
+
     /// Copies rank `root`'s buffer to every rank.
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
         self.run_f32(RingOp::Broadcast { root }, buf)

@@ -68,6 +68,10 @@ pub enum RingOp {
     AllGather,
     /// Rank `root`'s buffer is copied to every rank (a pipelined chain around the ring).
     Broadcast { root: usize },
+    /// Rank `r` sends `chunk_range(len, N, r)` to its right neighbour, which stores it in place: one hop of
+    /// an all-gather. Each rank ends holding its left neighbour's chunk too (the buddy copy of an elastic
+    /// sharded run); the rest of the buffer is untouched.
+    Shift,
 }
 
 /// Payload of a ring message.
@@ -328,6 +332,7 @@ impl<'a> RingEngine<'a> {
         match self.op {
             RingOp::AllReduce(_) => 2 * (n - 1),
             RingOp::ReduceScatter(_) | RingOp::AllGather => n - 1,
+            RingOp::Shift => usize::from(n > 1),
             RingOp::Broadcast { root } => {
                 // One phase; only ranks other than root receive.
                 usize::from(self.rank != root && n > 1)
@@ -338,7 +343,7 @@ impl<'a> RingEngine<'a> {
     fn is_ag_phase(&self, phase: usize) -> bool {
         match self.op {
             RingOp::AllReduce(_) => phase >= self.world - 1,
-            RingOp::AllGather => true,
+            RingOp::AllGather | RingOp::Shift => true,
             _ => false,
         }
     }
@@ -349,7 +354,7 @@ impl<'a> RingEngine<'a> {
         match self.op {
             RingOp::Broadcast { .. } => 0,
             RingOp::AllReduce(_) if phase >= n - 1 => modn(r - (phase - (n - 1)) as i64, n),
-            RingOp::AllGather => modn(r - phase as i64, n),
+            RingOp::AllGather | RingOp::Shift => modn(r - phase as i64, n),
             _ => modn(r - 1 - phase as i64, n),
         }
     }
@@ -360,7 +365,7 @@ impl<'a> RingEngine<'a> {
         match self.op {
             RingOp::Broadcast { .. } => 0,
             RingOp::AllReduce(_) if phase >= n - 1 => modn(self.rank as i64 - 1 - (phase - (n - 1)) as i64, n),
-            RingOp::AllGather => modn(self.rank as i64 - 1 - phase as i64, n),
+            RingOp::AllGather | RingOp::Shift => modn(self.rank as i64 - 1 - phase as i64, n),
             _ => modn(self.rank as i64 - 2 - phase as i64, n),
         }
     }
@@ -838,6 +843,40 @@ mod tests {
             for g in gs {
                 let blobs = g.into_blobs();
                 assert_eq!(blobs, (0..n).map(|r| vec![r as u8; 4]).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    /// A shift leaves each rank its own chunk and its left neighbour's, with the rest of the buffer as it
+    /// was; a lone rank keeps its buffer.
+    #[test]
+    fn local_shift_hands_each_chunk_to_the_right_neighbour() {
+        for n in 1..=5 {
+            for len in [0, 1, 7, 13, 97] {
+                for sub in [1, 4, 1000] {
+                    let value = |r: usize, i: usize| (r * 1000 + i) as f32;
+                    let mut bufs: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|i| value(r, i)).collect()).collect();
+                    {
+                        let mut engines: Vec<RingEngine> = bufs
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(r, b)| RingEngine::new(RingOp::Shift, r, n, b, sub).unwrap())
+                            .collect();
+                        run_local(&mut engines).unwrap();
+                    }
+                    for (r, buf) in bufs.iter().enumerate() {
+                        let left = (r + n - 1) % n;
+                        let from_left = chunk_range(len, n, left);
+                        for (i, x) in buf.iter().enumerate() {
+                            let want = if n > 1 && from_left.contains(&i) {
+                                value(left, i)
+                            } else {
+                                value(r, i)
+                            };
+                            assert_eq!(*x, want, "n={n} len={len} sub={sub} rank {r} element {i}");
+                        }
+                    }
+                }
             }
         }
     }

@@ -280,6 +280,10 @@ pub fn run_two_level(
             run_on(comm, t, SubRing::Host, RingOp::AllGather, buf, sub_chunk)
         }
         RingOp::Broadcast { .. } => run_on(comm, t, SubRing::All, op, buf, sub_chunk),
+        // Ownership on two levels is not the flat ring's chunk order, so a neighbour's chunk is not its part.
+        RingOp::Shift => Err(CollectiveError::Local(
+            "the two-level ring has no shift to the right neighbour (the buddy copy of an elastic run)".into(),
+        )),
     }
 }
 

@@ -64,6 +64,16 @@ pub struct BucketedSync {
     rank: usize,
     /// The collective's ownership map: which part of each bucket a sharded rank keeps.
     owner: Owner,
+    /// Sharded with buddy mirrors (an elastic run over several ranks): the left neighbour's ownership map,
+    /// whose reduced chunk of each bucket this rank also receives, for the mirror of its optimizer chunk.
+    left: Option<Owner>,
+    /// Whether buddy mirrors are asked for; `left` follows the group's size.
+    mirrors: bool,
+    /// The 0-based index of the step under way ([`GradientSync::begin_step`]).
+    step: u64,
+    /// Set once this step's reduced gradient (the owned chunks, and the left neighbour's with mirrors) is on
+    /// the device: an update can still run from it after the agreement on the scalars failed.
+    reduced: bool,
     /// Index in `plan.buckets` of the next bucket to read back.
     next: usize,
     /// Read-backs begun and not yet handed to the communication thread, in plan order: (bucket, read).
@@ -93,6 +103,10 @@ impl BucketedSync {
             world: owner.world(),
             rank: owner.rank(),
             owner,
+            left: None,
+            mirrors: false,
+            step: 0,
+            reduced: false,
             next: 0,
             reading: VecDeque::new(),
             in_flight: Vec::new(),
@@ -109,11 +123,20 @@ impl BucketedSync {
         self
     }
 
+    /// The sync with buddy mirrors when `on` (an elastic sharded run): each rank also receives its left
+    /// neighbour's reduced chunk of every bucket, in the same collective as its reduce-scatter.
+    pub fn with_buddy_mirrors(mut self, on: bool) -> Self {
+        self.mirrors = on;
+        self.left = crate::trainer::buddy::left_of(&self.owner).filter(|_| on && self.update == UpdateMode::Sharded);
+        self
+    }
+
     /// Forgets the last step (a step that failed half way leaves nothing behind): read-backs still in
     /// flight are finished and dropped, so the backend releases what they hold (its errors were the failed
     /// step's, already reported).
     fn forget_step<B: Backend>(&mut self, be: &mut B) {
         self.next = 0;
+        self.reduced = false;
         for (_, read) in self.reading.drain(..) {
             let _ = be.finish_download(read);
         }
@@ -143,6 +166,7 @@ impl BucketedSync {
             let host = be.finish_download(read)?;
             let sum = matches!(self.reduction, Reduction::SumOfShares { .. });
             let pending = match (self.update, sum) {
+                (UpdateMode::Sharded, sum) if self.left.is_some() => comm.reduce_scatter_and_shift(host, sum),
                 (UpdateMode::Replicated, false) => comm.all_reduce_mean(host),
                 (UpdateMode::Sharded, false) => comm.reduce_scatter_mean(host),
                 (UpdateMode::Replicated, true) => comm.all_reduce_sum(host),
@@ -170,10 +194,15 @@ impl BucketedSync {
                     let local = self.plan.owned_within(bucket, &self.owner);
                     be.upload(grads.sub(range.start + local.start, local.len()), &host[local.clone()])?;
                     owned_sq += host_sum_squares(&host[local]);
+                    if let Some(left) = &self.left {
+                        let mirrored = self.plan.owned_within(bucket, left);
+                        be.upload(grads.sub(range.start + mirrored.start, mirrored.len()), &host[mirrored])?;
+                    }
                 }
             }
             self.spare.push(host);
         }
+        self.reduced = true;
         Ok((self.update == UpdateMode::Sharded).then_some(owned_sq))
     }
 
@@ -259,8 +288,9 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
         }
     }
 
-    fn begin_step(&mut self, be: &mut B, _step: u64) {
+    fn begin_step(&mut self, be: &mut B, step: u64) {
         self.forget_step(be);
+        self.step = step;
     }
 
     fn await_params(&mut self, be: &mut B, params: View, upto: usize) -> Result<()> {
@@ -315,19 +345,22 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
         self.ledger.clear();
     }
 
+    /// Parameter gathers still in flight belonged to the old group and are dropped: a caller settles them
+    /// first, or (after a loss, when they cannot finish) rebuilds the parameters they carried.
     fn membership_changed(&mut self, be: &mut B, plan: &BucketPlan, owner: &Owner, reduction: Reduction) -> Result<()> {
         self.forget_step(be);
-        let busy = self.gathering.len();
-        anyhow::ensure!(
-            busy == 0,
-            "the group was re-formed with {busy} of this rank's transfers still in flight (settle the parameters \
-             first)"
-        );
+        self.gathering.clear();
         self.plan = plan.clone();
         (self.world, self.rank) = (owner.world(), owner.rank());
         self.owner = owner.clone();
+        self.left =
+            crate::trainer::buddy::left_of(owner).filter(|_| self.mirrors && self.update == UpdateMode::Sharded);
         self.reduction = reduction;
         Ok(())
+    }
+
+    fn reduced_step(&self) -> Option<u64> {
+        self.reduced.then_some(self.step)
     }
 
     fn trace(&self) -> Option<&SyncTrace> {

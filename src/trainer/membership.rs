@@ -35,16 +35,29 @@ impl<B: Backend> Trainer<B> {
         let sharded = !self.moments_are_replicated();
         let full = if sharded { Some(self.full_moments()?) } else { None };
         if let (Some((m, v)), true) = (full, owner != self.owner) {
-            let owned = self.plan.owned(self.opts.update, &owner);
-            let mut opt = AdamW::for_ranges(&mut self.be, self.opt.config, owned)?;
-            opt.step = self.opt.step;
-            self.be.upload(opt.m, &opt.cut(&m))?;
-            self.be.upload(opt.v, &opt.cut(&v))?;
-            let old = std::mem::replace(&mut self.opt, opt);
+            self.recut_optimizer(&owner, &m, &v)?;
+            self.layout.owner = owner.clone();
+        }
+        self.install_group(comm, owner)
+    }
+
+    /// Cuts the optimizer state for the rank of `owner` from the full moments `m` and `v` (`[P]` each): its
+    /// own chunks, and the mirror of its left neighbour's when the run keeps one. The step count is kept.
+    pub(super) fn recut_optimizer(&mut self, owner: &Owner, m: &[f32], v: &[f32]) -> Result<()> {
+        let owned = self.plan.owned(self.opts.update, owner);
+        let mut opt = AdamW::for_ranges(&mut self.be, self.opt.config, owned)?;
+        let mut mirror = super::buddy::mirror_for(&mut self.be, &self.opts, &self.plan, owner)?;
+        for new in std::iter::once(&mut opt).chain(mirror.as_mut()) {
+            new.step = self.opt.step;
+            self.be.upload(new.m, &new.cut(m))?;
+            self.be.upload(new.v, &new.cut(v))?;
+        }
+        let old = std::mem::replace(&mut self.opt, opt);
+        for old in std::iter::once(old).chain(std::mem::replace(&mut self.mirror, mirror)) {
             self.be.free(old.m);
             self.be.free(old.v);
         }
-        self.install_group(comm, owner)
+        Ok(())
     }
 
     /// Puts `comm` (whose ownership map is `owner`) on a new communication thread in place of the old
@@ -104,19 +117,25 @@ impl SurvivorState {
 
 impl<B: Backend> Trainer<B> {
     /// Continues on `comm`, the group of the survivors of a loss (`membership`, already agreed), of any
-    /// size. Collective over the new group: every survivor calls it. Replicated update only: there every
-    /// survivor holds the whole state (the sharded update loses the dead rank's moments, which need the
-    /// buddy mirrors this build does not have; [`TrainOptions::validate`] refuses the combination).
+    /// size. Collective over the new group: every survivor calls it.
     ///
-    /// The survivors exchange the last step each committed; all continue from the highest, those behind
-    /// taking the state of the lowest-numbered rank that committed it (a loss during a step's last
-    /// collective can leave some survivors one step ahead: catching up needs no copy kept for a rollback).
+    /// The survivors exchange the last step each committed; all continue from the highest (a loss during a
+    /// step's last collective can leave some survivors one step ahead: catching up needs no copy kept for a
+    /// rollback). Replicated, those behind take the whole state of the lowest-numbered rank that committed
+    /// it; sharded, they apply the step from the gradient still on their device, and the state is rebuilt
+    /// from the chunks' owners and buddies ([`super::buddy`]).
     /// The global batch stays the same and is re-split evenly over the new group (`auto` starts measuring
     /// afresh), so a step's data does not depend on who is left. Returns the step the group continues from.
     pub fn reform(&mut self, comm: Box<dyn Collective>, membership: Membership) -> Result<u64> {
+        self.reform_as(comm, membership, false)
+    }
+
+    /// [`Trainer::reform`]; `joining`: this trainer is a new member, holding none of the job's state.
+    fn reform_as(&mut self, comm: Box<dyn Collective>, membership: Membership, joining: bool) -> Result<u64> {
+        let sharded = self.opts.update == super::UpdateMode::Sharded;
         ensure!(
-            self.moments_are_replicated(),
-            "an elastic re-form needs every survivor to hold the whole optimizer state (--update replicated)"
+            sharded || self.moments_are_replicated(),
+            "an elastic re-form of the replicated update needs every survivor to hold the whole optimizer state"
         );
         let world = comm.world();
         ensure!(
@@ -132,12 +151,18 @@ impl<B: Backend> Trainer<B> {
         };
         self.batch = BatchPlan::new(global, world, &split, self.opts.batch_size, self.opts.grad_accum)?;
         self.auto_split = (self.opts.batch_split == BatchSplit::Auto && world > 1).then(AutoSplit::default);
+        // The sync forgets the failed step; a gradient it had reduced stays on the device for a roll-forward.
+        if let Some(step) = self.sync.reduced_step().filter(|&s| s == self.step) {
+            self.reduced_step = Some(step);
+        }
         // The old thread holds a failed collective; whatever it still had queued fails with it.
         self.install_group(comm, owner)?;
         self.faults = self.armed_faults.for_members(&membership.members);
         self.membership = membership;
-        let resumed = self.catch_up()?;
-        Ok(resumed)
+        match sharded {
+            true => self.rebuild_sharded(joining),
+            false => self.catch_up(),
+        }
     }
 
     /// A new member takes its place in a running elastic job: `comm` is the group that admitted it (with
@@ -155,7 +180,7 @@ impl<B: Backend> Trainer<B> {
         let me = *members
             .get(comm.rank())
             .context("the admitting group has no place for this rank")?;
-        let resumed = self.reform(comm, membership)?;
+        let resumed = self.reform_as(comm, membership, true)?;
         let change = MembershipChange {
             epoch,
             lost: Vec::new(),

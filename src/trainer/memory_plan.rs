@@ -5,7 +5,10 @@
 //! chunk of about `P / N` in sharded mode), the activations and backward scratch of one micro-batch (counted
 //! by the model's own carving code), the host staging of the flat gradient and parameters for the
 //! collectives (`world > 1`), and the host copy of the initial parameters (and, on resume, the moments)
-//! while they are uploaded. The corpus is not counted: shards are memory-mapped, and text is small.
+//! while they are uploaded. An elastic sharded run sizes its chunk for the smallest group it can shrink to
+//! and adds the buddy mirror of a neighbour's chunk; its re-form rebuilds the moments on the host (the two
+//! full moments and the gathered pieces, counted with the initial copy, which it never meets). The corpus
+//! is not counted: shards are memory-mapped, and text is small.
 
 use super::buckets::optimizer_elems;
 use super::{TrainOptions, UpdateMode};
@@ -15,6 +18,22 @@ use std::fmt;
 
 const F32: u64 = 4;
 const TOKEN: u64 = 4;
+
+/// Elements whose moments rank `rank` of `world` keeps: its chunk of every bucket (sharded) or all of them.
+/// An elastic sharded run plans for the smallest group it can shrink to (the largest chunk there, rank 0's)
+/// and the buddy mirror of a neighbour's chunk beside it.
+fn planned_optimizer_elems(config: &ModelConfig, opts: &TrainOptions, world: usize, rank: usize) -> usize {
+    let Some(rules) = opts.elastic.as_ref().filter(|_| opts.update == UpdateMode::Sharded) else {
+        return optimizer_elems(config, opts.update, opts.bucket_elems, world, rank);
+    };
+    let smallest = rules.smallest_group(world);
+    let own = optimizer_elems(config, UpdateMode::Sharded, opts.bucket_elems, smallest, 0);
+    if smallest > 1 {
+        2 * own
+    } else {
+        own
+    }
+}
 
 /// One rank's planned allocations, in bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +61,8 @@ struct PlanShape {
     /// Gradient bucket size in elements: sharded ranks own a chunk of every bucket.
     bucket_elems: usize,
     resume: bool,
+    /// Elastic and sharded: a re-form rebuilds the full moments on the host.
+    rebuilds: bool,
     /// `--global-batch` given: a smaller micro-batch keeps the global batch by itself (more micro-batches
     /// per share), with no --grad-accum to adjust.
     global_batch: bool,
@@ -62,9 +83,10 @@ impl MemoryPlan {
             config: config.clone(),
             seq_len: opts.seq_len,
             world,
-            optimizer_elems: optimizer_elems(config, opts.update, opts.bucket_elems, world, rank),
+            optimizer_elems: planned_optimizer_elems(config, opts, world, rank),
             bucket_elems: opts.bucket_elems,
             resume,
+            rebuilds: opts.elastic.is_some() && opts.update == UpdateMode::Sharded,
             global_batch: opts.global_batch.is_some(),
         };
         Self::for_shape(shape, opts.batch_size, opts.grad_accum)
@@ -76,6 +98,12 @@ impl MemoryPlan {
         let activations = Gpt2::activation_floats(&shape.config, b, t) as u64 * F32 + 2 * (b * t) as u64 * TOKEN;
         let staging = if shape.world > 1 { 2 * p * F32 } else { 0 };
         let init_copy = if shape.resume { 3 * p * F32 } else { p * F32 };
+        // Both full moments and the gathered pieces (at most two chunks per rank over every rank).
+        let init_copy = if shape.rebuilds {
+            init_copy.max(4 * p * F32)
+        } else {
+            init_copy
+        };
         MemoryPlan {
             params: p * F32,
             grads: p * F32,
@@ -363,6 +391,49 @@ mod tests {
         );
         // One rank owns everything.
         assert_eq!(MemoryPlan::new(&cfg, &opts, 1, 0, false).optimizer, replicated);
+    }
+
+    /// Elastic and sharded: the chunk of the smallest group the job can shrink to, and a neighbour's beside
+    /// it; the re-form's host copies count where the initial copy does.
+    #[test]
+    fn an_elastic_sharded_rank_plans_for_its_smallest_group_and_a_mirror() {
+        use crate::elastic::{ElasticRules, Quorum};
+        let cfg = ModelConfig::small();
+        let p = cfg.param_count() as u64;
+        let mut opts = TrainOptions::for_model(&cfg);
+        opts.update = UpdateMode::Sharded;
+        let plain = MemoryPlan::new(&cfg, &opts, 8, 0, false);
+        let two_of = MemoryPlan::new(&cfg, &opts, 2, 0, false).optimizer;
+        opts.elastic = Some(ElasticRules::default());
+        // A majority quorum can shrink 8 ranks to 2: each keeps up to half, twice (its own and a mirror).
+        let elastic = MemoryPlan::new(&cfg, &opts, 8, 0, false);
+        assert_eq!(elastic.optimizer, 2 * two_of);
+        assert!(elastic.optimizer > 7 * plain.optimizer);
+        assert_eq!(elastic.init_copy, 4 * p * F32);
+        opts.elastic = Some(ElasticRules {
+            quorum: Quorum::Majority,
+            min_ranks: 4,
+        });
+        let four_of = MemoryPlan::new(
+            &cfg,
+            &{
+                TrainOptions {
+                    elastic: None,
+                    ..opts.clone()
+                }
+            },
+            4,
+            0,
+            false,
+        )
+        .optimizer;
+        assert_eq!(MemoryPlan::new(&cfg, &opts, 8, 3, false).optimizer, 2 * four_of);
+        // Down to one rank, which owns everything and mirrors nothing.
+        opts.elastic = Some(ElasticRules {
+            quorum: Quorum::Any,
+            min_ranks: 1,
+        });
+        assert_eq!(MemoryPlan::new(&cfg, &opts, 8, 0, false).optimizer, 8 * p);
     }
 
     /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.

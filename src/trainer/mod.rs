@@ -27,6 +27,7 @@ use std::time::Instant;
 
 pub mod auto_split;
 pub mod buckets;
+pub(crate) mod buddy;
 mod checkpointing;
 pub mod comm_ledger;
 pub mod fault_injection;
@@ -186,6 +187,18 @@ pub struct Trainer<B: Backend> {
     /// The sync's state read from the checkpoint this run resumes, handed to the sync before the first step
     /// (after any [`Trainer::wrap_sync`]).
     resumed_sync_state: Option<SyncState>,
+    /// Elastic and sharded over several ranks: the buddy mirror of the left neighbour's optimizer chunk
+    /// ([`buddy`]), updated every step with the same reduced gradient and scalars as the owner's, so a lost
+    /// rank's chunk survives on its right neighbour.
+    mirror: Option<AdamW>,
+    /// The group whose chunks the optimizer state (and the mirror) are cut by: a re-form after a loss
+    /// finds there who held which chunk ([`buddy`]).
+    layout: buddy::StateLayout,
+    /// The last step whose scalars this rank agreed on: its 0-based index and the agreed values.
+    last_agreed: Option<(u64, AgreedStep)>,
+    /// The 0-based index of a step whose reduced gradient stayed on the device when its agreement failed
+    /// (a loss): a re-form may still apply that step ([`buddy`]'s roll-forward).
+    reduced_step: Option<u64>,
 }
 
 /// The shares a checkpoint of a `world`-rank run recorded (`batch_shares`), when they split this run's
@@ -259,6 +272,7 @@ impl<B: Backend> Trainer<B> {
         let plan = BucketPlan::new(&model.layout, opts.bucket_elems);
         let owner = comm.owner();
         let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(opts.update, &owner))?;
+        let mut mirror = buddy::mirror_for(&mut be, &opts, &plan, &owner)?;
         let (mut step, mut tokens_seen, mut resumed_sync_state) = (0, 0, None);
         let auto = opts.batch_split == BatchSplit::Auto && world > 1;
         let mut auto_split = auto.then(AutoSplit::default);
@@ -287,6 +301,10 @@ impl<B: Backend> Trainer<B> {
             }
             be.upload(opt.m, &opt.cut(&state.m))?;
             be.upload(opt.v, &opt.cut(&state.v))?;
+            if let Some(mirror) = &mirror {
+                be.upload(mirror.m, &mirror.cut(&state.m))?;
+                be.upload(mirror.v, &mirror.cut(&state.v))?;
+            }
             step = state.data_cursor / global as u64;
             tokens_seen = state.tokens_seen;
             resumed_sync_state = Some(state.sync);
@@ -294,6 +312,9 @@ impl<B: Backend> Trainer<B> {
                 Some(s) => s.parse().context("--resume: bad optimizer_step in trainer state")?,
                 None => state.step,
             };
+            if let Some(mirror) = &mut mirror {
+                mirror.step = opt.step;
+            }
             if auto && state.world_size == world {
                 // The split the run had reached, and what it had measured, for the same ranks.
                 if let Some(shares) = resumed_shares(&state.extra, global, world)? {
@@ -304,8 +325,12 @@ impl<B: Backend> Trainer<B> {
         }
         let n = opts.batch_size * opts.seq_len;
         let reduction = Reduction::of(&batch, opts.seq_len);
-        let sync =
-            Box::new(BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone()).reducing(reduction));
+        let sync = Box::new(
+            BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone())
+                .reducing(reduction)
+                .with_buddy_mirrors(mirror.is_some() || buddy::mirrors_wanted(&opts)),
+        );
+        let layout = buddy::StateLayout::first(world, owner.clone());
         let spikes = LossSpikeDetector::new(opts.loss_spike);
         let guard = ShardGuard::for_run(&opts, world);
         let mut trainer = Trainer {
@@ -337,6 +362,10 @@ impl<B: Backend> Trainer<B> {
             membership: Membership::initial(world),
             pending_change: None,
             resumed_sync_state,
+            mirror,
+            layout,
+            last_agreed: None,
+            reduced_step: None,
         };
         trainer.replicate()?;
         Ok(trainer)
@@ -446,8 +475,12 @@ impl<B: Backend> Trainer<B> {
         let agreed = self
             .sync
             .synchronise(&mut self.be, &self.comm, self.model.grads, local)?;
+        self.last_agreed = Some((self.step, agreed));
         let loss_spike_reference = self.spikes.observe(agreed.loss);
         let (lr, skipped) = self.update(agreed)?;
+        if !skipped {
+            self.sync.after_update(&mut self.be, &self.comm, self.model.params)?;
+        }
         // Committed: the parameters are updated, so the step counts even if what follows fails (an elastic
         // re-form continues from here).
         self.step += 1;
@@ -540,6 +573,7 @@ impl<B: Backend> Trainer<B> {
         let windows = self.sampler.windows_for_step(self.step);
         let micro = self.batch.micro_batches(&windows, self.rank, b)?;
         self.model.zero_grads(&mut self.be);
+        self.reduced_step = None;
         if let Some(state) = self.resumed_sync_state.take() {
             self.sync.restore_state(&mut self.be, state)?;
         }
@@ -653,7 +687,8 @@ impl<B: Backend> Trainer<B> {
 
     /// The update, decided from agreed values so that every rank decides alike: a non-finite loss or norm
     /// skips it (or stops the run), otherwise AdamW runs on what this rank owns (checked and recorded by the
-    /// shard guard) and the sync distributes the result. Returns the learning rate and whether it skipped.
+    /// shard guard) and on its buddy mirror. The caller has the sync distribute the result. Returns the
+    /// learning rate and whether it skipped.
     fn update(&mut self, agreed: AgreedStep) -> Result<(f64, bool)> {
         let grad_norm = agreed.grad_sq.sqrt();
         let lr = self.opts.schedule.lr_at(self.step);
@@ -672,8 +707,11 @@ impl<B: Backend> Trainer<B> {
         self.guard.check(&mut self.be, params, &self.opt, self.rank, step)?;
         self.opt
             .update(&mut self.be, &self.model.layout, params, grads, lr, coef);
+        if let Some(mirror) = &mut self.mirror {
+            // The owner's chunk, computed here too: the all-gather then writes the owner's bits over it.
+            mirror.update(&mut self.be, &self.model.layout, params, grads, lr, coef);
+        }
         self.guard.record(&mut self.be, params, &self.opt, step)?;
-        self.sync.after_update(&mut self.be, &self.comm, params)?;
         Ok((lr, false))
     }
 

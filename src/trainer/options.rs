@@ -197,16 +197,11 @@ impl TrainOptions {
         }
     }
 
-    /// What an elastic run can re-form today: every survivor must hold the whole state, and the global batch
-    /// must re-split over any number of ranks.
+    /// What an elastic run can re-form: the global batch must re-split over any number of ranks, on the flat
+    /// ring (the sharded update keeps buddy mirrors there, [`super::buddy`]).
     fn validate_elastic(&self) -> anyhow::Result<()> {
         let Some(rules) = &self.elastic else { return Ok(()) };
         anyhow::ensure!(rules.min_ranks >= 1, "--min-ranks must be at least 1");
-        anyhow::ensure!(
-            self.update == UpdateMode::Replicated,
-            "--elastic needs --update replicated: under the sharded update a lost rank takes its optimizer chunk \
-             with it, and the buddy mirrors that would keep a copy are not built"
-        );
         anyhow::ensure!(
             matches!(self.batch_split, BatchSplit::Even | BatchSplit::Auto),
             "--elastic with --batch-split {}: weights name ranks, which a membership change renumbers; use even or \

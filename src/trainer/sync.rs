@@ -119,6 +119,14 @@ pub trait GradientSync<B: Backend>: Send {
     /// ones). A step that failed half way (the loss that re-formed the group) is forgotten first.
     fn membership_changed(&mut self, be: &mut B, plan: &BucketPlan, owner: &Owner, reduction: Reduction) -> Result<()>;
 
+    /// The 0-based index of the step whose reduced gradient (everything [`GradientSync::synchronise`] puts on
+    /// the device before agreeing on the scalars) is complete, so that a rank whose agreement failed can still
+    /// run the update once it learns the agreed scalars (an elastic re-form's roll-forward). Cleared when a
+    /// step begins; `None` for syncs that do not say.
+    fn reduced_step(&self) -> Option<u64> {
+        None
+    }
+
     /// When the last step's collectives started against the end of its backward, for syncs that trace it.
     fn trace(&self) -> Option<&SyncTrace> {
         None
