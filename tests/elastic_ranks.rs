@@ -21,8 +21,13 @@ use std::time::{Duration, Instant};
 
 const TIMEOUT_S: &str = "6";
 
-/// The train flags of every job here; `replay` trains the same options in one process.
+/// The train flags of every job here (replicated unless a test says otherwise); `replay` trains the same
+/// options in one process.
 fn train_flags(steps: u64) -> Vec<String> {
+    train_flags_in(UpdateMode::Replicated, steps)
+}
+
+fn train_flags_in(update: UpdateMode, steps: u64) -> Vec<String> {
     let flags = [
         "train",
         "--model",
@@ -34,7 +39,7 @@ fn train_flags(steps: u64) -> Vec<String> {
         "--eval-every",
         "0",
         "--update",
-        "replicated",
+        update.as_str(),
         "--elastic",
         "--timeout",
         TIMEOUT_S,
@@ -60,11 +65,16 @@ fn launch(nproc: usize, steps: u64, dir: &Path) -> Command {
 
 /// [`launch`] with flags of `launch` itself.
 fn launch_with(nproc: usize, steps: u64, dir: &Path, launch_flags: &[&str]) -> Command {
+    launch_in(UpdateMode::Replicated, nproc, steps, dir, launch_flags)
+}
+
+/// [`launch_with`] under the update `update`.
+fn launch_in(update: UpdateMode, nproc: usize, steps: u64, dir: &Path, launch_flags: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
     cmd.args(["launch", "--nproc", &nproc.to_string()])
         .args(launch_flags)
         .arg("--")
-        .args(train_flags(steps))
+        .args(train_flags_in(update, steps))
         .arg("--metrics")
         .arg(dir.join("m.jsonl"))
         .arg("--save")
@@ -75,7 +85,11 @@ fn launch_with(nproc: usize, steps: u64, dir: &Path, launch_flags: &[&str]) -> C
 
 /// A launched job of `nproc` ranks once rank 0 has logged `logged` steps.
 fn started_job(nproc: usize, steps: u64, dir: &Path, logged: usize) -> std::process::Child {
-    let child = launch(nproc, steps, dir)
+    started_job_in(UpdateMode::Replicated, nproc, steps, dir, logged)
+}
+
+fn started_job_in(update: UpdateMode, nproc: usize, steps: u64, dir: &Path, logged: usize) -> std::process::Child {
+    let child = launch_in(update, nproc, steps, dir, &[])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -88,14 +102,14 @@ fn started_job(nproc: usize, steps: u64, dir: &Path, logged: usize) -> std::proc
     child
 }
 
-fn options(steps: u64) -> TrainOptions {
+fn options(update: UpdateMode, steps: u64) -> TrainOptions {
     let model = ModelConfig::tiny();
     TrainOptions {
         batch_size: 2,
         seq_len: 32,
         eval_every: 0,
         eval_batches: 0,
-        update: UpdateMode::Replicated,
+        update,
         ..TrainOptions::for_model(&model).with_steps(steps)
     }
 }
@@ -119,10 +133,15 @@ fn replay(steps: u64, first: usize, committed: u64, then: usize) -> String {
 /// A membership history done by hand: each phase's world trains to its step and saves, the next phase's
 /// ranks resuming that checkpoint with the first phase's global batch. The final parameters' fingerprint.
 fn replay_history(steps: u64, phases: &[(usize, u64)]) -> String {
+    replay_history_in(UpdateMode::Replicated, steps, phases)
+}
+
+/// [`replay_history`] under the update `update` (no buddy mirrors: they do not change the bits).
+fn replay_history_in(update: UpdateMode, steps: u64, phases: &[(usize, u64)]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let opts = TrainOptions {
-        global_batch: Some(phases[0].0 * options(steps).batch_size),
-        ..options(steps)
+        global_batch: Some(phases[0].0 * options(update, steps).batch_size),
+        ..options(update, steps)
     };
     let mut hashes = Vec::new();
     for (i, &(world, until)) in phases.iter().enumerate() {
@@ -183,7 +202,11 @@ fn first_change(dir: &Path, member: usize) -> MembershipChange {
 
 /// A launched 3-rank job of `steps` steps with `fault` injected, which must complete: launch's stderr.
 fn completed_with_fault(steps: u64, fault: &str, dir: &Path) -> String {
-    let out = launch(3, steps, dir)
+    completed_with_fault_in(UpdateMode::Replicated, steps, fault, dir)
+}
+
+fn completed_with_fault_in(update: UpdateMode, steps: u64, fault: &str, dir: &Path) -> String {
+    let out = launch_in(update, 3, steps, dir, &[])
         .env("RINGTRAIN_INJECT_FAULT", fault)
         .output()
         .unwrap();
@@ -236,8 +259,18 @@ fn rank_0_crashed_hands_rendezvous_and_checkpoints_to_the_lowest_survivor() {
 /// it must finish every step with the two others and the bits of the history replayed in one process.
 /// Returns launch's stderr and the change the survivors recorded.
 fn lose_a_rank_to(signal_name: &str, victim: usize, steps: u64, logged: usize) -> (String, MembershipChange) {
+    lose_a_rank_in(UpdateMode::Replicated, signal_name, victim, steps, logged)
+}
+
+fn lose_a_rank_in(
+    update: UpdateMode,
+    signal_name: &str,
+    victim: usize,
+    steps: u64,
+    logged: usize,
+) -> (String, MembershipChange) {
     let dir = tempfile::tempdir().unwrap();
-    let child = started_job(3, steps, dir.path(), logged);
+    let child = started_job_in(update, 3, steps, dir.path(), logged);
     signal(worker_pid(&child, victim), signal_name);
     let out = child.wait_with_output().unwrap();
     let stderr = stderr_of(&out);
@@ -247,7 +280,8 @@ fn lose_a_rank_to(signal_name: &str, victim: usize, steps: u64, logged: usize) -
     let survivors: Vec<u32> = (0..3).filter(|&m| m != victim as u32).collect();
     assert_eq!(change.members, survivors);
     // The history: 3 ranks to the step the survivors continued from, then 2.
-    assert_eq!(saved_hash(dir.path()), replay(steps, 3, change.resumed_from_step, 2));
+    let history = replay_history_in(update, steps, &[(3, change.resumed_from_step), (2, steps)]);
+    assert_eq!(saved_hash(dir.path()), history);
     (stderr, change)
 }
 
@@ -529,4 +563,49 @@ fn a_lone_survivor_of_two_stops_with_its_reason() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("not a strict majority"), "{stderr}");
     assert!(stderr.contains("no rank completed the elastic job"), "{stderr}");
+}
+
+/// Sharded (ZeRO-1) with buddy mirrors: a crashed rank's optimizer chunk comes from the rank to its right,
+/// and rank 0's loss too; the survivors end with the bits of the history replayed in one process.
+#[test]
+fn sharded_crashed_ranks_chunks_come_from_their_buddies() {
+    let _one = one_job();
+    for (fault, steps, survivors, committed) in [("kill=2:3", 6, [0u32, 1], 2), ("kill=0:2", 5, [1, 2], 1)] {
+        let dir = tempfile::tempdir().unwrap();
+        completed_with_fault_in(UpdateMode::Sharded, steps, fault, dir.path());
+        let change = first_change(dir.path(), survivors[0] as usize);
+        assert_eq!(change.members, survivors.to_vec(), "{fault}");
+        assert_eq!(change.resumed_from_step, committed, "{fault}");
+        let history = replay_history_in(UpdateMode::Sharded, steps, &[(3, committed), (2, steps)]);
+        assert_eq!(saved_hash(dir.path()), history, "{fault}");
+    }
+}
+
+#[test]
+fn sharded_a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
+    let _one = one_job();
+    lose_a_rank_in(UpdateMode::Sharded, "-KILL", 2, 300, 20);
+}
+
+/// Sharded: the restarted rank rejoins, takes a chunk and a mirror of the re-cut state, and the job ends
+/// with its full world and the replayed bits.
+#[test]
+fn sharded_a_crashed_rank_restarted_by_launch_rejoins() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 300;
+    let out = launch_in(UpdateMode::Sharded, 3, steps, dir.path(), &["--max-restarts", "1"])
+        .env("RINGTRAIN_INJECT_FAULT", "kill=1:10")
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!((m.last().unwrap().step, m.last().unwrap().world_size), (steps, 3));
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 2, "{changes:?}");
+    assert_eq!(changes[1].members, vec![0, 2, 1]);
+    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
+    let history = replay_history_in(UpdateMode::Sharded, steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
+    assert_eq!(saved_hash(dir.path()), history);
 }
