@@ -15,8 +15,9 @@
 //! its device and the scalars the other tells it (completing the agreement needs every rank's contribution,
 //! which each sends only after its reduce-scatter and shift, so every survivor holds its reduced chunks).
 //! Then every chunk of the old layout is taken from its owner, or from its buddy when the owner was lost;
-//! the survivors all-gather those pieces into the full parameters and moments, and each keeps the chunk and
-//! the mirror of its place in the new group. Losing an owner and its buddy at once leaves a chunk nobody
+//! the survivors all-gather those pieces into the full moments (and the full parameters, unless every
+//! member's already match: no gather was cut short and nobody joined), and each keeps the chunk and the
+//! mirror of its place in the new group. Losing an owner and its buddy at once leaves a chunk nobody
 //! holds: the job stops naming both, and continues from its last checkpoint.
 
 use super::options::UpdateMode;
@@ -279,9 +280,19 @@ impl<B: Backend> Trainer<B> {
             .map(|l| l.iter().map(|r| r.1).sum::<usize>())
             .max()
             .unwrap_or(0);
-        let mut full = [vec![0f32; total], vec![0f32; total], vec![0f32; total]];
         let with_mirror = mine.iter().any(|(_, from_mirror)| *from_mirror);
+        // Survivors whose parameters are all alike (every gather had landed) hold every chunk already: only
+        // the moments travel.
+        let fingerprint = self.state_hash(false)?;
+        let fingerprints = self.comm.run(move |c| c.gather_hashes(fingerprint))?;
+        let params_alike = fingerprints.iter().all(|f| *f == fingerprints[0]);
+        // `[P]` each: the parameters (left empty when they do not travel) and the two moments.
+        let params_len = if params_alike { 0 } else { total };
+        let mut full = [vec![0f32; params_len], vec![0f32; total], vec![0f32; total]];
         for (kind, out) in full.iter_mut().enumerate() {
+            if kind == 0 && params_alike {
+                continue;
+            }
             // `[world * widest]`: rank k's pieces at `k * widest`, back to back, zero-padded.
             let mut packed = vec![0f32; widest * states.len()];
             let mut slot = &mut packed[self.rank * widest..(self.rank + 1) * widest];
@@ -313,7 +324,10 @@ impl<B: Backend> Trainer<B> {
             }
         }
         let [params, m, v] = full;
-        self.be.upload(self.model.params, &params)?;
+        if !params_alike {
+            self.be.upload(self.model.params, &params)?;
+        }
+        drop(params);
         let owner = self.owner.clone();
         self.recut_optimizer(&owner, &m, &v)?;
         Ok(())
