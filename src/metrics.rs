@@ -74,6 +74,11 @@ pub struct StepMetrics {
     /// it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub membership: Option<crate::elastic::MembershipChange>,
+    /// `--sync outer`, on a step that ends with an outer step: the mean inner loss over the ranks and the
+    /// round, and the norm of the averaged change of the parameters. `loss` is then this rank's own inner
+    /// loss, as on every step of such a run. Absent otherwise, and in files written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer: Option<crate::trainer::outer_sync::OuterRound>,
 }
 
 /// JSON has no NaN or infinity: serde_json writes a non-finite float as `null`. Read `null` back as NaN so a

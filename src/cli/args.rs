@@ -10,7 +10,10 @@ use ringtrain::elastic::{ElasticRules, Quorum};
 use ringtrain::model::ModelConfig;
 use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
 use ringtrain::optim::{AdamWConfig, LrSchedule};
-use ringtrain::trainer::{bucket_elems, OnDivergence, OnNonFinite, TrainOptions, UpdateMode, MAX_BUCKET_MB};
+use ringtrain::trainer::{
+    bucket_elems, OnDivergence, OnNonFinite, OuterOptions, SyncMode, TrainOptions, UpdateMode, DEFAULT_OUTER_EVERY,
+    DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, MAX_BUCKET_MB,
+};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -122,7 +125,7 @@ pub struct TrainArgs {
     /// skip or abort
     #[arg(long)]
     pub on_nonfinite: Option<String>,
-    /// Survivors of a lost rank re-form the ring and go on (needs --update replicated)
+    /// Survivors of a lost rank re-form the ring and go on (sharded ranks keep a buddy mirror of a neighbour's optimizer chunk)
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub elastic: Option<bool>,
     /// With --elastic: who may go on after a loss, majority (a strict majority of the last membership) or
@@ -132,6 +135,20 @@ pub struct TrainArgs {
     /// With --elastic: stop below this many ranks [default: 1]
     #[arg(long)]
     pub min_ranks: Option<usize>,
+    /// every-step (each step's gradient is reduced over the ranks) or outer (DiLoCo: each rank trains alone
+    /// for --outer-every steps, then the ranks average the change of the parameters with an outer Nesterov
+    /// step; needs --update replicated) [default: every-step]
+    #[arg(long)]
+    pub sync: Option<String>,
+    /// With --sync outer: inner steps per outer step [default: 50]
+    #[arg(long)]
+    pub outer_every: Option<u64>,
+    /// With --sync outer: the outer learning rate [default: 0.7]
+    #[arg(long, allow_negative_numbers = true)]
+    pub outer_lr: Option<f64>,
+    /// With --sync outer: the outer Nesterov momentum [default: 0.9]
+    #[arg(long, allow_negative_numbers = true)]
+    pub outer_momentum: Option<f64>,
     /// Warn when a step's loss exceeds this many times the running average of the earlier losses; only
     /// logged, 0 turns it off [default: 3]
     #[arg(long, allow_negative_numbers = true)]
@@ -362,8 +379,22 @@ impl TrainArgs {
             }
             false => None,
         };
+        let outer_flags = self.outer_every.is_some() || self.outer_lr.is_some() || self.outer_momentum.is_some();
+        let sync = match self.sync.as_deref() {
+            None | Some("every-step") if outer_flags => {
+                bail!("--outer-every, --outer-lr and --outer-momentum apply to --sync outer only")
+            }
+            None | Some("every-step") => SyncMode::EveryStep,
+            Some("outer") => SyncMode::Outer(OuterOptions {
+                every: self.outer_every.unwrap_or(DEFAULT_OUTER_EVERY),
+                lr: self.outer_lr.unwrap_or(DEFAULT_OUTER_LR),
+                momentum: self.outer_momentum.unwrap_or(DEFAULT_OUTER_MOMENTUM),
+            }),
+            Some(other) => bail!("--sync {other:?}: expected every-step or outer"),
+        };
         let opts = TrainOptions {
             elastic,
+            sync,
             batch_size,
             seq_len,
             grad_accum,

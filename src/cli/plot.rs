@@ -292,6 +292,7 @@ mod tests {
             loss_spike_reference: None,
             batch_shares: None,
             membership: None,
+            outer: None,
         }
     }
 

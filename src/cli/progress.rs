@@ -161,7 +161,8 @@ pub fn should_log(step: u64, first_step: u64, total_steps: u64) -> bool {
 
 /// One plain progress line, e.g.
 /// `step 20/200 | loss 2.3412 | lr 3.00e-04 | norm 0.812 | 12.3 ms | 20800 tok/s`.
-/// Evaluation steps add `| val 2.1000`; skipped (non-finite) steps add `| skipped`.
+/// Evaluation steps add `| val 2.1000`; skipped (non-finite) steps add `| skipped`; with `--sync outer` the
+/// loss is this rank's own, and outer steps add the round's mean over the ranks, `| outer loss 2.2000`.
 pub fn format_step_line(m: &StepMetrics, total_steps: u64) -> String {
     let mut line = format!(
         "step {}/{} | loss {:.4} | lr {} | norm {:.3} | {:.1} ms | {:.0} tok/s",
@@ -175,6 +176,9 @@ pub fn format_step_line(m: &StepMetrics, total_steps: u64) -> String {
     );
     if let Some(v) = m.val_loss {
         line.push_str(&format!(" | val {v:.4}"));
+    }
+    if let Some(round) = m.outer {
+        line.push_str(&format!(" | outer loss {:.4}", round.loss));
     }
     if m.skipped {
         line.push_str(" | skipped");
@@ -270,6 +274,17 @@ mod tests {
             format_step_line(&s, 10),
             "step 5/10 | loss NaN | lr 3.00e-04 | norm 0.812 | 12.3 ms | 20800 tok/s | val 2.1000 | skipped"
         );
+    }
+
+    #[test]
+    fn an_outer_step_shows_the_round_s_loss() {
+        let mut s = m(10);
+        s.outer = Some(ringtrain::trainer::outer_sync::OuterRound {
+            loss: 2.2,
+            delta_norm: 0.5,
+            inner_steps: 10,
+        });
+        assert!(format_step_line(&s, 20).ends_with("20800 tok/s | outer loss 2.2000"));
     }
 
     #[test]

@@ -36,6 +36,7 @@ pub mod loss_spike;
 mod membership;
 mod memory_plan;
 mod options;
+pub mod outer_sync;
 mod replicas;
 mod run;
 mod shard_guard;
@@ -58,8 +59,9 @@ pub use run::{blamed_peer, MembershipEvent, Quiet, Regroup, Regrouped, RunObserv
 pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 
 pub use options::{
-    bucket_elems, default_batch_size, default_lr, OnDivergence, OnNonFinite, TrainOptions, UpdateMode,
-    DEFAULT_BATCH_SIZE, DEFAULT_BUCKET_MB, DEFAULT_STEPS, MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, SMALL_BATCH_SIZE,
+    bucket_elems, default_batch_size, default_lr, OnDivergence, OnNonFinite, OuterOptions, SyncMode, TrainOptions,
+    UpdateMode, DEFAULT_BATCH_SIZE, DEFAULT_BUCKET_MB, DEFAULT_OUTER_EVERY, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
+    DEFAULT_STEPS, MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, SMALL_BATCH_SIZE,
 };
 
 /// Where the parameters of a new run come from.
@@ -325,11 +327,14 @@ impl<B: Backend> Trainer<B> {
         }
         let n = opts.batch_size * opts.seq_len;
         let reduction = Reduction::of(&batch, opts.seq_len);
-        let sync = Box::new(
-            BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone())
-                .reducing(reduction)
-                .with_buddy_mirrors(mirror.is_some() || buddy::mirrors_wanted(&opts)),
-        );
+        let sync: Box<dyn GradientSync<B>> = match opts.sync.outer() {
+            Some(outer) => Box::new(outer_sync::OuterSync::new(outer, owner.clone())),
+            None => Box::new(
+                BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone())
+                    .reducing(reduction)
+                    .with_buddy_mirrors(mirror.is_some() || buddy::mirrors_wanted(&opts)),
+            ),
+        };
         let layout = buddy::StateLayout::first(world, owner.clone());
         let spikes = LossSpikeDetector::new(opts.loss_spike);
         let guard = ShardGuard::for_run(&opts, world);
@@ -481,6 +486,8 @@ impl<B: Backend> Trainer<B> {
         if !skipped {
             self.sync.after_update(&mut self.be, &self.comm, self.model.params)?;
         }
+        self.sync.end_of_step(&mut self.be, &self.comm, self.model.params)?;
+        let outer = self.sync.take_round();
         // Committed: the parameters are updated, so the step counts even if what follows fails (an elastic
         // re-form continues from here).
         self.step += 1;
@@ -524,6 +531,7 @@ impl<B: Backend> Trainer<B> {
             loss_spike_reference,
             batch_shares,
             membership: None,
+            outer,
         })
     }
 

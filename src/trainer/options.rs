@@ -77,6 +77,53 @@ pub enum OnNonFinite {
     Abort,
 }
 
+/// `--outer-every` by default: inner steps per outer step (see BENCHMARKS.md, "Outer synchronisation").
+pub const DEFAULT_OUTER_EVERY: u64 = 50;
+
+/// `--outer-lr` by default: DiLoCo's (arXiv 2311.08105).
+pub const DEFAULT_OUTER_LR: f64 = 0.7;
+
+/// `--outer-momentum` by default: DiLoCo's Nesterov momentum.
+pub const DEFAULT_OUTER_MOMENTUM: f64 = 0.9;
+
+/// How the ranks stay together (`--sync`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum SyncMode {
+    /// Every step's gradient is reduced over the ranks before the update (the default).
+    EveryStep,
+    /// DiLoCo: each rank trains alone for `every` inner steps, then the ranks average the change of the
+    /// parameters and apply it with an outer Nesterov step ([`super::outer_sync`]).
+    Outer(OuterOptions),
+}
+
+/// The outer optimizer of `--sync outer`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OuterOptions {
+    /// `--outer-every`: inner steps per outer step.
+    pub every: u64,
+    /// `--outer-lr`.
+    pub lr: f64,
+    /// `--outer-momentum`: Nesterov momentum.
+    pub momentum: f64,
+}
+
+impl SyncMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SyncMode::EveryStep => "every-step",
+            SyncMode::Outer(_) => "outer",
+        }
+    }
+
+    /// The outer options, for `--sync outer`.
+    pub fn outer(&self) -> Option<OuterOptions> {
+        match self {
+            SyncMode::Outer(o) => Some(*o),
+            SyncMode::EveryStep => None,
+        }
+    }
+}
+
 /// How the optimizer update is distributed over ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UpdateMode {
@@ -144,8 +191,10 @@ pub struct TrainOptions {
     /// bits are the same.
     pub overlap: bool,
     /// Elastic membership: the survivors of a lost rank re-form the group and go on under these rules
-    /// (`None`: a lost rank ends the job). Replicated update, flat ring, `even` or `auto` split only.
+    /// (`None`: a lost rank ends the job). Flat ring, `even` or `auto` split only.
     pub elastic: Option<ElasticRules>,
+    /// `--sync`: every step (the gradient all-reduced) or a periodic outer step ([`super::outer_sync`]).
+    pub sync: SyncMode,
     /// The settings the run was asked for, as JSON (the command line stores its flags), kept in checkpoints
     /// for inspection; empty when the options were built in code.
     pub args_json: String,
@@ -193,6 +242,7 @@ impl TrainOptions {
             bucket_elems: bucket_elems(DEFAULT_BUCKET_MB),
             overlap: true,
             elastic: None,
+            sync: SyncMode::EveryStep,
             args_json: String::new(),
         }
     }
@@ -212,6 +262,56 @@ impl TrainOptions {
             self.collective != CollectiveChoice::Hierarchical,
             "--elastic re-forms a flat ring; --collective hierarchical is not re-formed"
         );
+        Ok(())
+    }
+
+    /// What `--sync outer` runs with: every rank keeps its whole inner optimizer (inner steps do not
+    /// communicate), equal shares (the outer step averages the ranks' changes alike), and the run's
+    /// evaluations, replica checks, saves and end fall on outer steps, where the ranks hold the same
+    /// parameters.
+    fn validate_outer(&self) -> anyhow::Result<()> {
+        let Some(outer) = self.sync.outer() else { return Ok(()) };
+        let h = outer.every;
+        anyhow::ensure!(h >= 1, "--outer-every must be at least 1");
+        anyhow::ensure!(
+            outer.lr.is_finite() && outer.lr > 0.0,
+            "--outer-lr {} must be a positive number",
+            outer.lr
+        );
+        anyhow::ensure!(
+            outer.momentum.is_finite() && (0.0..1.0).contains(&outer.momentum),
+            "--outer-momentum {} must be in [0, 1)",
+            outer.momentum
+        );
+        anyhow::ensure!(
+            self.update == UpdateMode::Replicated,
+            "--sync outer needs --update replicated: inner steps do not communicate, so every rank keeps its \
+             whole inner optimizer state (the outer momentum is sharded on its own)"
+        );
+        anyhow::ensure!(
+            self.elastic.is_none(),
+            "--sync outer with --elastic is not built: a lost rank's inner progress since the last outer step \
+             would have to be dropped or waited for; run --sync outer without --elastic"
+        );
+        anyhow::ensure!(
+            self.batch_split == BatchSplit::Even,
+            "--sync outer with --batch-split {}: the outer step averages the ranks' changes with equal weights, so \
+             their shares must be equal (--batch-split even)",
+            self.batch_split
+        );
+        for (flag, n) in [
+            ("--steps", self.steps),
+            ("--eval-every", self.eval_every),
+            ("--save-every", self.save_every),
+            ("--verify-every", self.verify_every),
+        ] {
+            anyhow::ensure!(
+                n % h == 0,
+                "{flag} {n} is not a multiple of --outer-every {h}: with --sync outer the ranks hold the same \
+                 parameters only after an outer step, where evaluations, saves, replica checks and the run's end \
+                 must fall"
+            );
+        }
         Ok(())
     }
 
@@ -256,6 +356,7 @@ impl TrainOptions {
         );
         self.batch_plan(world)?;
         self.validate_elastic()?;
+        self.validate_outer()?;
         let lr = self.schedule.lr;
         ensure!(lr.is_finite() && lr > 0.0, "--lr {lr} must be a positive number");
         let min_lr = self.schedule.min_lr;

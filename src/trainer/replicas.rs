@@ -13,7 +13,7 @@ impl<B: Backend> Trainer<B> {
         if self.world == 1 {
             return Ok(false);
         }
-        let hash = self.state_hash(self.moments_are_replicated())?;
+        let hash = self.state_hash(self.moments_are_replicated() && self.opts.sync.outer().is_none())?;
         let hashes = self.comm.run(move |c| c.gather_hashes(hash))?;
         if diverged_ranks(&hashes).is_empty() {
             return Ok(false);
@@ -74,7 +74,8 @@ impl<B: Backend> Trainer<B> {
     /// Compares replica fingerprints (parameters; plus moments in replicated mode, where each rank keeps
     /// the whole optimizer state), after the step's update has counted it. On a mismatch: abort naming the ranks, or resync from rank 0.
     pub(super) fn verify_replicas(&mut self) -> Result<String> {
-        let with_moments = self.opts.update == UpdateMode::Replicated;
+        // With --sync outer each rank's inner moments are its own by design: only the parameters agree.
+        let with_moments = self.opts.update == UpdateMode::Replicated && self.opts.sync.outer().is_none();
         let hash = self.state_hash(with_moments)?;
         if self.world > 1 {
             let hashes = self.comm.run(move |c| c.gather_hashes(hash))?;

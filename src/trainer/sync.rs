@@ -80,6 +80,18 @@ pub trait GradientSync<B: Backend>: Send {
     /// After the update of `params` (not called for a skipped step).
     fn after_update(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()>;
 
+    /// After the step's update, or after the step was skipped: every rank calls it after every step (a
+    /// periodic sync's outer step runs here, which every rank must join whether or not its own inner update
+    /// ran).
+    fn end_of_step(&mut self, _be: &mut B, _comm: &CommThread, _params: View) -> Result<()> {
+        Ok(())
+    }
+
+    /// What a periodic sync's outer step of this step agreed on, for the step's metrics.
+    fn take_round(&mut self) -> Option<super::outer_sync::OuterRound> {
+        None
+    }
+
     /// Puts every parameter still in flight on the device, before anything reads them.
     fn settle_params(&mut self, be: &mut B, params: View) -> Result<()>;
 

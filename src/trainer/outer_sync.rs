@@ -1,0 +1,337 @@
+//! `--sync outer`: periodic outer synchronisation (DiLoCo, arXiv 2311.08105).
+//!
+//! Each rank trains alone on its share of every global batch, with its own inner AdamW (full moments on
+//! every rank: inner steps do not communicate), for `--outer-every` H inner steps. Then, at the end of every
+//! H-th step, the ranks average the change of the parameters since the last outer step (the
+//! pseudo-gradient Δ = θ_anchor − θ_local) by a reduce-scatter; each rank applies the outer optimizer, SGD
+//! with Nesterov momentum as torch's `SGD(nesterov=True)` computes it, to its chunk; and an all-gather
+//! copies the chunks' bits to every rank. So every rank ends each outer step with identical parameters,
+//! which become the next anchor.
+//!
+//! What a step reports: an inner step's `loss` is this rank's own (the ranks do not talk between outer
+//! steps, and a per-step exchange would cost a round trip on the slow links this mode is for); the outer
+//! step's record ([`OuterRound`]) carries the mean over ranks and the round's inner steps, agreed with the
+//! outer step's collectives, and the norm of the averaged Δ.
+//!
+//! State: the anchor `[P]` on every rank (host memory; the same bits everywhere) and the outer momentum of
+//! this rank's chunk `[≈P/N]`. A checkpoint (taken at an outer step, where the options put every save)
+//! carries both, full, as `sync.outer_anchor` and `sync.outer_momentum`.
+
+use super::comm_ledger::{CommLedger, CommTime};
+use super::sync::{AgreedStep, GradientSync, LocalStep, SyncState};
+use super::{grad_sync::Reduction, BucketPlan, OuterOptions};
+use crate::backend::{Backend, View};
+use crate::collective::comm_thread::CommThread;
+use crate::collective::Owner;
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// What an outer step agreed on, for its step's metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OuterRound {
+    /// The mean over ranks of each rank's mean inner loss since the last outer step.
+    pub loss: f64,
+    /// The L2 norm of the averaged pseudo-gradient (the change of the parameters the outer step applied
+    /// its optimizer to).
+    pub delta_norm: f64,
+    /// Inner steps in the round.
+    pub inner_steps: u64,
+}
+
+/// The outer sync of one rank.
+pub struct OuterSync {
+    outer: OuterOptions,
+    world: usize,
+    owner: Owner,
+    /// The 0-based index of the step under way.
+    step: u64,
+    /// `[P]`: the parameters at the last outer step (the run's start before the first), the same on every
+    /// rank. Empty until the first forward reads the parameters.
+    anchor: Vec<f32>,
+    /// `[owned elements]`: the outer Nesterov momentum of this rank's chunk of the flat parameters.
+    momentum: Vec<f32>,
+    /// Inner losses summed since the last outer step, and how many.
+    round_loss: f64,
+    round_steps: u64,
+    /// The last outer step's record, until the step's metrics take it.
+    finished_round: Option<OuterRound>,
+    ledger: CommLedger,
+    /// A checkpoint's state, waiting for the first forward (which sizes the anchor).
+    restored: Option<SyncState>,
+}
+
+impl OuterSync {
+    /// The outer sync of the rank whose collective has the ownership map `owner`.
+    pub fn new(outer: OuterOptions, owner: Owner) -> Self {
+        OuterSync {
+            outer,
+            world: owner.world(),
+            owner,
+            step: 0,
+            anchor: Vec::new(),
+            momentum: Vec::new(),
+            round_loss: 0.0,
+            round_steps: 0,
+            finished_round: None,
+            ledger: CommLedger::default(),
+            restored: None,
+        }
+    }
+
+    /// This rank's chunk of the `[P]` flat parameters.
+    fn owned(&self) -> Range<usize> {
+        self.owner.range(self.anchor.len())
+    }
+
+    /// Sizes the anchor from the parameters on the device (the run's start), or from a checkpoint's state.
+    fn start<B: Backend>(&mut self, be: &mut B, params: View) -> Result<()> {
+        if !self.anchor.is_empty() {
+            return Ok(());
+        }
+        match self.restored.take() {
+            Some(mut state) => {
+                let anchor = state.remove(ANCHOR).context("the checkpoint has no outer anchor")?;
+                let momentum = state.remove(MOMENTUM).context("the checkpoint has no outer momentum")?;
+                ensure!(
+                    anchor.len() == params.len && momentum.len() == params.len,
+                    "the checkpoint's outer state has {} and {} elements, the model {}",
+                    anchor.len(),
+                    momentum.len(),
+                    params.len
+                );
+                self.anchor = anchor;
+                self.momentum = momentum[self.owned()].to_vec();
+            }
+            None => {
+                self.anchor = vec![0.0; params.len];
+                be.download(params, &mut self.anchor)?;
+                self.momentum = vec![0.0; self.owned().len()];
+            }
+        }
+        Ok(())
+    }
+
+    /// The outer step: averages Δ over the ranks, applies the outer optimizer to this rank's chunk, gathers
+    /// the new parameters everywhere and makes them the anchor and the device's parameters.
+    fn outer_step<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
+        // `[P]`: Δ = anchor − local, then (after the reduce-scatter) its mean on this rank's chunk, then the
+        // new parameters.
+        let mut delta = vec![0f32; params.len];
+        be.download(params, &mut delta)?;
+        for (d, a) in delta.iter_mut().zip(&self.anchor) {
+            *d = *a - *d;
+        }
+        let (mut delta, owned) = self
+            .ledger
+            .wait(comm.submit(move |c| {
+                let owned = c.reduce_scatter_mean(&mut delta)?;
+                Ok((delta, owned))
+            }))?
+            .0;
+        ensure!(
+            owned == self.owned(),
+            "the reduce-scatter left this rank elements {owned:?}, its chunk is {:?}",
+            self.owned()
+        );
+        let delta_sq = outer_update(
+            &self.anchor[owned.clone()],
+            &mut delta[owned],
+            &mut self.momentum,
+            self.outer,
+        );
+        let (round_loss, round_steps) = (self.round_loss, self.round_steps.max(1));
+        let (gathered, sums) = self
+            .ledger
+            .wait(comm.submit(move |c| {
+                c.all_gather(&mut delta)?;
+                let mut sums = [round_loss / round_steps as f64, delta_sq];
+                c.all_reduce_scalars(&mut sums)?;
+                Ok((delta, sums))
+            }))?
+            .0;
+        be.upload(params, &gathered)?;
+        self.anchor = gathered;
+        self.finished_round = Some(OuterRound {
+            loss: sums[0] / self.world as f64,
+            delta_norm: sums[1].sqrt(),
+            inner_steps: self.round_steps,
+        });
+        (self.round_loss, self.round_steps) = (0.0, 0);
+        Ok(())
+    }
+}
+
+/// The outer optimizer over one chunk: torch's `SGD(nesterov=True)` with the averaged Δ as its gradient
+/// (`buf = mu * buf + g; g = g + mu * buf; p = p - lr * g`, in f32). `delta` holds Δ and receives the new
+/// parameters; `anchor` holds the parameters it starts from. Returns the sum of squares of Δ.
+fn outer_update(anchor: &[f32], delta: &mut [f32], momentum: &mut [f32], outer: OuterOptions) -> f64 {
+    let (lr, mu) = (outer.lr as f32, outer.momentum as f32);
+    let mut delta_sq = 0f64;
+    for ((d, m), a) in delta.iter_mut().zip(momentum.iter_mut()).zip(anchor) {
+        delta_sq += f64::from(*d) * f64::from(*d);
+        *m = mu * *m + *d;
+        let step = *d + mu * *m;
+        *d = *a - lr * step;
+    }
+    delta_sq
+}
+
+const ANCHOR: &str = "outer_anchor";
+const MOMENTUM: &str = "outer_momentum";
+
+impl<B: Backend> GradientSync<B> for OuterSync {
+    /// Each rank's gradient is the mean over its own tokens: nothing is reduced between outer steps.
+    fn loss_scale(&self, local_tokens: usize) -> f32 {
+        1.0 / local_tokens as f32
+    }
+
+    fn begin_step(&mut self, _be: &mut B, step: u64) {
+        self.step = step;
+    }
+
+    fn await_params(&mut self, be: &mut B, params: View, _upto: usize) -> Result<()> {
+        self.start(be, params)
+    }
+
+    fn overlaps_backward(&self) -> bool {
+        false
+    }
+
+    fn gradients_final(&mut self, _be: &mut B, _comm: &CommThread, _grads: View, _from: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// An inner step: this rank's own loss and gradient norm (the clipping is each rank's own, as a lone
+    /// worker's would be).
+    fn synchronise(&mut self, be: &mut B, _comm: &CommThread, grads: View, local: LocalStep) -> Result<AgreedStep> {
+        self.round_loss += local.loss;
+        self.round_steps += 1;
+        Ok(AgreedStep {
+            loss: local.loss,
+            grad_sq: be.sum_squares(grads)?,
+        })
+    }
+
+    fn after_update(&mut self, _be: &mut B, _comm: &CommThread, _params: View) -> Result<()> {
+        Ok(())
+    }
+
+    /// After every H-th step, updated or skipped (every rank must take part in the outer step).
+    fn end_of_step(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
+        if (self.step + 1) % self.outer.every == 0 {
+            self.start(be, params)?;
+            self.outer_step(be, comm, params)?;
+        }
+        Ok(())
+    }
+
+    fn settle_params(&mut self, _be: &mut B, _params: View) -> Result<()> {
+        Ok(())
+    }
+
+    fn take_comm_time(&mut self) -> CommTime {
+        self.ledger.take()
+    }
+
+    fn clear_comm_time(&mut self) {
+        self.ledger.clear();
+    }
+
+    /// The anchor (the same on every rank) and the outer momentum, gathered from every chunk. Collective.
+    fn checkpoint_state(&mut self, _be: &mut B, comm: &CommThread) -> Result<SyncState> {
+        if self.anchor.is_empty() {
+            // Saved before the first step: the state is the checkpoint's, or the start's (zero momentum).
+            if let Some(state) = &self.restored {
+                return Ok(state.clone());
+            }
+            bail!("the outer sync has no state before the run's first forward");
+        }
+        let mut momentum = vec![0f32; self.anchor.len()];
+        momentum[self.owned()].copy_from_slice(&self.momentum);
+        let momentum = comm.run(move |c| c.all_gather(&mut momentum).map(|()| momentum))?;
+        Ok(SyncState::from([
+            (ANCHOR.to_string(), self.anchor.clone()),
+            (MOMENTUM.to_string(), momentum),
+        ]))
+    }
+
+    /// Takes a checkpoint's outer state; refuses one of `--sync every-step`, which has none.
+    fn restore_state(&mut self, _be: &mut B, state: SyncState) -> Result<()> {
+        let expected = [ANCHOR, MOMENTUM];
+        let names: Vec<&str> = state.keys().map(|k| k.as_str()).collect();
+        ensure!(
+            names == expected,
+            "the checkpoint holds the synchronisation state {names:?}, not --sync outer's {expected:?}: it was \
+             written by a run of another --sync mode; resume it with that mode"
+        );
+        self.restored = Some(state);
+        self.anchor.clear();
+        Ok(())
+    }
+
+    fn membership_changed(
+        &mut self,
+        _be: &mut B,
+        _plan: &BucketPlan,
+        owner: &Owner,
+        _reduction: Reduction,
+    ) -> Result<()> {
+        ensure!(
+            owner.world() == self.world && *owner == self.owner,
+            "--sync outer does not re-form its group"
+        );
+        Ok(())
+    }
+
+    fn take_round(&mut self) -> Option<OuterRound> {
+        self.finished_round.take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// torch's `SGD([p], lr, momentum, nesterov=True)` (torch/optim/sgd.py: `buf = momentum * buf + grad`,
+    /// the first step's buffer being the gradient itself; `grad = grad + momentum * buf`; `p -= lr * grad`),
+    /// transcribed step by step for three gradients, against `outer_update` applied three times with the
+    /// anchor following the parameters.
+    #[test]
+    fn the_outer_update_is_torch_sgd_with_nesterov_momentum() {
+        let outer = OuterOptions {
+            every: 1,
+            lr: 0.7,
+            momentum: 0.9,
+        };
+        let (lr, mu) = (0.7f32, 0.9f32);
+        let grads = [
+            [0.25f32, -0.5, 0.1, 0.0],
+            [-0.125, 0.3, 0.2, -1.0],
+            [0.0625, 0.0, -0.3, 0.5],
+        ];
+        let mut p = [1.5f32, -0.75, 0.3125, 2.0];
+        let mut buf: Option<[f32; 4]> = None;
+        for g in grads {
+            let b = match buf {
+                None => g,
+                Some(b) => std::array::from_fn(|i| mu * b[i] + g[i]),
+            };
+            buf = Some(b);
+            for i in 0..4 {
+                p[i] -= lr * (g[i] + mu * b[i]);
+            }
+        }
+        let (mut anchor, mut momentum) = ([1.5f32, -0.75, 0.3125, 2.0], [0f32; 4]);
+        let mut squares = 0.0;
+        for g in grads {
+            let mut delta = g;
+            squares += outer_update(&anchor, &mut delta, &mut momentum, outer);
+            anchor = delta;
+        }
+        assert_eq!(anchor.map(f32::to_bits), p.map(f32::to_bits));
+        assert_eq!(momentum, buf.unwrap());
+        let expected: f64 = grads.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum();
+        assert_eq!(squares, expected);
+    }
+}
