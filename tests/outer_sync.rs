@@ -180,3 +180,88 @@ fn what_outer_sync_cannot_combine_with_is_refused() {
     }
     assert!(base.validate(&model, 2).is_ok());
 }
+
+/// `world` ranks train `options` to `until` (from `source` of each rank), save to `dir` when given, and
+/// return each rank's parameter fingerprint and inner moments.
+fn train_to(
+    world: usize,
+    options: &TrainOptions,
+    source: impl Fn() -> ModelSource + Sync,
+    until: u64,
+    save: Option<&std::path::Path>,
+) -> Vec<(String, Vec<f32>)> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = mem_cluster(world, MemOptions::default())
+            .into_iter()
+            .map(|comm| {
+                let source = &source;
+                s.spawn(move || {
+                    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+                    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+                    let mut t = Trainer::new(be, source(), data, options.clone(), Box::new(comm)).unwrap();
+                    while t.step() < until {
+                        t.train_step().unwrap();
+                    }
+                    if let Some(dir) = save {
+                        t.save(dir).unwrap();
+                    }
+                    (t.param_hash().unwrap(), t.moments().unwrap().v)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A checkpoint at an outer step holds the outer state and every rank's own inner moments: the resumed run
+/// ends with the bits of one that never stopped, each rank's inner optimizer included.
+#[test]
+fn a_resumed_outer_run_continues_with_every_rank_s_own_bits() {
+    let opts = options(2, 6);
+    let fresh = || ModelSource::Fresh(ModelConfig::tiny());
+    let straight = train_to(3, &opts, fresh, 6, None);
+    assert_ne!(
+        straight[0].1, straight[1].1,
+        "the ranks' inner moments differ by design"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    train_to(3, &opts, fresh, 4, Some(&ck));
+    let resumed = train_to(3, &opts, || ModelSource::Resume(ck.clone()), 6, None);
+    assert_eq!(resumed, straight);
+    // Another number of ranks, or the other --sync mode, is refused naming why.
+    let resume = |opts: &TrainOptions, world: usize| {
+        let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+        let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+        let comm: Box<dyn Collective> = match world {
+            1 => single_rank(),
+            _ => unreachable!(),
+        };
+        let source = ModelSource::Resume(ck.clone());
+        match Trainer::new(be, source, data, opts.clone(), comm) {
+            Ok(mut t) => format!("{:#}", t.train_step().unwrap_err()),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+    let err = resume(&opts, 1);
+    assert!(err.contains("inner optimizer state of 3 ranks"), "{err}");
+    let every_step = TrainOptions {
+        sync: SyncMode::EveryStep,
+        global_batch: Some(6),
+        ..opts.clone()
+    };
+    let err = resume(&every_step, 1);
+    assert!(err.contains("synchronisation state"), "{err}");
+    // And an every-step checkpoint under --sync outer.
+    let plain = dir.path().join("plain");
+    let one = TrainOptions {
+        sync: SyncMode::EveryStep,
+        ..opts.clone()
+    };
+    train_to(1, &one, fresh, 2, Some(&plain));
+    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+    let mut t = Trainer::new(be, ModelSource::Resume(plain), data, opts.clone(), single_rank()).unwrap();
+    let err = format!("{:#}", t.train_step().unwrap_err());
+    assert!(err.contains("not --sync outer's"), "{err}");
+}

@@ -8,6 +8,10 @@ use anyhow::Result;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// The sync-tensor names of the other ranks' inner moments in a `--sync outer` checkpoint.
+pub(super) const INNER_M: &str = "inner_exp_avg";
+pub(super) const INNER_V: &str = "inner_exp_avg_sq";
+
 impl<B: Backend> Trainer<B> {
     /// Writes a checkpoint (model + trainer state) atomically to `dir`. Collective: every rank must call
     /// it (sharded moments are gathered first); rank 0 writes.
@@ -16,10 +20,13 @@ impl<B: Backend> Trainer<B> {
         let params = self.model.download_params(&mut self.be)?;
         let (m, v) = self.full_moments()?;
         // A resumed run that saves before its first step still holds the state it read.
-        let sync = match self.resumed_sync_state.clone() {
+        let mut sync = match self.resumed_sync_state.clone() {
             Some(state) => state,
             None => self.sync.checkpoint_state(&mut self.be, &self.comm)?,
         };
+        if self.opts.sync.outer().is_some() {
+            sync.extend(self.gather_inner_moments(&m, &v)?);
+        }
         if self.rank != 0 {
             return Ok(());
         }
@@ -50,6 +57,29 @@ impl<B: Backend> Trainer<B> {
             sync,
         };
         checkpoint::save_checkpoint(dir, &self.model.config, &self.model.layout, &params, Some(&state))
+    }
+
+    /// `--sync outer`: every other rank's inner moments (`m`, `v` are this rank's), which differ from rank
+    /// 0's by design, as sync tensors `inner_exp_avg.rank<R>` and `inner_exp_avg_sq.rank<R>` for rank 0 to
+    /// write, so that a resume continues each rank's inner optimizer with its own bits. Collective: each rank
+    /// broadcasts its two moments in turn (one `[P]` buffer at a time on every rank); the others' are
+    /// empty.
+    fn gather_inner_moments(&mut self, m: &[f32], v: &[f32]) -> Result<super::sync::SyncState> {
+        let mut state = super::sync::SyncState::new();
+        for root in 1..self.world {
+            for (name, mine) in [(INNER_M, m), (INNER_V, v)] {
+                let mut buf = if self.rank == root {
+                    mine.to_vec()
+                } else {
+                    vec![0f32; mine.len()]
+                };
+                buf = self.comm.run(move |c| c.broadcast(&mut buf, root).map(|()| buf))?;
+                if self.rank == 0 {
+                    state.insert(format!("{name}.rank{root}"), buf);
+                }
+            }
+        }
+        Ok(state)
     }
 
     /// Both AdamW moments as full flat tensors on every rank. Collective when they are sharded: each rank

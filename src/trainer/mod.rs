@@ -309,7 +309,40 @@ impl<B: Backend> Trainer<B> {
             }
             step = state.data_cursor / global as u64;
             tokens_seen = state.tokens_seen;
-            resumed_sync_state = Some(state.sync);
+            let mut sync_state = state.sync;
+            if opts.sync.outer().is_some() {
+                // Each rank's own inner moments (rank 0's are the checkpoint's moments).
+                ensure!(
+                    state.world_size == world,
+                    "--resume: the --sync outer checkpoint holds the inner optimizer state of {} ranks; resume \
+                     it with {0} ranks",
+                    state.world_size
+                );
+                let (m_key, v_key) = (
+                    format!("{}.rank{rank}", checkpointing::INNER_M),
+                    format!("{}.rank{rank}", checkpointing::INNER_V),
+                );
+                if rank > 0 {
+                    let m = sync_state
+                        .get(&m_key)
+                        .context("--resume: no inner moments for this rank")?;
+                    let v = sync_state
+                        .get(&v_key)
+                        .context("--resume: no inner moments for this rank")?;
+                    ensure!(
+                        m.len() == opt.owned_len() && v.len() == opt.owned_len(),
+                        "--resume: rank {rank}'s inner moments have {} and {} elements, the model {}",
+                        m.len(),
+                        v.len(),
+                        opt.owned_len()
+                    );
+                    be.upload(opt.m, m)?;
+                    be.upload(opt.v, v)?;
+                }
+                // Both names start with INNER_M.
+                sync_state.retain(|k, _| !k.starts_with(checkpointing::INNER_M));
+            }
+            resumed_sync_state = Some(sync_state);
             opt.step = match state.extra.get("optimizer_step") {
                 Some(s) => s.parse().context("--resume: bad optimizer_step in trainer state")?,
                 None => state.step,

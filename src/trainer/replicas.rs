@@ -30,7 +30,8 @@ impl<B: Backend> Trainer<B> {
 
     /// The views every replica must hold bit for bit: the parameters, plus the moments when replicated.
     fn replicated_views(&self) -> Vec<View> {
-        match self.moments_are_replicated() {
+        // With --sync outer each rank's inner moments are its own.
+        match self.moments_are_replicated() && self.opts.sync.outer().is_none() {
             true => vec![self.model.params, self.opt.m, self.opt.v],
             false => vec![self.model.params],
         }
