@@ -6,7 +6,8 @@
 //! by the model's own carving code), the host staging of the flat gradient and parameters for the
 //! collectives (`world > 1`), and the host copy of the initial parameters (and, on resume, the moments)
 //! while they are uploaded. An elastic sharded run sizes its chunk for the smallest group it can shrink to
-//! and adds the buddy mirror of a neighbour's chunk; its re-form rebuilds the moments on the host (the two
+//! and adds the buddy mirror of a neighbour's chunk; `--sync outer` stages its anchor, the outer step's Δ
+//! and its chunk of the outer momentum on the host instead of the gradient buckets; its re-form rebuilds the moments on the host (the two
 //! full moments and the gathered pieces, counted with the initial copy, which it never meets). The corpus
 //! is not counted: shards are memory-mapped, and text is small.
 
@@ -63,6 +64,8 @@ struct PlanShape {
     resume: bool,
     /// Elastic and sharded: a re-form rebuilds the full moments on the host.
     rebuilds: bool,
+    /// `--sync outer`: the anchor and the outer step's buffer on the host instead of the gradient staging.
+    outer: bool,
     /// `--global-batch` given: a smaller micro-batch keeps the global batch by itself (more micro-batches
     /// per share), with no --grad-accum to adjust.
     global_batch: bool,
@@ -87,6 +90,7 @@ impl MemoryPlan {
             bucket_elems: opts.bucket_elems,
             resume,
             rebuilds: opts.elastic.is_some() && opts.update == UpdateMode::Sharded,
+            outer: opts.sync.outer().is_some(),
             global_batch: opts.global_batch.is_some(),
         };
         Self::for_shape(shape, opts.batch_size, opts.grad_accum)
@@ -96,7 +100,12 @@ impl MemoryPlan {
         let p = shape.config.param_count() as u64;
         let (b, t) = (batch_size, shape.seq_len);
         let activations = Gpt2::activation_floats(&shape.config, b, t) as u64 * F32 + 2 * (b * t) as u64 * TOKEN;
-        let staging = if shape.world > 1 { 2 * p * F32 } else { 0 };
+        let staging = match (shape.outer, shape.world > 1) {
+            // The anchor `[P]`, the outer step's Δ `[P]` and this rank's chunk of the outer momentum.
+            (true, _) => (2 * p + p.div_ceil(shape.world as u64)) * F32,
+            (false, true) => 2 * p * F32,
+            (false, false) => 0,
+        };
         let init_copy = if shape.resume { 3 * p * F32 } else { p * F32 };
         // Both full moments and the gathered pieces (at most two chunks per rank over every rank).
         let init_copy = if shape.rebuilds {
@@ -434,6 +443,26 @@ mod tests {
             min_ranks: 1,
         });
         assert_eq!(MemoryPlan::new(&cfg, &opts, 8, 0, false).optimizer, 8 * p);
+    }
+
+    /// `--sync outer`: the anchor, Δ and a chunk of the momentum on the host, on one rank too.
+    #[test]
+    fn an_outer_run_stages_its_anchor_delta_and_momentum_chunk() {
+        use crate::trainer::{OuterOptions, SyncMode};
+        let cfg = ModelConfig::small();
+        let p = cfg.param_count() as u64;
+        let mut opts = TrainOptions::for_model(&cfg);
+        opts.update = UpdateMode::Replicated;
+        opts.sync = SyncMode::Outer(OuterOptions {
+            every: 10,
+            lr: 0.7,
+            momentum: 0.9,
+        });
+        assert_eq!(
+            MemoryPlan::new(&cfg, &opts, 4, 0, false).staging,
+            (2 * p + p.div_ceil(4)) * F32
+        );
+        assert_eq!(MemoryPlan::new(&cfg, &opts, 1, 0, false).staging, 3 * p * F32);
     }
 
     /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.

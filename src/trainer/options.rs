@@ -419,8 +419,14 @@ impl TrainOptions {
             Some((b, k)) => format!("b{b}|k{k}"),
             None => format!("split{}", self.batch_split),
         };
+        // The sync mode and the outer cadence decide when the ranks communicate; --elastic adds the joiner
+        // agreement after every step (and the buddy shifts under the sharded update).
+        let sync = match self.sync.outer() {
+            Some(o) => format!("outer{}/{:x}/{:x}", o.every, o.lr.to_bits(), o.momentum.to_bits()),
+            None => "every-step".to_string(),
+        };
         let text = format!(
-            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}|{}",
+            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}|{}|{sync}|elastic{}",
             model.hash_hex(),
             self.global_batch_for(world),
             self.seq_len,
@@ -431,7 +437,8 @@ impl TrainOptions {
             self.verify_every,
             self.save.is_some(),
             self.save_every,
-            self.collective
+            self.collective,
+            self.elastic.is_some()
         );
         let digest = blake3::hash(text.as_bytes());
         u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))
@@ -463,6 +470,30 @@ mod tests {
             0
         );
         assert_eq!(TrainOptions::for_model(&ModelConfig::gpt2()).schedule.lr, 6e-4);
+    }
+
+    /// Ranks that would run other collectives at other steps must not meet: the sync mode, its cadence and
+    /// --elastic are in the job hash.
+    #[test]
+    fn the_job_hash_separates_sync_modes_cadences_and_elastic_runs() {
+        let model = ModelConfig::tiny();
+        let base = TrainOptions::for_model(&model);
+        let outer = |every| TrainOptions {
+            sync: SyncMode::Outer(OuterOptions {
+                every,
+                lr: DEFAULT_OUTER_LR,
+                momentum: DEFAULT_OUTER_MOMENTUM,
+            }),
+            ..base.clone()
+        };
+        let elastic = TrainOptions {
+            elastic: Some(ElasticRules::default()),
+            ..base.clone()
+        };
+        let hashes = [&base, &outer(10), &outer(20), &elastic].map(|o| o.job_hash(&model, 2));
+        let distinct: std::collections::BTreeSet<_> = hashes.iter().collect();
+        assert_eq!(distinct.len(), 4, "{hashes:?}");
+        assert_eq!(outer(10).job_hash(&model, 2), hashes[1]);
     }
 
     #[test]
