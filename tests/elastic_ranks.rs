@@ -103,14 +103,9 @@ fn started_job_in(update: UpdateMode, nproc: usize, steps: u64, dir: &Path, logg
 }
 
 fn options(update: UpdateMode, steps: u64) -> TrainOptions {
-    let model = ModelConfig::tiny();
     TrainOptions {
-        batch_size: 2,
-        seq_len: 32,
-        eval_every: 0,
-        eval_batches: 0,
         update,
-        ..TrainOptions::for_model(&model).with_steps(steps)
+        ..common::tiny_options(steps)
     }
 }
 

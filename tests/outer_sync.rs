@@ -2,6 +2,8 @@
 //! same bits; the outer step is torch's Nesterov SGD on the change of the parameters; the run is a pure
 //! function of its seed and flags; and what it cannot combine with is refused.
 
+mod common;
+
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::mem::{mem_cluster, single_rank, MemOptions};
 use ringtrain::collective::Collective;
@@ -14,19 +16,14 @@ use ringtrain::trainer::{ModelSource, OuterOptions, SyncMode, TrainOptions, Trai
 type CpuTrainer = Trainer<Box<dyn ringtrain::backend::Backend>>;
 
 fn options(every: u64, steps: u64) -> TrainOptions {
-    let model = ModelConfig::tiny();
     TrainOptions {
-        batch_size: 2,
-        seq_len: 32,
-        eval_every: 0,
-        eval_batches: 0,
         update: UpdateMode::Replicated,
         sync: SyncMode::Outer(OuterOptions {
             every,
             lr: 0.7,
             momentum: 0.9,
         }),
-        ..TrainOptions::for_model(&model).with_steps(steps)
+        ..common::tiny_options(steps)
     }
 }
 
@@ -56,6 +53,33 @@ fn run(world: usize, options: &TrainOptions) -> Vec<Vec<(StepMetrics, String)>> 
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// 1 to 4 ranks under both update modes: the ranks agree exactly at the outer steps, and the two modes
+/// give the same bits (the same ring mean, the same element-wise update).
+#[test]
+fn one_to_four_ranks_agree_after_every_outer_step_under_both_update_modes() {
+    for world in 1..=4 {
+        let finals: Vec<String> = [UpdateMode::Sharded, UpdateMode::Replicated]
+            .into_iter()
+            .map(|update| {
+                let opts = TrainOptions {
+                    update,
+                    ..options(2, 4)
+                };
+                let ranks = run(world, &opts);
+                for step in [1, 3] {
+                    assert!(
+                        ranks.iter().all(|r| r[step].1 == ranks[0][step].1),
+                        "{world} ranks, {update:?}, step {}",
+                        step + 1
+                    );
+                }
+                ranks[0][3].1.clone()
+            })
+            .collect();
+        assert_eq!(finals[0], finals[1], "{world} ranks");
+    }
 }
 
 #[test]
@@ -95,6 +119,69 @@ fn ranks_part_between_outer_steps_and_agree_after_each() {
     );
 }
 
+/// With `--outer-lr 1 --outer-momentum 0` the outer step is plain averaging: one rank trains exactly as
+/// without outer steps.
+#[test]
+fn one_rank_with_outer_lr_1_and_no_momentum_trains_as_plain_training() {
+    let averaging = TrainOptions {
+        sync: SyncMode::Outer(OuterOptions {
+            every: 2,
+            lr: 1.0,
+            momentum: 0.0,
+        }),
+        ..options(2, 6)
+    };
+    let plain = TrainOptions {
+        sync: SyncMode::EveryStep,
+        ..averaging.clone()
+    };
+    assert_eq!(
+        run(1, &averaging)[0].last().unwrap().1,
+        run(1, &plain)[0].last().unwrap().1
+    );
+}
+
+/// Each rank's parameters after `steps` steps of `opts` over `world` ranks.
+fn params_after(world: usize, opts: &TrainOptions, steps: u64) -> Vec<Vec<f32>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = mem_cluster(world, MemOptions::default())
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let mut t = trainer(opts, Box::new(comm));
+                    while t.step() < steps {
+                        t.train_step().unwrap();
+                    }
+                    t.params().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Several ranks: the shared θ after the first outer step equals, within the rounding of the ring's sum
+/// (relative 1e-5), θ0 − lr (Δ̄ + μ Δ̄) with Δ̄ the mean of θ0 − θ_r over the ranks' local θ_r, taken here
+/// from a run whose first outer step comes later.
+#[test]
+fn the_shared_parameters_are_the_outer_step_on_the_mean_change() {
+    let world = 3;
+    let start = trainer(&options(2, 4), single_rank()).params().unwrap();
+    let locals = params_after(world, &options(4, 4), 2);
+    assert_ne!(locals[0], locals[1]);
+    let shared = params_after(world, &options(2, 4), 2);
+    assert!(shared.iter().all(|p| *p == shared[0]));
+    let (lr, mu) = (0.7f64, 0.9f64);
+    let mut worst = 0f64;
+    for (i, &got) in shared[0].iter().enumerate() {
+        let theta0 = f64::from(start[i]);
+        let mean = locals.iter().map(|r| theta0 - f64::from(r[i])).sum::<f64>() / world as f64;
+        let expected = theta0 - lr * (mean + mu * mean);
+        worst = worst.max((f64::from(got) - expected).abs() / expected.abs().max(1e-3));
+    }
+    assert!(worst < 1e-5, "largest relative difference {worst}");
+}
+
 /// One rank: its inner steps are plain training, so the outer step can be checked element by element
 /// against torch's Nesterov SGD applied to Δ = θ0 − θ_inner, computed here in f32.
 #[test]
@@ -130,13 +217,6 @@ fn what_outer_sync_cannot_combine_with_is_refused() {
     let model = ModelConfig::tiny();
     let base = options(4, 8);
     let cases: Vec<(TrainOptions, &str)> = vec![
-        (
-            TrainOptions {
-                update: UpdateMode::Sharded,
-                ..base.clone()
-            },
-            "--sync outer needs --update replicated",
-        ),
         (
             TrainOptions {
                 elastic: Some(ElasticRules::default()),
@@ -219,16 +299,19 @@ fn train_to(
 fn a_resumed_outer_run_continues_with_every_rank_s_own_bits() {
     let opts = options(2, 6);
     let fresh = || ModelSource::Fresh(ModelConfig::tiny());
-    let straight = train_to(3, &opts, fresh, 6, None);
-    assert_ne!(
-        straight[0].1, straight[1].1,
-        "the ranks' inner moments differ by design"
-    );
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ck");
-    train_to(3, &opts, fresh, 4, Some(&ck));
-    let resumed = train_to(3, &opts, || ModelSource::Resume(ck.clone()), 6, None);
-    assert_eq!(resumed, straight);
+    for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
+        let opts = TrainOptions { update, ..opts.clone() };
+        let straight = train_to(3, &opts, fresh, 6, None);
+        assert_ne!(
+            straight[0].1, straight[1].1,
+            "the ranks' inner moments differ by design"
+        );
+        train_to(3, &opts, fresh, 4, Some(&ck));
+        let resumed = train_to(3, &opts, || ModelSource::Resume(ck.clone()), 6, None);
+        assert_eq!(resumed, straight, "{update:?}");
+    }
     // Another number of ranks, or the other --sync mode, is refused naming why.
     let resume = |opts: &TrainOptions, world: usize| {
         let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();

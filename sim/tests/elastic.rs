@@ -192,6 +192,19 @@ fn a_frozen_worker_is_left_behind_and_refused_when_it_wakes() {
     assert_eq!(run.report.ranks[0].memberships[0].lost, vec![(1, Cause::Frozen)]);
 }
 
+/// `cluster` (3 workers) run for `steps` with worker 1 dying after `msgs` messages: the survivors, 0 and 2,
+/// must finish identical.
+fn worker_1_dropped_after(cluster: Cluster, msgs: usize, steps: u64) -> ClusterRun {
+    let run = cluster.fault(&format!("drop=1:{msgs}")).unwrap().run(steps).unwrap();
+    assert!(
+        run.replicas_identical(),
+        "drop after {msgs}: {:?}",
+        run.first_divergence()
+    );
+    assert_eq!(survivors(&run), vec![0, 2], "drop after {msgs}");
+    run
+}
+
 #[test]
 fn deaths_anywhere_in_a_step_leave_survivors_that_agree() {
     // Worker 1 dies after each number of sent messages in turn: before, inside and after each of a step's
@@ -203,17 +216,7 @@ fn deaths_anywhere_in_a_step_leave_survivors_that_agree() {
     // 3 steps send 24 messages after the start's 2 (8 per step: 4 for the all-reduce of the one bucket, 2
     // for the scalars, 2 for the replica check).
     for msgs in 2..26 {
-        let run = elastic(3, ElasticRules::default())
-            .fault(&format!("drop=1:{msgs}"))
-            .unwrap()
-            .run(3)
-            .unwrap();
-        assert!(
-            run.replicas_identical(),
-            "drop after {msgs}: {:?}",
-            run.first_divergence()
-        );
-        assert_eq!(survivors(&run), vec![0, 2], "drop after {msgs}");
+        let run = worker_1_dropped_after(elastic(3, ElasticRules::default()), msgs, 3);
         let (a, b) = (&run.report.ranks[0], &run.report.ranks[2]);
         assert!(
             a.final_hash.is_some() && a.final_hash == b.final_hash,
@@ -411,18 +414,7 @@ fn sharded_deaths_anywhere_in_a_step_end_with_the_bits_of_a_restart() {
     let options = options_of(&base);
     let mut resumed_from = std::collections::BTreeSet::new();
     for msgs in 2..60 {
-        let run = base
-            .clone()
-            .fault(&format!("drop=1:{msgs}"))
-            .unwrap()
-            .run(STEPS)
-            .unwrap();
-        assert!(
-            run.replicas_identical(),
-            "drop after {msgs}: {:?}",
-            run.first_divergence()
-        );
-        assert_eq!(survivors(&run), vec![0, 2], "drop after {msgs}");
+        let run = worker_1_dropped_after(base.clone(), msgs, STEPS);
         let Some(change) = run.report.ranks[0].memberships.first() else {
             continue; // The worker finished its steps before the drop.
         };

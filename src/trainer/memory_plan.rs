@@ -24,6 +24,10 @@ const TOKEN: u64 = 4;
 /// An elastic sharded run plans for the smallest group it can shrink to (the largest chunk there, rank 0's)
 /// and the buddy mirror of a neighbour's chunk beside it.
 fn planned_optimizer_elems(config: &ModelConfig, opts: &TrainOptions, world: usize, rank: usize) -> usize {
+    if opts.sync.outer().is_some() {
+        // Inner steps do not communicate: every rank keeps its whole inner optimizer.
+        return config.param_count();
+    }
     let Some(rules) = opts.elastic.as_ref().filter(|_| opts.update == UpdateMode::Sharded) else {
         return optimizer_elems(config, opts.update, opts.bucket_elems, world, rank);
     };
@@ -66,6 +70,8 @@ struct PlanShape {
     rebuilds: bool,
     /// `--sync outer`: the anchor and the outer step's buffer on the host instead of the gradient staging.
     outer: bool,
+    /// `--update sharded`.
+    sharded: bool,
     /// `--global-batch` given: a smaller micro-batch keeps the global batch by itself (more micro-batches
     /// per share), with no --grad-accum to adjust.
     global_batch: bool,
@@ -91,6 +97,7 @@ impl MemoryPlan {
             resume,
             rebuilds: opts.elastic.is_some() && opts.update == UpdateMode::Sharded,
             outer: opts.sync.outer().is_some(),
+            sharded: opts.update == UpdateMode::Sharded,
             global_batch: opts.global_batch.is_some(),
         };
         Self::for_shape(shape, opts.batch_size, opts.grad_accum)
@@ -101,8 +108,10 @@ impl MemoryPlan {
         let (b, t) = (batch_size, shape.seq_len);
         let activations = Gpt2::activation_floats(&shape.config, b, t) as u64 * F32 + 2 * (b * t) as u64 * TOKEN;
         let staging = match (shape.outer, shape.world > 1) {
-            // The anchor `[P]`, the outer step's Δ `[P]` and this rank's chunk of the outer momentum.
-            (true, _) => (2 * p + p.div_ceil(shape.world as u64)) * F32,
+            // The anchor `[P]`, the outer step's Δ `[P]` and the outer momentum (this rank's chunk when
+            // sharded).
+            (true, _) if shape.sharded => (2 * p + p.div_ceil(shape.world as u64)) * F32,
+            (true, _) => 3 * p * F32,
             (false, true) => 2 * p * F32,
             (false, false) => 0,
         };
@@ -452,17 +461,18 @@ mod tests {
         let cfg = ModelConfig::small();
         let p = cfg.param_count() as u64;
         let mut opts = TrainOptions::for_model(&cfg);
-        opts.update = UpdateMode::Replicated;
         opts.sync = SyncMode::Outer(OuterOptions {
             every: 10,
             lr: 0.7,
             momentum: 0.9,
         });
-        assert_eq!(
-            MemoryPlan::new(&cfg, &opts, 4, 0, false).staging,
-            (2 * p + p.div_ceil(4)) * F32
-        );
+        let sharded = MemoryPlan::new(&cfg, &opts, 4, 0, false);
+        assert_eq!(sharded.staging, (2 * p + p.div_ceil(4)) * F32);
+        // The whole inner optimizer on every rank, sharded or not.
+        assert_eq!(sharded.optimizer, 2 * p * F32);
         assert_eq!(MemoryPlan::new(&cfg, &opts, 1, 0, false).staging, 3 * p * F32);
+        opts.update = UpdateMode::Replicated;
+        assert_eq!(MemoryPlan::new(&cfg, &opts, 4, 0, false).staging, 3 * p * F32);
     }
 
     /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.

@@ -273,7 +273,12 @@ impl<B: Backend> Trainer<B> {
         // leaves it); checkpoints gather them into full tensors.
         let plan = BucketPlan::new(&model.layout, opts.bucket_elems);
         let owner = comm.owner();
-        let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(opts.update, &owner))?;
+        // Under --sync outer the inner steps do not communicate: every rank keeps its whole inner optimizer.
+        let inner_update = match opts.sync.outer() {
+            Some(_) => UpdateMode::Replicated,
+            None => opts.update,
+        };
+        let mut opt = AdamW::for_ranges(&mut be, opts.adamw, plan.owned(inner_update, &owner))?;
         let mut mirror = buddy::mirror_for(&mut be, &opts, &plan, &owner)?;
         let (mut step, mut tokens_seen, mut resumed_sync_state) = (0, 0, None);
         let auto = opts.batch_split == BatchSplit::Auto && world > 1;
@@ -361,7 +366,7 @@ impl<B: Backend> Trainer<B> {
         let n = opts.batch_size * opts.seq_len;
         let reduction = Reduction::of(&batch, opts.seq_len);
         let sync: Box<dyn GradientSync<B>> = match opts.sync.outer() {
-            Some(outer) => Box::new(outer_sync::OuterSync::new(outer, owner.clone())),
+            Some(outer) => Box::new(outer_sync::OuterSync::new(outer, opts.update, owner.clone())),
             None => Box::new(
                 BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone())
                     .reducing(reduction)

@@ -265,8 +265,7 @@ impl TrainOptions {
         Ok(())
     }
 
-    /// What `--sync outer` runs with: every rank keeps its whole inner optimizer (inner steps do not
-    /// communicate), equal shares (the outer step averages the ranks' changes alike), and the run's
+    /// What `--sync outer` runs with: equal shares (the outer step averages the ranks' changes alike), and the run's
     /// evaluations, replica checks, saves and end fall on outer steps, where the ranks hold the same
     /// parameters.
     fn validate_outer(&self) -> anyhow::Result<()> {
@@ -282,11 +281,6 @@ impl TrainOptions {
             outer.momentum.is_finite() && (0.0..1.0).contains(&outer.momentum),
             "--outer-momentum {} must be in [0, 1)",
             outer.momentum
-        );
-        anyhow::ensure!(
-            self.update == UpdateMode::Replicated,
-            "--sync outer needs --update replicated: inner steps do not communicate, so every rank keeps its \
-             whole inner optimizer state (the outer momentum is sharded on its own)"
         );
         anyhow::ensure!(
             self.elastic.is_none(),

@@ -3,10 +3,12 @@
 //! Each rank trains alone on its share of every global batch, with its own inner AdamW (full moments on
 //! every rank: inner steps do not communicate), for `--outer-every` H inner steps. Then, at the end of every
 //! H-th step, the ranks average the change of the parameters since the last outer step (the
-//! pseudo-gradient Δ = θ_anchor − θ_local) by a reduce-scatter; each rank applies the outer optimizer, SGD
-//! with Nesterov momentum as torch's `SGD(nesterov=True)` computes it, to its chunk; and an all-gather
-//! copies the chunks' bits to every rank. So every rank ends each outer step with identical parameters,
-//! which become the next anchor.
+//! pseudo-gradient Δ = θ_anchor − θ_local) by a reduce-scatter (`--update sharded`: each rank applies the
+//! outer optimizer, SGD with Nesterov momentum as torch's `SGD(nesterov=True)` computes it, to its chunk,
+//! and an all-gather copies the chunks' bits to every rank) or an all-reduce (`replicated`: every rank
+//! applies it to everything). Both give the same bits: the ring's mean is the same, and the update is
+//! element-wise on the host. So every rank ends each outer step with identical parameters, which become
+//! the next anchor.
 //!
 //! What a step reports: an inner step's `loss` is this rank's own (the ranks do not talk between outer
 //! steps, and a per-step exchange would cost a round trip on the slow links this mode is for); the outer
@@ -19,7 +21,7 @@
 
 use super::comm_ledger::{CommLedger, CommTime};
 use super::sync::{AgreedStep, GradientSync, LocalStep, SyncState};
-use super::{grad_sync::Reduction, BucketPlan, OuterOptions};
+use super::{grad_sync::Reduction, BucketPlan, OuterOptions, UpdateMode};
 use crate::backend::{Backend, View};
 use crate::collective::comm_thread::CommThread;
 use crate::collective::Owner;
@@ -42,6 +44,9 @@ pub struct OuterRound {
 /// The outer sync of one rank.
 pub struct OuterSync {
     outer: OuterOptions,
+    /// Sharded: each rank keeps the outer momentum of its chunk and the new parameters are all-gathered;
+    /// replicated: Δ is all-reduced and every rank runs the outer step on everything.
+    update: UpdateMode,
     world: usize,
     owner: Owner,
     /// The 0-based index of the step under way.
@@ -49,7 +54,7 @@ pub struct OuterSync {
     /// `[P]`: the parameters at the last outer step (the run's start before the first), the same on every
     /// rank. Empty until the first forward reads the parameters.
     anchor: Vec<f32>,
-    /// `[owned elements]`: the outer Nesterov momentum of this rank's chunk of the flat parameters.
+    /// `[owned elements]`: the outer Nesterov momentum of this rank's part of the flat parameters.
     momentum: Vec<f32>,
     /// Inner losses summed since the last outer step, and how many.
     round_loss: f64,
@@ -63,9 +68,10 @@ pub struct OuterSync {
 
 impl OuterSync {
     /// The outer sync of the rank whose collective has the ownership map `owner`.
-    pub fn new(outer: OuterOptions, owner: Owner) -> Self {
+    pub fn new(outer: OuterOptions, update: UpdateMode, owner: Owner) -> Self {
         OuterSync {
             outer,
+            update,
             world: owner.world(),
             owner,
             step: 0,
@@ -79,9 +85,12 @@ impl OuterSync {
         }
     }
 
-    /// This rank's chunk of the `[P]` flat parameters.
+    /// This rank's part of the `[P]` flat parameters: its chunk when sharded, all of them when replicated.
     fn owned(&self) -> Range<usize> {
-        self.owner.range(self.anchor.len())
+        match self.update {
+            UpdateMode::Sharded => self.owner.range(self.anchor.len()),
+            UpdateMode::Replicated => 0..self.anchor.len(),
+        }
     }
 
     /// Sizes the anchor from the parameters on the device (the run's start), or from a checkpoint's state.
@@ -112,42 +121,70 @@ impl OuterSync {
         Ok(())
     }
 
-    /// The outer step: averages Δ over the ranks, applies the outer optimizer to this rank's chunk, gathers
-    /// the new parameters everywhere and makes them the anchor and the device's parameters.
+    /// The outer step: averages Δ over the ranks, applies the outer optimizer (to this rank's chunk when
+    /// sharded, to everything when replicated), gathers the new parameters everywhere when sharded, and
+    /// makes them the anchor and the device's parameters. With `--outer-lr 1 --outer-momentum 0` the
+    /// step is plain averaging, θ = mean of the ranks' θ, computed as that mean (so one rank keeps its
+    /// own bits).
     fn outer_step<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
-        // `[P]`: Δ = anchor − local, then (after the reduce-scatter) its mean on this rank's chunk, then the
-        // new parameters.
-        let mut delta = vec![0f32; params.len];
-        be.download(params, &mut delta)?;
-        for (d, a) in delta.iter_mut().zip(&self.anchor) {
-            *d = *a - *d;
+        let averaging = self.outer.lr == 1.0 && self.outer.momentum == 0.0;
+        // `[P]`: the local parameters, or Δ = anchor − local; after the reduction their mean (on this rank's
+        // chunk when sharded); then the new parameters there.
+        let mut buf = vec![0f32; params.len];
+        be.download(params, &mut buf)?;
+        if !averaging {
+            for (d, a) in buf.iter_mut().zip(&self.anchor) {
+                *d = *a - *d;
+            }
         }
-        let (mut delta, owned) = self
+        let sharded = self.update == UpdateMode::Sharded;
+        let (mut buf, reduced) = self
             .ledger
             .wait(comm.submit(move |c| {
-                let owned = c.reduce_scatter_mean(&mut delta)?;
-                Ok((delta, owned))
+                let reduced = match sharded {
+                    true => c.reduce_scatter_mean(&mut buf)?,
+                    false => {
+                        c.all_reduce_mean(&mut buf)?;
+                        0..buf.len()
+                    }
+                };
+                Ok((buf, reduced))
             }))?
             .0;
+        let owned = self.owned();
         ensure!(
-            owned == self.owned(),
-            "the reduce-scatter left this rank elements {owned:?}, its chunk is {:?}",
-            self.owned()
+            reduced == owned,
+            "the reduction left this rank elements {reduced:?}, its part is {owned:?}"
         );
-        let delta_sq = outer_update(
-            &self.anchor[owned.clone()],
-            &mut delta[owned],
-            &mut self.momentum,
-            self.outer,
-        );
+        let anchor = &self.anchor[owned.clone()];
+        let delta_sq = match averaging {
+            // Δ̄ = anchor − mean θ, kept as the momentum buffer torch's SGD would hold.
+            true => {
+                let mut sq = 0f64;
+                for ((m, a), mean) in self.momentum.iter_mut().zip(anchor).zip(&buf[owned.clone()]) {
+                    *m = *a - *mean;
+                    sq += f64::from(*m) * f64::from(*m);
+                }
+                sq
+            }
+            false => outer_update(anchor, &mut buf[owned], &mut self.momentum, self.outer),
+        };
+        // Replicated ranks each computed the whole norm: rank 0's alone is summed.
+        let delta_sq = if sharded || self.owner.rank() == 0 {
+            delta_sq
+        } else {
+            0.0
+        };
         let (round_loss, round_steps) = (self.round_loss, self.round_steps.max(1));
         let (gathered, sums) = self
             .ledger
             .wait(comm.submit(move |c| {
-                c.all_gather(&mut delta)?;
+                if sharded {
+                    c.all_gather(&mut buf)?;
+                }
                 let mut sums = [round_loss / round_steps as f64, delta_sq];
                 c.all_reduce_scalars(&mut sums)?;
-                Ok((delta, sums))
+                Ok((buf, sums))
             }))?
             .0;
         be.upload(params, &gathered)?;
@@ -238,7 +275,8 @@ impl<B: Backend> GradientSync<B> for OuterSync {
         self.ledger.clear();
     }
 
-    /// The anchor (the same on every rank) and the outer momentum, gathered from every chunk. Collective.
+    /// The anchor (the same on every rank) and the outer momentum, gathered from every chunk when sharded.
+    /// Collective.
     fn checkpoint_state(&mut self, _be: &mut B, comm: &CommThread) -> Result<SyncState> {
         if self.anchor.is_empty() {
             // Saved before the first step: the state is the checkpoint's, or the start's (zero momentum).
@@ -247,9 +285,14 @@ impl<B: Backend> GradientSync<B> for OuterSync {
             }
             bail!("the outer sync has no state before the run's first forward");
         }
-        let mut momentum = vec![0f32; self.anchor.len()];
-        momentum[self.owned()].copy_from_slice(&self.momentum);
-        let momentum = comm.run(move |c| c.all_gather(&mut momentum).map(|()| momentum))?;
+        let momentum = match self.update {
+            UpdateMode::Replicated => self.momentum.clone(),
+            UpdateMode::Sharded => {
+                let mut momentum = vec![0f32; self.anchor.len()];
+                momentum[self.owned()].copy_from_slice(&self.momentum);
+                comm.run(move |c| c.all_gather(&mut momentum).map(|()| momentum))?
+            }
+        };
         Ok(SyncState::from([
             (ANCHOR.to_string(), self.anchor.clone()),
             (MOMENTUM.to_string(), momentum),

@@ -42,7 +42,9 @@ impl ShardGuard {
     /// The guard of a run with `opts` over `world` ranks: active when the update is sharded over several
     /// ranks and `--verify-every` is on (it completes what that check covers in sharded mode).
     pub fn for_run(opts: &TrainOptions, world: usize) -> Self {
-        Self::new(opts.update == UpdateMode::Sharded && world > 1 && opts.verify_every > 0)
+        // Under --sync outer every rank updates everything, and the outer step rewrites it between updates.
+        let sharded_inner = opts.update == UpdateMode::Sharded && opts.sync.outer().is_none();
+        Self::new(sharded_inner && world > 1 && opts.verify_every > 0)
     }
 
     /// After this rank's update of step `step` (counted from 1): remembers its shard's checksum. `params`

@@ -130,3 +130,16 @@ pub fn worker_pid(launch: &Child, rank: usize) -> u32 {
     }
     panic!("no worker with {wanted} under launch {}", launch.id());
 }
+
+/// `tiny` at 2 sequences of 32 tokens per rank for `steps` steps, without evaluation: the options of the
+/// in-process runs that multi-rank tests compare with.
+pub fn tiny_options(steps: u64) -> ringtrain::trainer::TrainOptions {
+    let model = ringtrain::model::ModelConfig::tiny();
+    ringtrain::trainer::TrainOptions {
+        batch_size: 2,
+        seq_len: 32,
+        eval_every: 0,
+        eval_batches: 0,
+        ..ringtrain::trainer::TrainOptions::for_model(&model).with_steps(steps)
+    }
+}
