@@ -137,7 +137,7 @@ pub struct TrainArgs {
     pub min_ranks: Option<usize>,
     /// every-step (each step's gradient is reduced over the ranks) or outer (DiLoCo: each rank trains alone
     /// for --outer-every steps, then the ranks average the change of the parameters with an outer Nesterov
-    /// step; needs --update replicated) [default: every-step]
+    /// step) [default: every-step]
     #[arg(long)]
     pub sync: Option<String>,
     /// With --sync outer: inner steps per outer step [default: 50]
