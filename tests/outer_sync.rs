@@ -237,10 +237,10 @@ fn what_outer_sync_cannot_combine_with_is_refused() {
         ),
         (
             TrainOptions {
-                save_every: 6,
+                eval_every: 6,
                 ..base.clone()
             },
-            "--save-every 6",
+            "--eval-every 6",
         ),
         (
             TrainOptions {
@@ -262,14 +262,15 @@ fn what_outer_sync_cannot_combine_with_is_refused() {
 }
 
 /// `world` ranks train `options` to `until` (from `source` of each rank), save to `dir` when given, and
-/// return each rank's parameter fingerprint and inner moments.
+/// return each rank's parameter fingerprint, inner moments and the losses (their bits) of the outer steps
+/// it took.
 fn train_to(
     world: usize,
     options: &TrainOptions,
     source: impl Fn() -> ModelSource + Sync,
     until: u64,
     save: Option<&std::path::Path>,
-) -> Vec<(String, Vec<f32>)> {
+) -> Vec<(String, Vec<f32>, Vec<u64>)> {
     std::thread::scope(|s| {
         let handles: Vec<_> = mem_cluster(world, MemOptions::default())
             .into_iter()
@@ -279,13 +280,14 @@ fn train_to(
                     let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
                     let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
                     let mut t = Trainer::new(be, source(), data, options.clone(), Box::new(comm)).unwrap();
+                    let mut rounds = Vec::new();
                     while t.step() < until {
-                        t.train_step().unwrap();
+                        rounds.extend(t.train_step().unwrap().outer.map(|r| r.loss.to_bits()));
                     }
                     if let Some(dir) = save {
                         t.save(dir).unwrap();
                     }
-                    (t.param_hash().unwrap(), t.moments().unwrap().v)
+                    (t.param_hash().unwrap(), t.moments().unwrap().v, rounds)
                 })
             })
             .collect();
@@ -293,8 +295,9 @@ fn train_to(
     })
 }
 
-/// A checkpoint at an outer step holds the outer state and every rank's own inner moments: the resumed run
-/// ends with the bits of one that never stopped, each rank's inner optimizer included.
+/// A checkpoint holds the outer state and every rank's own inner moments (and, between outer steps, its own
+/// parameters): the resumed run ends with the bits of one that never stopped, each rank's inner optimizer
+/// included.
 #[test]
 fn a_resumed_outer_run_continues_with_every_rank_s_own_bits() {
     let opts = options(2, 6);
@@ -308,9 +311,23 @@ fn a_resumed_outer_run_continues_with_every_rank_s_own_bits() {
             straight[0].1, straight[1].1,
             "the ranks' inner moments differ by design"
         );
-        train_to(3, &opts, fresh, 4, Some(&ck));
-        let resumed = train_to(3, &opts, || ModelSource::Resume(ck.clone()), 6, None);
-        assert_eq!(resumed, straight, "{update:?}");
+        // At an outer step, and between two (each rank's own parameters saved too).
+        for saved_at in [4, 3] {
+            train_to(3, &opts, fresh, saved_at, Some(&ck));
+            let resumed = train_to(3, &opts, || ModelSource::Resume(ck.clone()), 6, None);
+            // The outer steps after the save report what the straight run's did: a round begun before the
+            // save keeps its losses.
+            for (r, s) in resumed.iter().zip(&straight) {
+                assert_eq!((&r.0, &r.1), (&s.0, &s.1), "{update:?}, saved at step {saved_at}");
+                let after = (6 - saved_at as usize).div_ceil(2);
+                assert_eq!(r.2.len(), after);
+                assert!(s.2.ends_with(&r.2), "{update:?}, saved at step {saved_at}");
+            }
+        }
+        // The model files of the save between outer steps hold the shared parameters of step 2.
+        let shared = run(3, &opts)[0][1].1.clone();
+        let read = ModelSource::Resume(ck.clone()).read(0).unwrap();
+        assert_eq!(ringtrain::trainer::hash_f32(&read.params), shared, "{update:?}");
     }
     // Another number of ranks, or the other --sync mode, is refused naming why.
     let resume = |opts: &TrainOptions, world: usize| {

@@ -4,28 +4,47 @@
 use super::Trainer;
 use crate::backend::Backend;
 use crate::model::checkpoint::{self, TrainerState};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The sync-tensor names of the other ranks' inner moments in a `--sync outer` checkpoint.
 pub(super) const INNER_M: &str = "inner_exp_avg";
 pub(super) const INNER_V: &str = "inner_exp_avg_sq";
+/// Each rank's own parameters in a `--sync outer` checkpoint saved between outer steps.
+pub(super) const INNER_P: &str = "inner_params";
+/// Each rank's outer round under way (its own inner losses) in a `--sync outer` checkpoint.
+pub(super) const INNER_ROUND: &str = "inner_round";
+/// What every per-rank tensor name starts with.
+pub(super) const INNER_PREFIX: &str = "inner_";
 
 impl<B: Backend> Trainer<B> {
     /// Writes a checkpoint (model + trainer state) atomically to `dir`. Collective: every rank must call
     /// it (sharded moments are gathered first); rank 0 writes.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         self.settle_params()?;
-        let params = self.model.download_params(&mut self.be)?;
+        let mut params = self.model.download_params(&mut self.be)?;
         let (m, v) = self.full_moments()?;
         // A resumed run that saves before its first step still holds the state it read.
         let mut sync = match self.resumed_sync_state.clone() {
             Some(state) => state,
             None => self.sync.checkpoint_state(&mut self.be, &self.comm)?,
         };
-        if self.opts.sync.outer().is_some() {
-            sync.extend(self.gather_inner_moments(&m, &v)?);
+        if let Some(outer) = self.opts.sync.outer() {
+            // Between outer steps every rank's parameters are its own: each is kept, and the model files
+            // hold the shared parameters of the last outer step (what `sample` and `--init` read).
+            let mid_round = self.step % outer.every != 0;
+            let local = mid_round.then_some(params.as_slice());
+            let round = sync
+                .remove(super::outer_sync::ROUND)
+                .context("the outer sync kept no round")?;
+            sync.extend(self.gather_inner_state(&m, &v, &round, local)?);
+            if mid_round {
+                params = sync
+                    .get(super::outer_sync::ANCHOR)
+                    .context("the outer sync kept no anchor")?
+                    .clone();
+            }
         }
         if self.rank != 0 {
             return Ok(());
@@ -60,20 +79,34 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// `--sync outer`: every other rank's inner moments (`m`, `v` are this rank's), which differ from rank
-    /// 0's by design, as sync tensors `inner_exp_avg.rank<R>` and `inner_exp_avg_sq.rank<R>` for rank 0 to
-    /// write, so that a resume continues each rank's inner optimizer with its own bits. Collective: each rank
-    /// broadcasts its two moments in turn (one `[P]` buffer at a time on every rank); the others' are
-    /// empty.
-    fn gather_inner_moments(&mut self, m: &[f32], v: &[f32]) -> Result<super::sync::SyncState> {
+    /// 0's by design, as sync tensors `inner_exp_avg.rank<R>` and `inner_exp_avg_sq.rank<R>`, every rank's
+    /// outer round under way (`round`, its own inner losses) as `inner_round.rank<R>`, and between
+    /// outer steps every rank's own parameters (`local`) as `inner_params.rank<R>` (rank 0's too), for rank
+    /// 0 to write, so that a resume continues each rank with its own bits. Collective: each rank broadcasts
+    /// its tensors in turn (one `[P]` buffer at a time on every rank); the others' state is empty.
+    fn gather_inner_state(
+        &mut self,
+        m: &[f32],
+        v: &[f32],
+        round: &[f32],
+        local: Option<&[f32]>,
+    ) -> Result<super::sync::SyncState> {
         let mut state = super::sync::SyncState::new();
-        for root in 1..self.world {
-            for (name, mine) in [(INNER_M, m), (INNER_V, v)] {
+        for root in 0..self.world {
+            let mut tensors: Vec<(&str, &[f32])> = vec![(INNER_ROUND, round)];
+            if root > 0 {
+                tensors.extend([(INNER_M, m), (INNER_V, v)]);
+            }
+            tensors.extend(local.map(|p| (INNER_P, p)));
+            for (name, mine) in tensors {
                 let mut buf = if self.rank == root {
                     mine.to_vec()
                 } else {
                     vec![0f32; mine.len()]
                 };
-                buf = self.comm.run(move |c| c.broadcast(&mut buf, root).map(|()| buf))?;
+                if root > 0 {
+                    buf = self.comm.run(move |c| c.broadcast(&mut buf, root).map(|()| buf))?;
+                }
                 if self.rank == 0 {
                     state.insert(format!("{name}.rank{root}"), buf);
                 }

@@ -344,8 +344,25 @@ impl<B: Backend> Trainer<B> {
                     be.upload(opt.m, m)?;
                     be.upload(opt.v, v)?;
                 }
-                // Both names start with INNER_M.
-                sync_state.retain(|k, _| !k.starts_with(checkpointing::INNER_M));
+                // Saved between outer steps: this rank's own parameters (the model files hold the shared ones).
+                if let Some(local) = sync_state.get(&format!("{}.rank{rank}", checkpointing::INNER_P)) {
+                    ensure!(
+                        local.len() == model.layout.total,
+                        "--resume: rank {rank}'s parameters have {} elements, the model {}",
+                        local.len(),
+                        model.layout.total
+                    );
+                    be.upload(model.params, local)?;
+                }
+                // This rank's round under way, for the outer sync (none in a checkpoint of the other --sync
+                // mode, which the outer sync then refuses by name).
+                let round = sync_state
+                    .get(&format!("{}.rank{rank}", checkpointing::INNER_ROUND))
+                    .cloned();
+                sync_state.retain(|k, _| !k.starts_with(checkpointing::INNER_PREFIX));
+                if let Some(round) = round {
+                    sync_state.insert(outer_sync::ROUND.to_string(), round);
+                }
             }
             resumed_sync_state = Some(sync_state);
             opt.step = match state.extra.get("optimizer_step") {

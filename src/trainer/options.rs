@@ -266,7 +266,7 @@ impl TrainOptions {
     }
 
     /// What `--sync outer` runs with: equal shares (the outer step averages the ranks' changes alike), and the run's
-    /// evaluations, replica checks, saves and end fall on outer steps, where the ranks hold the same
+    /// evaluations, replica checks and end fall on outer steps, where the ranks hold the same
     /// parameters.
     fn validate_outer(&self) -> anyhow::Result<()> {
         let Some(outer) = self.sync.outer() else { return Ok(()) };
@@ -296,14 +296,13 @@ impl TrainOptions {
         for (flag, n) in [
             ("--steps", self.steps),
             ("--eval-every", self.eval_every),
-            ("--save-every", self.save_every),
             ("--verify-every", self.verify_every),
         ] {
             anyhow::ensure!(
                 n % h == 0,
                 "{flag} {n} is not a multiple of --outer-every {h}: with --sync outer the ranks hold the same \
-                 parameters only after an outer step, where evaluations, saves, replica checks and the run's end \
-                 must fall"
+                 parameters only after an outer step, where evaluations, replica checks and the run's end must \
+                 fall"
             );
         }
         Ok(())

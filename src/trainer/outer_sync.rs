@@ -102,6 +102,20 @@ impl OuterSync {
             Some(mut state) => {
                 let anchor = state.remove(ANCHOR).context("the checkpoint has no outer anchor")?;
                 let momentum = state.remove(MOMENTUM).context("the checkpoint has no outer momentum")?;
+                let round = state.remove(ROUND).context("the checkpoint has no outer round")?;
+                ensure!(
+                    round.len() == 3,
+                    "the checkpoint's outer round has {} values, not 3",
+                    round.len()
+                );
+                let bits = u64::from(round[0].to_bits()) | (u64::from(round[1].to_bits()) << 32);
+                (self.round_loss, self.round_steps) = (f64::from_bits(bits), round[2] as u64);
+                ensure!(
+                    self.round_steps < self.outer.every,
+                    "the checkpoint's outer round has {} inner steps, --outer-every is {}",
+                    self.round_steps,
+                    self.outer.every
+                );
                 ensure!(
                     anchor.len() == params.len && momentum.len() == params.len,
                     "the checkpoint's outer state has {} and {} elements, the model {}",
@@ -214,8 +228,11 @@ fn outer_update(anchor: &[f32], delta: &mut [f32], momentum: &mut [f32], outer: 
     delta_sq
 }
 
-const ANCHOR: &str = "outer_anchor";
+/// The sync-state names of the anchor, the momentum, and the round under way (its inner loss sum as the
+/// two halves of an f64's bits, and its step count).
+pub(super) const ANCHOR: &str = "outer_anchor";
 const MOMENTUM: &str = "outer_momentum";
+pub(super) const ROUND: &str = "outer_round";
 
 impl<B: Backend> GradientSync<B> for OuterSync {
     /// Each rank's gradient is the mean over its own tokens: nothing is reduced between outer steps.
@@ -293,15 +310,22 @@ impl<B: Backend> GradientSync<B> for OuterSync {
                 comm.run(move |c| c.all_gather(&mut momentum).map(|()| momentum))?
             }
         };
+        let bits = self.round_loss.to_bits();
+        let round = vec![
+            f32::from_bits(bits as u32),
+            f32::from_bits((bits >> 32) as u32),
+            self.round_steps as f32,
+        ];
         Ok(SyncState::from([
             (ANCHOR.to_string(), self.anchor.clone()),
             (MOMENTUM.to_string(), momentum),
+            (ROUND.to_string(), round),
         ]))
     }
 
     /// Takes a checkpoint's outer state; refuses one of `--sync every-step`, which has none.
     fn restore_state(&mut self, _be: &mut B, state: SyncState) -> Result<()> {
-        let expected = [ANCHOR, MOMENTUM];
+        let expected = [ANCHOR, MOMENTUM, ROUND];
         let names: Vec<&str> = state.keys().map(|k| k.as_str()).collect();
         ensure!(
             names == expected,

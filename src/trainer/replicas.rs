@@ -10,7 +10,9 @@ impl<B: Backend> Trainer<B> {
     /// Stage 1: every rank must start from the same parameters (and moments). Hashes are compared; on a
     /// mismatch rank 0's state is broadcast. Returns whether a broadcast happened.
     pub fn replicate(&mut self) -> Result<bool> {
-        if self.world == 1 {
+        // A --sync outer run resumed between outer steps: each rank's parameters are its own.
+        let mid_round = self.opts.sync.outer().is_some_and(|o| self.step % o.every != 0);
+        if self.world == 1 || mid_round {
             return Ok(false);
         }
         let hash = self.state_hash(self.moments_are_replicated() && self.opts.sync.outer().is_none())?;
