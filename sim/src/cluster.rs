@@ -24,7 +24,7 @@ use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
 use ringtrain::data::BatchSplit;
 use ringtrain::elastic::ElasticRules;
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{TrainOptions, UpdateMode};
+use ringtrain::trainer::{OuterOptions, SyncMode, TrainOptions, UpdateMode};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -141,9 +141,16 @@ impl Cluster {
     }
 
     /// Elastic membership: a lost worker (`kill`, `drop`, or `freeze` past the deadline) leaves, and the
-    /// survivors re-form the group under `rules` and go on (replicated update; in-memory transport).
+    /// survivors re-form the group under `rules` and go on (either update; in-memory transport).
     pub fn elastic(mut self, rules: ElasticRules) -> Self {
         self.options.elastic = Some(rules);
+        self
+    }
+
+    /// `--sync outer` (DiLoCo) with `outer`: the replicas are compared after every outer step, and checked
+    /// by the trainers there (`--verify-every` H).
+    pub fn outer_sync(mut self, outer: OuterOptions) -> Self {
+        self.options.sync = SyncMode::Outer(outer);
         self
     }
 
@@ -242,8 +249,12 @@ impl Cluster {
         }
         let faults = parse_faults(&self.faults)?;
         let options = TrainOptions {
-            // The trainer's own replica check aborts on a mismatch, so it runs where identity is promised.
-            verify_every: u64::from(self.identity_guaranteed()),
+            // The trainer's own replica check aborts on a mismatch, so it runs where identity is promised:
+            // under --sync outer at every outer step (computed on the host, the same on any backend).
+            verify_every: match self.options.sync.outer() {
+                Some(outer) => outer.every,
+                None => u64::from(self.identity_guaranteed()),
+            },
             ..self.options.clone().with_steps(steps)
         };
         Ok(SimConfig {

@@ -113,6 +113,9 @@ pub struct SimReport {
     pub ranks: Vec<RankTrace>,
     /// Losses of one worker running the whole global batch (world 1, batch × workers).
     pub single_worker_losses: Vec<f64>,
+    /// The steps at which the replicas must agree: every step, or every `--outer-every`-th under
+    /// `--sync outer` (between outer steps each worker's parameters are its own by design).
+    pub agree_every: u64,
 }
 
 impl SimReport {
@@ -127,7 +130,8 @@ impl SimReport {
 
     /// First (step, worker) whose fingerprint differs from the first worker that recorded that step.
     pub fn first_divergence(&self) -> Option<(usize, usize)> {
-        for step in 1..=self.last_step() {
+        let every = self.agree_every.max(1) as usize;
+        for step in (every..=self.last_step() as usize).step_by(every).map(|s| s as u64) {
             let mut reference = None;
             for (rank, trace) in self.ranks.iter().enumerate() {
                 let Some((_, hash)) = trace.at(step) else { continue };
@@ -375,6 +379,7 @@ pub fn run(cfg: &SimConfig) -> Result<SimReport> {
     Ok(SimReport {
         ranks,
         single_worker_losses,
+        agree_every: cfg.options.sync.outer().map_or(1, |o| o.every),
     })
 }
 

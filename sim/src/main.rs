@@ -9,7 +9,10 @@ use ringtrain::data::BatchSplit;
 use ringtrain::elastic::{ElasticRules, Quorum};
 use ringtrain::metrics::read_metrics;
 use ringtrain::model::ModelConfig;
-use ringtrain::trainer::{OnNonFinite, TrainOptions, UpdateMode};
+use ringtrain::trainer::{
+    OnNonFinite, OuterOptions, SyncMode, TrainOptions, UpdateMode, DEFAULT_OUTER_EVERY, DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+};
 use ringtrain_sim::faults::{parse_faults, FAULT_HELP};
 use ringtrain_sim::{run, SimConfig, Transport};
 use std::process::ExitCode;
@@ -80,6 +83,19 @@ struct Cli {
     /// With --elastic: stop cleanly below this many workers
     #[arg(long, default_value_t = 1)]
     min_ranks: usize,
+    /// every-step, or outer (DiLoCo: each worker trains alone for --outer-every steps between outer
+    /// Nesterov steps on the averaged change of the parameters; the replicas must agree after each)
+    #[arg(long, default_value = "every-step")]
+    sync: String,
+    /// With --sync outer: inner steps per outer step
+    #[arg(long, default_value_t = DEFAULT_OUTER_EVERY)]
+    outer_every: u64,
+    /// With --sync outer: the outer learning rate
+    #[arg(long, default_value_t = DEFAULT_OUTER_LR)]
+    outer_lr: f64,
+    /// With --sync outer: the outer Nesterov momentum
+    #[arg(long, default_value_t = DEFAULT_OUTER_MOMENTUM)]
+    outer_momentum: f64,
     #[arg(long, default_value_t = 1337)]
     seed: u64,
     /// Per-collective deadline, seconds
@@ -198,7 +214,17 @@ fn real_main() -> Result<ExitCode> {
         Some(text) => Some(parse_speeds(text, cli.workers)?),
         None => None,
     };
+    let sync = match cli.sync.as_str() {
+        "every-step" => SyncMode::EveryStep,
+        "outer" => SyncMode::Outer(OuterOptions {
+            every: cli.outer_every,
+            lr: cli.outer_lr,
+            momentum: cli.outer_momentum,
+        }),
+        other => bail!("--sync {other:?}: expected every-step or outer"),
+    };
     let options = TrainOptions {
+        sync,
         batch_size: cli.batch_size,
         seq_len: cli.seq_len,
         grad_accum: cli.grad_accum,
@@ -207,7 +233,8 @@ fn real_main() -> Result<ExitCode> {
         update,
         seed: cli.seed,
         eval_every: 0,
-        verify_every: 1,
+        // Under --sync outer the replicas agree at the outer steps only.
+        verify_every: sync.outer().map_or(1, |o| o.every),
         on_nonfinite,
         collective: cli.collective,
         elastic: match cli.elastic {
@@ -307,12 +334,17 @@ fn real_main() -> Result<ExitCode> {
     }
     match report.first_divergence() {
         None => {
+            // Under --sync outer a worker's loss is its own inner loss, not comparable with one worker's.
+            let agreement = match sync.outer() {
+                Some(o) => format!("bit-identical after every outer step (every {} steps)", o.every),
+                None => format!(
+                    "bit-identical at every step; max |loss - single worker loss| = {:.2e}",
+                    report.max_loss_gap()
+                ),
+            };
             println!(
-                "{} workers ({} update, {:?} transport): replicas bit-identical at every step; max |loss - single worker loss| = {:.2e}",
-                cli.workers,
-                cli.update,
-                transport,
-                report.max_loss_gap()
+                "{} workers ({} update, {:?} transport): replicas {agreement}",
+                cli.workers, cli.update, transport
             );
             Ok(ExitCode::SUCCESS)
         }

@@ -1,0 +1,31 @@
+//! `--sync outer` in the sim: the workers part between outer steps and agree after every one, under both
+//! update modes, and the harness and the trainers check it there.
+
+use ringtrain::trainer::{OuterOptions, UpdateMode};
+use ringtrain_sim::cluster::Cluster;
+
+#[test]
+fn workers_agree_after_every_outer_step_under_both_update_modes() {
+    let outer = OuterOptions {
+        every: 3,
+        lr: 0.7,
+        momentum: 0.9,
+    };
+    let mut finals = Vec::new();
+    for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
+        let run = Cluster::new(4).update(update).outer_sync(outer).run(9).unwrap();
+        assert!(run.replicas_identical(), "{update:?}: {:?}", run.first_divergence());
+        // Between outer steps each worker's parameters are its own.
+        let step = |s: u64| -> Vec<String> {
+            run.report
+                .ranks
+                .iter()
+                .map(|r| r.at(s).unwrap().1.to_string())
+                .collect()
+        };
+        assert!(step(2).windows(2).any(|w| w[0] != w[1]), "{update:?}");
+        assert!(step(3).windows(2).all(|w| w[0] == w[1]), "{update:?}");
+        finals.push(run.final_hash().to_string());
+    }
+    assert_eq!(finals[0], finals[1]);
+}
