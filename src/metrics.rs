@@ -79,6 +79,11 @@ pub struct StepMetrics {
     /// loss, as on every step of such a run. Absent otherwise, and in files written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outer: Option<crate::trainer::outer_sync::OuterRound>,
+    /// Bytes this rank sent to its ring neighbours between the end of the previous step and the end of this
+    /// one (collective payloads and their frame headers): a sharded step's parameter gathers, which overlap
+    /// the next forward, land in either. 0 in files written before it existed.
+    #[serde(default)]
+    pub sent_bytes: u64,
 }
 
 /// JSON has no NaN or infinity: serde_json writes a non-finite float as `null`. Read `null` back as NaN so a

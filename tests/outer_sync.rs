@@ -365,3 +365,43 @@ fn a_resumed_outer_run_continues_with_every_rank_s_own_bits() {
     let err = format!("{:#}", t.train_step().unwrap_err());
     assert!(err.contains("not --sync outer's"), "{err}");
 }
+
+/// `sent_bytes`: nothing on an inner step (outer mode exchanges no per-step scalar), and on an outer step
+/// about what one all-reduce of the parameters sends, 2 (N − 1) / N × 4 bytes per parameter, as every step
+/// of every-step sync does.
+#[test]
+fn inner_steps_send_nothing_and_an_outer_step_one_all_reduce_of_the_parameters() {
+    let world = 3;
+    let params = trainer(&options(2, 4), single_rank()).param_count() as f64;
+    let all_reduce = 2.0 * (world - 1) as f64 / world as f64 * 4.0 * params;
+    let near = |bytes: u64| (bytes as f64 - all_reduce).abs() < 0.01 * all_reduce + 1024.0;
+    for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
+        let ranks = run(
+            world,
+            &TrainOptions {
+                update,
+                ..options(2, 4)
+            },
+        );
+        for r in &ranks {
+            let sent: Vec<u64> = r.iter().map(|(m, _)| m.sent_bytes).collect();
+            assert_eq!((sent[0], sent[2]), (0, 0), "{update:?}: {sent:?}");
+            assert!(
+                near(sent[1]) && near(sent[3]),
+                "{update:?}: {sent:?} against {all_reduce}"
+            );
+        }
+    }
+    let every_step = TrainOptions {
+        sync: SyncMode::EveryStep,
+        update: UpdateMode::Replicated,
+        ..options(2, 4)
+    };
+    for r in run(world, &every_step) {
+        assert!(
+            r.iter().all(|(m, _)| near(m.sent_bytes)),
+            "{:?}",
+            r.iter().map(|(m, _)| m.sent_bytes).collect::<Vec<_>>()
+        );
+    }
+}

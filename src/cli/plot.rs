@@ -293,6 +293,7 @@ mod tests {
             batch_shares: None,
             membership: None,
             outer: None,
+            sent_bytes: 0,
         }
     }
 

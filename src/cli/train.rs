@@ -275,7 +275,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             m.step,
             m.loss,
             m.tokens_per_s,
-            observer.comm.summary(trainer.world()),
+            observer.comm.summary(
+                trainer.world(),
+                trainer.param_count(),
+                trainer.options().sync.outer().is_some()
+            ),
             shares_note(trainer.batch_plan(), &trainer.options().batch_split)
         ));
     }
@@ -409,6 +413,7 @@ struct CommTotals {
     step_ms: f64,
     comm_ms: f64,
     exposed_ms: f64,
+    sent_bytes: u64,
 }
 
 impl CommTotals {
@@ -417,11 +422,14 @@ impl CommTotals {
         self.step_ms += m.step_ms;
         self.comm_ms += m.comm_ms;
         self.exposed_ms += m.exposed_comm_ms;
+        self.sent_bytes += m.sent_bytes;
     }
 
-    /// `, communication 12.3 ms/step, 3.1 ms/step of it exposed (4% of the step)`; empty for one rank. The
-    /// exposed part is the time the step waited within its collectives, so it never exceeds them.
-    fn summary(&self, world: usize) -> String {
+    /// `, communication 12.3 ms/step, 3.1 ms/step of it exposed (4% of the step), sent 1.2 MB/step`; empty
+    /// for one rank. The exposed part is the time the step waited within its collectives, so it never
+    /// exceeds them. Under `--sync outer` it adds what every-step sync would have sent at f32 (a ring
+    /// all-reduce of the `params` floats: 2 (N − 1) / N × 4 bytes each per step, frame headers left out).
+    fn summary(&self, world: usize, params: usize, outer: bool) -> String {
         if world < 2 || self.steps == 0 {
             return String::new();
         }
@@ -431,11 +439,32 @@ impl CommTotals {
         } else {
             0.0
         };
+        let sent = self.sent_bytes as f64 / steps;
+        let every_step = 2.0 * (world - 1) as f64 / world as f64 * 4.0 * params as f64;
+        let saved = match outer && sent > 0.0 {
+            true => format!(
+                " ({:.0}x less than every-step sync at f32, {})",
+                every_step / sent,
+                format_bytes(every_step)
+            ),
+            false => String::new(),
+        };
         format!(
-            ", communication {:.1} ms/step, {:.1} ms/step of it exposed ({of_step:.0}% of the step)",
+            ", communication {:.1} ms/step, {:.1} ms/step of it exposed ({of_step:.0}% of the step), sent {}/step{saved}",
             self.comm_ms / steps,
             self.exposed_ms / steps,
+            format_bytes(sent)
         )
+    }
+}
+
+/// Bytes as `812 B`, `12.3 kB`, `4.5 MB` or `1.20 GB` (decimal units, as link speeds are quoted).
+fn format_bytes(bytes: f64) -> String {
+    match bytes {
+        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
+        b => format!("{b:.0} B"),
     }
 }
 
@@ -560,18 +589,23 @@ mod tests {
     use super::CommTotals;
 
     #[test]
-    fn the_summary_gives_communication_and_the_exposed_part_of_it() {
-        // Two steps of 10 ms, with 4 ms of collectives of which the step waited 2.5 ms.
+    fn the_summary_gives_communication_the_exposed_part_and_the_bytes_sent() {
+        // Two steps of 10 ms, with 4 ms of collectives of which the step waited 2.5 ms, 3 MB sent.
         let totals = CommTotals {
             steps: 2,
             step_ms: 20.0,
             comm_ms: 8.0,
             exposed_ms: 5.0,
+            sent_bytes: 3_000_000,
         };
         assert_eq!(
-            totals.summary(2),
-            ", communication 4.0 ms/step, 2.5 ms/step of it exposed (25% of the step)"
+            totals.summary(2, 1_000_000, false),
+            ", communication 4.0 ms/step, 2.5 ms/step of it exposed (25% of the step), sent 1.5 MB/step"
         );
-        assert_eq!(totals.summary(1), "");
+        // Every-step sync over 2 ranks sends 4 bytes per parameter per step: 4 MB against 1.5.
+        assert!(totals
+            .summary(2, 1_000_000, true)
+            .ends_with("sent 1.5 MB/step (3x less than every-step sync at f32, 4.0 MB)"));
+        assert_eq!(totals.summary(1, 1_000_000, false), "");
     }
 }

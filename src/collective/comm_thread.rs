@@ -7,7 +7,7 @@
 //! time its collective took, come back through the [`Pending`] handle returned at submission; dropping a
 //! handle does not cancel the job, which keeps the order on every rank intact.
 
-use super::{Collective, CollectiveError, ComputeBusy, Result};
+use super::{Collective, CollectiveError, ComputeBusy, Result, SentBytes};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -19,6 +19,8 @@ pub struct CommThread {
     rank: usize,
     /// The transport's flag for compute running beside the collectives, when it has one.
     busy: Option<ComputeBusy>,
+    /// The transport's count of bytes sent.
+    sent: SentBytes,
     jobs: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -60,6 +62,7 @@ impl CommThread {
     pub fn spawn(mut comm: Box<dyn Collective>) -> std::io::Result<Self> {
         let rank = comm.rank();
         let busy = comm.compute_busy();
+        let sent = comm.sent_bytes();
         let (jobs, queue) = channel::<Job>();
         let thread = std::thread::Builder::new()
             .name(format!("ringtrain-comm-{rank}"))
@@ -71,6 +74,7 @@ impl CommThread {
         Ok(CommThread {
             rank,
             busy,
+            sent,
             jobs: Some(jobs),
             thread: Some(thread),
         })
@@ -78,6 +82,11 @@ impl CommThread {
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Bytes the transport has sent so far, read without waiting for the collectives in flight.
+    pub fn sent_bytes(&self) -> u64 {
+        self.sent.get()
     }
 
     /// Tells the transport whether this rank's compute runs while the queued collectives do (see

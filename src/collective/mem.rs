@@ -83,6 +83,8 @@ pub struct MemCollective {
     split_rng: Option<ChaCha8Rng>,
     seq: u64,
     sent: usize,
+    /// Payload bytes sent so far.
+    sent_bytes: super::SentBytes,
     in_collective: bool,
     failed: Option<CollectiveError>,
 }
@@ -116,6 +118,7 @@ pub fn mem_cluster(world: usize, opts: MemOptions) -> Vec<MemCollective> {
             opts: opts.clone(),
             seq: 0,
             sent: 0,
+            sent_bytes: Default::default(),
             in_collective: false,
             failed: None,
         })
@@ -193,6 +196,7 @@ impl MemCollective {
             }
         }
         self.sent += 1;
+        self.sent_bytes.add(msg.payload.len_bytes() as u64);
         let deliver_at = Instant::now() + self.opts.faults.message_delay().unwrap_or_default();
         let right = (self.rank + 1) % self.world;
         let tx = self
@@ -318,6 +322,10 @@ impl MemCollective {
 impl Collective for MemCollective {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn sent_bytes(&self) -> crate::collective::SentBytes {
+        self.sent_bytes.clone()
     }
 
     fn world(&self) -> usize {

@@ -136,6 +136,13 @@ pub trait Collective: Send {
         Ok(())
     }
 
+    /// The count of bytes this rank has sent to its neighbours (collective payloads with their frame
+    /// headers; not the control plane), readable from any thread, for the metrics' `sent_bytes`. A count
+    /// that stays at zero for transports that do not count.
+    fn sent_bytes(&self) -> SentBytes {
+        SentBytes::default()
+    }
+
     /// Records the training step, stamped into frames (and checked) by transports that have frames.
     fn set_step(&mut self, _step: u64) {}
 
@@ -238,6 +245,21 @@ pub trait Collective: Send {
             GatherEngine::new(self.rank(), self.world(), mine).map_err(|e| CollectiveError::Local(e.to_string()))?;
         self.run_engine(&mut e)?;
         Ok(e.into_blobs())
+    }
+}
+
+/// A transport's running count of bytes sent, shared with whoever reads it (the trainer, between steps,
+/// without queueing behind the collectives in flight).
+#[derive(Clone, Debug, Default)]
+pub struct SentBytes(Arc<std::sync::atomic::AtomicU64>);
+
+impl SentBytes {
+    pub fn add(&self, bytes: u64) {
+        self.0.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
     }
 }
 

@@ -66,6 +66,7 @@ impl<B: Backend> Trainer<B> {
     fn install_group(&mut self, comm: Box<dyn Collective>, owner: Owner) -> Result<()> {
         (self.world, self.rank) = (comm.world(), comm.rank());
         self.comm = CommThread::spawn(comm).context("starting the communication thread")?;
+        self.sent_mark = 0;
         let reduction = Reduction::of(&self.batch, self.opts.seq_len);
         self.sync
             .membership_changed(&mut self.be, &self.plan, &owner, reduction)?;
@@ -198,6 +199,7 @@ impl<B: Backend> Trainer<B> {
     pub(super) fn release_collective(&mut self) -> Result<()> {
         self.comm =
             CommThread::spawn(crate::collective::mem::single_rank()).context("starting the communication thread")?;
+        self.sent_mark = 0;
         Ok(())
     }
 

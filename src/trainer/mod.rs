@@ -201,6 +201,8 @@ pub struct Trainer<B: Backend> {
     /// The 0-based index of a step whose reduced gradient stayed on the device when its agreement failed
     /// (a loss): a re-form may still apply that step ([`buddy`]'s roll-forward).
     reduced_step: Option<u64>,
+    /// The transport's count of bytes sent at the end of the last step (0 for a new collective).
+    sent_mark: u64,
 }
 
 /// The shares a checkpoint of a `world`-rank run recorded (`batch_shares`), when they split this run's
@@ -426,8 +428,11 @@ impl<B: Backend> Trainer<B> {
             layout,
             last_agreed: None,
             reduced_step: None,
+            sent_mark: 0,
         };
         trainer.replicate()?;
+        // The start's comparison is not the first step's traffic.
+        trainer.sent_mark = trainer.comm.sent_bytes();
         Ok(trainer)
     }
 
@@ -565,6 +570,9 @@ impl<B: Backend> Trainer<B> {
             self.batch = BatchPlan::with_shares(self.batch.global, shares)?;
         }
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
+        let sent = self.comm.sent_bytes();
+        let sent_bytes = sent.saturating_sub(self.sent_mark);
+        self.sent_mark = sent;
         // One rank communicates nothing; what a clock saw there is bookkeeping.
         let ms = |d: std::time::Duration| if self.world > 1 { d.as_secs_f64() * 1e3 } else { 0.0 };
         Ok(StepMetrics {
@@ -587,6 +595,7 @@ impl<B: Backend> Trainer<B> {
             batch_shares,
             membership: None,
             outer,
+            sent_bytes,
         })
     }
 

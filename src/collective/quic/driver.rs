@@ -115,6 +115,7 @@ impl QuicCollective {
             return Ok(false);
         }
         self.sent_msgs += 1;
+        self.sent_bytes.add((hb.len() + m.values.len() * 4) as u64);
         engine.pop_peeked();
         Ok(true)
     }
@@ -143,6 +144,7 @@ impl QuicCollective {
             chunks.extend_from_within(..);
         }
         self.sent_msgs += 1;
+        self.sent_bytes.add(chunks.iter().map(|c| c.len() as u64).sum::<u64>());
         let lost = {
             let send = &mut self
                 .rights

@@ -281,6 +281,8 @@ pub struct QuicCollective {
     seq: u64,
     step: u64,
     sent_msgs: usize,
+    /// Bytes of data frames sent so far (headers included).
+    sent_bytes: crate::collective::SentBytes,
     /// The message kinds of the run's [`FaultPlan`] that name this rank ([`QuicCollective::inject_faults`]).
     faults: InjectedFaults,
     crashed: bool,
@@ -341,6 +343,7 @@ impl QuicCollective {
             seq: 0,
             step: 0,
             sent_msgs: 0,
+            sent_bytes: Default::default(),
             faults: InjectedFaults::default(),
             crashed: false,
             failed: ring_error.clone(),
@@ -622,6 +625,10 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
 impl Collective for QuicCollective {
     fn rank(&self) -> usize {
         self.cfg.rank
+    }
+
+    fn sent_bytes(&self) -> crate::collective::SentBytes {
+        self.sent_bytes.clone()
     }
 
     fn ring_addrs(&self) -> Option<Vec<SocketAddr>> {
