@@ -33,25 +33,45 @@ fn trainer(options: &TrainOptions, comm: Box<dyn Collective>) -> CpuTrainer {
     Trainer::new(be, ModelSource::Fresh(ModelConfig::tiny()), data, options.clone(), comm).unwrap()
 }
 
-/// `world` ranks train `options` step by step: each rank's metrics and parameter fingerprint after every
-/// step.
-fn run(world: usize, options: &TrainOptions) -> Vec<Vec<(StepMetrics, String)>> {
+/// `world` ranks, each a trainer of `options` from `source` running `body`: what each returned, in rank
+/// order.
+fn on_each_rank<T: Send>(
+    world: usize,
+    options: &TrainOptions,
+    source: impl Fn() -> ModelSource + Sync,
+    body: impl Fn(&mut CpuTrainer) -> T + Sync,
+) -> Vec<T> {
     std::thread::scope(|s| {
         let handles: Vec<_> = mem_cluster(world, MemOptions::default())
             .into_iter()
             .map(|comm| {
+                let (source, body) = (&source, &body);
                 s.spawn(move || {
-                    let mut t = trainer(options, Box::new(comm));
-                    let mut out = Vec::new();
-                    while t.step() < options.steps {
-                        let m = t.train_step().unwrap();
-                        out.push((m, t.param_hash().unwrap()));
-                    }
-                    out
+                    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+                    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+                    let mut t = Trainer::new(be, source(), data, options.clone(), Box::new(comm)).unwrap();
+                    body(&mut t)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn fresh() -> ModelSource {
+    ModelSource::Fresh(ModelConfig::tiny())
+}
+
+/// `world` ranks train `options` step by step: each rank's metrics and parameter fingerprint after every
+/// step.
+fn run(world: usize, options: &TrainOptions) -> Vec<Vec<(StepMetrics, String)>> {
+    on_each_rank(world, options, fresh, |t| {
+        let mut out = Vec::new();
+        while t.step() < options.steps {
+            let m = t.train_step().unwrap();
+            out.push((m, t.param_hash().unwrap()));
+        }
+        out
     })
 }
 
@@ -143,20 +163,11 @@ fn one_rank_with_outer_lr_1_and_no_momentum_trains_as_plain_training() {
 
 /// Each rank's parameters after `steps` steps of `opts` over `world` ranks.
 fn params_after(world: usize, opts: &TrainOptions, steps: u64) -> Vec<Vec<f32>> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = mem_cluster(world, MemOptions::default())
-            .into_iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let mut t = trainer(opts, Box::new(comm));
-                    while t.step() < steps {
-                        t.train_step().unwrap();
-                    }
-                    t.params().unwrap()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_each_rank(world, opts, fresh, |t| {
+        while t.step() < steps {
+            t.train_step().unwrap();
+        }
+        t.params().unwrap()
     })
 }
 
@@ -271,27 +282,15 @@ fn train_to(
     until: u64,
     save: Option<&std::path::Path>,
 ) -> Vec<(String, Vec<f32>, Vec<u64>)> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = mem_cluster(world, MemOptions::default())
-            .into_iter()
-            .map(|comm| {
-                let source = &source;
-                s.spawn(move || {
-                    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
-                    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
-                    let mut t = Trainer::new(be, source(), data, options.clone(), Box::new(comm)).unwrap();
-                    let mut rounds = Vec::new();
-                    while t.step() < until {
-                        rounds.extend(t.train_step().unwrap().outer.map(|r| r.loss.to_bits()));
-                    }
-                    if let Some(dir) = save {
-                        t.save(dir).unwrap();
-                    }
-                    (t.param_hash().unwrap(), t.moments().unwrap().v, rounds)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_each_rank(world, options, source, |t| {
+        let mut rounds = Vec::new();
+        while t.step() < until {
+            rounds.extend(t.train_step().unwrap().outer.map(|r| r.loss.to_bits()));
+        }
+        if let Some(dir) = save {
+            t.save(dir).unwrap();
+        }
+        (t.param_hash().unwrap(), t.moments().unwrap().v, rounds)
     })
 }
 
@@ -301,7 +300,6 @@ fn train_to(
 #[test]
 fn a_resumed_outer_run_continues_with_every_rank_s_own_bits() {
     let opts = options(2, 6);
-    let fresh = || ModelSource::Fresh(ModelConfig::tiny());
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ck");
     for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
