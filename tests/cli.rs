@@ -770,3 +770,46 @@ fn an_earlier_runs_metrics_are_kept() {
         .collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
 }
+
+/// `--sync outer` from the command line: two processes over QUIC, outer records on the outer steps only,
+/// no bytes sent on inner steps, the summary's saving against every-step sync; and its flags' errors.
+#[test]
+fn launch_trains_with_periodic_outer_synchronisation() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let mut args = vec!["launch", "--nproc", "2", "--", "train"];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&[
+        "--steps",
+        "6",
+        "--sync",
+        "outer",
+        "--outer-every",
+        "3",
+        "--verify-every",
+        "3",
+    ]);
+    args.extend_from_slice(&["--metrics", metrics.to_str().unwrap()]);
+    let stderr = ok(&args);
+    assert!(stderr.contains("x less than every-step sync at f32"), "{stderr}");
+    for path in [metrics.clone(), dir.path().join("m.rank1.jsonl")] {
+        let m = ringtrain::metrics::read_metrics(&path).unwrap();
+        assert_eq!(m.len(), 6);
+        for x in &m {
+            let outer = x.step % 3 == 0;
+            assert_eq!(x.outer.is_some(), outer, "step {}", x.step);
+            assert_eq!(x.param_hash.is_some(), outer, "step {}", x.step);
+            assert_eq!(x.sent_bytes == 0, !outer, "step {}: {} bytes", x.step, x.sent_bytes);
+        }
+    }
+    fails_with(&with(&SMALL, &["--outer-every", "3"]), "apply to --sync outer only");
+    fails_with(
+        &with(&SMALL, &["--sync", "outer", "--outer-every", "4", "--steps", "6"]),
+        "--steps 6 is not a multiple of --outer-every 4",
+    );
+    fails_with(&with(&SMALL, &["--sync", "sometimes"]), "expected every-step or outer");
+    fails_with(
+        &with(&SMALL, &["--sync", "outer", "--outer-lr", "0", "--steps", "50"]),
+        "--outer-lr 0 must be a positive number",
+    );
+}
