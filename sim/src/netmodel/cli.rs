@@ -8,7 +8,9 @@ use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
 use ringtrain::data::BatchSplit;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{bucket_elems, TrainOptions};
-use ringtrain_sim::netmodel::{auto_shares, predict_all_reduce, predict_split, ComputeProfile, Layout, Network};
+use ringtrain_sim::netmodel::{
+    auto_shares, predict_all_reduce, predict_split, ComputeProfile, Layout, Network, StepPrediction,
+};
 use std::process::ExitCode;
 
 /// `--allreduce-size`: one predicted f32 all-reduce per size, in `bench allreduce`'s units.
@@ -100,6 +102,18 @@ pub fn run(
         p.step_s * 1e3,
         p.tokens_per_s
     );
+    if let Some(outer) = options.sync.outer() {
+        let o = predict_outer(&net, &options, cli.workers, model.param_count(), outer.every, &p)?;
+        println!(
+            "predicted --sync outer | every {} steps | inner step {:.1} ms | outer exchange {:.1} ms | mean step {:.1} ms | {:.0} tokens/s ({:.2}x every-step)",
+            outer.every,
+            o.inner_s * 1e3,
+            o.exchange_s * 1e3,
+            o.mean_step_s * 1e3,
+            o.tokens_per_s,
+            o.tokens_per_s / p.tokens_per_s
+        );
+    }
     if cli.worker_speed.is_some() || options.batch_split == BatchSplit::Auto {
         let shares = auto_shares(&options, &profile, &speeds);
         let with_shares = |shares: &[usize]| {
@@ -143,6 +157,44 @@ pub fn run(
     Ok(ExitCode::SUCCESS)
 }
 
+/// A step of `--sync outer`, averaged over a round.
+struct OuterPrediction {
+    /// An inner step: the every-step prediction's compute, with no communication.
+    inner_s: f64,
+    /// The outer step's exchange: one all-reduce of the parameters (the sharded update's reduce-scatter and
+    /// all-gather move the same bytes), exposed at the end of its step. The host's element-wise work on Δ
+    /// is left out.
+    exchange_s: f64,
+    mean_step_s: f64,
+    tokens_per_s: f64,
+}
+
+/// `--sync outer` every `every` steps: inner steps of `every_step`'s compute, and one exchange of the
+/// `params` parameters per round.
+fn predict_outer(
+    net: &Network,
+    options: &TrainOptions,
+    workers: usize,
+    params: usize,
+    every: u64,
+    every_step: &StepPrediction,
+) -> Result<OuterPrediction> {
+    let layout = Layout::resolve(options.collective, net, workers).map_err(anyhow::Error::msg)?;
+    let exchange_s = match workers {
+        1 => 0.0,
+        _ => predict_all_reduce(net, layout, workers, params, DEFAULT_SUB_CHUNK),
+    };
+    let inner_s = every_step.compute_s;
+    let mean_step_s = inner_s + exchange_s / every as f64;
+    let tokens = every_step.tokens_per_s * every_step.step_s;
+    Ok(OuterPrediction {
+        inner_s,
+        exchange_s,
+        mean_step_s,
+        tokens_per_s: tokens / mean_step_s,
+    })
+}
+
 /// `forward=MS,backward=MS[,update=MS]`.
 fn given_profile(model: &ModelConfig, spec: &str) -> Result<ComputeProfile> {
     let (mut forward, mut backward, mut update) = (None, None, 0.0);
@@ -165,4 +217,44 @@ fn given_profile(model: &ModelConfig, spec: &str) -> Result<ComputeProfile> {
         bail!("--compute-ms {spec:?}: forward= and backward= are both required")
     };
     ComputeProfile::given(model, f, b, update)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A round of H steps pays one exchange: the mean step falls from compute + exchange (H = 1) towards
+    /// the compute alone, and tokens/s rise with it.
+    #[test]
+    fn outer_mode_spreads_one_exchange_over_a_round() {
+        let net = Network::parse("latency=50us,bandwidth=6.25MB").unwrap();
+        let options = TrainOptions::for_model(&ModelConfig::small());
+        let every_step = StepPrediction {
+            compute_s: 0.1,
+            comm_s: 0.5,
+            exposed_s: 0.5,
+            step_s: 0.6,
+            tokens_per_s: 2048.0 / 0.6,
+            cpu_floor_s: 0.0,
+        };
+        let params = ModelConfig::small().param_count();
+        let one = predict_outer(&net, &options, 2, params, 1, &every_step).unwrap();
+        let fifty = predict_outer(&net, &options, 2, params, 50, &every_step).unwrap();
+        // One all-reduce of 4 bytes per parameter over 2 ranks at 6.25 MB/s.
+        let wire = 4.0 * params as f64 / 6.25e6;
+        assert!(
+            (one.exchange_s - wire).abs() < 0.05 * wire,
+            "{} against {wire}",
+            one.exchange_s
+        );
+        assert!((one.mean_step_s - (0.1 + one.exchange_s)).abs() < 1e-12);
+        assert!((fifty.mean_step_s - (0.1 + one.exchange_s / 50.0)).abs() < 1e-12);
+        assert!((fifty.tokens_per_s * fifty.mean_step_s - 2048.0).abs() < 1e-6);
+        assert_eq!(
+            predict_outer(&net, &options, 1, params, 50, &every_step)
+                .unwrap()
+                .exchange_s,
+            0.0
+        );
+    }
 }
