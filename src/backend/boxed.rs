@@ -3,7 +3,7 @@
 //! [factory](super::factory) returns.
 
 use super::op_args::*;
-use super::{Backend, BackendMemory, Download, TokenView, View};
+use super::{Backend, BackendMemory, Download, StepShape, TokenView, View};
 use anyhow::Result;
 
 /// Forwards each op, which takes its checked arguments only, to the box's content.
@@ -62,8 +62,8 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).scale(x, s)
     }
 
-    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
-        (**self).check_step_shape(b, t, c, nh)
+    fn check_step_shape(&self, shape: StepShape) -> Result<()> {
+        (**self).check_step_shape(shape)
     }
 
     fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {

@@ -112,6 +112,53 @@ pub enum Download {
     InFlight { ticket: u64, host: Vec<f32> },
 }
 
+/// The shape of one training step's micro-batch on a model, as a backend checks it up front
+/// ([`Backend::check_step_shape`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// The model's width (`n_embd`).
+    pub width: usize,
+    pub heads: usize,
+    pub vocab: usize,
+}
+
+impl StepShape {
+    /// The largest tensors of a step, by element count: each must be indexable by the GPU kernels.
+    pub fn largest_tensors(&self) -> [(&'static str, usize); 3] {
+        let (b, t) = (self.batch, self.seq_len);
+        [
+            (
+                "attention",
+                b.saturating_mul(self.heads).saturating_mul(t).saturating_mul(t),
+            ),
+            (
+                "the qkv projection",
+                b.saturating_mul(t).saturating_mul(3).saturating_mul(self.width),
+            ),
+            ("the logits", b.saturating_mul(t).saturating_mul(self.vocab)),
+        ]
+    }
+
+    /// [`BackendError::ShapeUnsupported`] for the first tensor of the step with more than `limit` elements
+    /// (the kernels' indices are `index_bits` wide).
+    pub fn past_index_limit(&self, limit: usize, index_bits: u32) -> Option<BackendError> {
+        let (op, elements) = self.largest_tensors().into_iter().find(|(_, n)| *n > limit)?;
+        Some(BackendError::ShapeUnsupported {
+            op: op.into(),
+            detail: format!(
+                "needs {elements} elements in one tensor at batch size {} and sequence length {}, past the \
+                 {limit} that the kernels' {index_bits}-bit indices reach; use a smaller --batch-size (with \
+                 --grad-accum to keep the batch) or a shorter --seq-len",
+                self.batch, self.seq_len
+            ),
+        })
+    }
+}
+
 /// The op set of a GPT-2 training step. Every method panics only on a programming error (views of the
 /// wrong length, a view into a freed buffer); anything that depends on the outside world returns `Result`
 /// now or, for ops, at the next synchronisation point.
@@ -161,11 +208,11 @@ pub trait Backend {
     fn scale(&mut self, x: View, s: f32);
     /// One AdamW step (torch.optim.AdamW semantics).
     fn adamw(&mut self, op: Checked<AdamWUpdate>);
-    /// Checks, before any work, that training steps on `b` sequences of `t` tokens of a model `c` wide with
-    /// `nh` heads stay within what this backend can compute, so that a limit gives a clear error at start
-    /// ([`BackendError::ShapeUnsupported`]) instead of a failure mid-step. The default accepts every shape.
-    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
-        let _ = (b, t, c, nh);
+    /// Checks, before any work, that training steps of `shape` stay within what this backend can compute,
+    /// so that a limit gives a clear error at start ([`BackendError::ShapeUnsupported`]) instead of a
+    /// failure mid-step. The default accepts every shape.
+    fn check_step_shape(&self, shape: StepShape) -> Result<()> {
+        let _ = shape;
         Ok(())
     }
 
@@ -295,5 +342,46 @@ pub trait Backend {
     /// (see the module doc); a no-op on synchronous backends.
     fn synchronize(&mut self) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpt2(batch: usize, seq_len: usize) -> StepShape {
+        StepShape {
+            batch,
+            seq_len,
+            width: 768,
+            heads: 12,
+            vocab: 50257,
+        }
+    }
+
+    /// The logits `[b * t, 50257]` reach 2^32 elements first at GPT-2's width: from about 85,400 tokens per
+    /// micro-batch, refused by name before any work; 8 x 1024 is far below.
+    #[test]
+    fn the_up_front_check_names_the_logits_past_32_bit_indices() {
+        let limit = u32::MAX as usize;
+        assert!(gpt2(8, 1024).past_index_limit(limit, 32).is_none());
+        assert!(gpt2(83, 1024).past_index_limit(limit, 32).is_none());
+        let err = gpt2(84, 1024)
+            .past_index_limit(limit, 32)
+            .expect("84 x 1024 x 50257 > 2^32");
+        let BackendError::ShapeUnsupported { op, detail } = err else {
+            panic!("{err}")
+        };
+        assert_eq!(op, "the logits");
+        assert!(
+            detail.contains("4322906112 elements") && detail.contains("--grad-accum"),
+            "{detail}"
+        );
+        // Long sequences reach attention's [b, nh, t, t] first.
+        let long = gpt2(1, 20_000).past_index_limit(limit, 32).unwrap();
+        assert!(
+            matches!(long, BackendError::ShapeUnsupported { ref op, .. } if op == "attention"),
+            "{long}"
+        );
     }
 }

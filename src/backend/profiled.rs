@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::op_args::*;
 use super::op_cost::{fill_cost, scale_cost, sum_squares_cost, Costed, OpCost, OpFamily};
-use super::{Backend, BackendMemory, Download, TokenView, View};
+use super::{Backend, BackendMemory, Download, StepShape, TokenView, View};
 use anyhow::Result;
 
 /// One family's totals since the profile was last cleared.
@@ -142,8 +142,8 @@ impl<B: Backend> Backend for Profiled<B> {
         self.record(scale_cost(x.len), started);
     }
 
-    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
-        self.inner.check_step_shape(b, t, c, nh)
+    fn check_step_shape(&self, shape: StepShape) -> Result<()> {
+        self.inner.check_step_shape(shape)
     }
 
     fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {

@@ -12,7 +12,7 @@
 //!   decides alike; `replicated` runs AdamW on everything, `sharded` on the owned chunks and then
 //!   all-gathers the parameters bucket by bucket, so replicas are bit-identical by construction.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, StepShape};
 use crate::collective::comm_thread::CommThread;
 use crate::collective::{Collective, CollectiveChoice, Owner};
 use crate::data::{eval_windows, fill_batch, BatchPlan, DataSplits, TokenStream, WindowSampler};
@@ -268,7 +268,13 @@ impl<B: Backend> Trainer<B> {
         let mut batch = opts.batch_plan(world)?;
         let global = batch.global;
         let sampler = WindowSampler::for_tokens(data.train.len(), opts.seq_len, global, opts.shuffle, opts.seed)?;
-        be.check_step_shape(opts.batch_size, opts.seq_len, config.n_embd, config.n_head)?;
+        be.check_step_shape(StepShape {
+            batch: opts.batch_size,
+            seq_len: opts.seq_len,
+            width: config.n_embd,
+            heads: config.n_head,
+            vocab: config.vocab_size,
+        })?;
         let model = Gpt2::new(&mut be, config, &params)?;
         model.zero_grads(&mut be);
         // ZeRO-1: a sharded rank keeps the moments of its own chunk only (the chunk its reduce-scatter

@@ -3,7 +3,7 @@
 
 use super::super::error::ensure_view;
 use super::super::op_args::*;
-use super::super::{Backend, BackendError, BackendMemory, Download, TokenView, View};
+use super::super::{Backend, BackendError, BackendMemory, Download, StepShape, TokenView, View};
 use super::blas;
 use super::device::{CudaBackend, DeviceBuffer, Scratch, TokenBuffer};
 use super::gpu::{Addr, Gemm, Gpu, Param};
@@ -526,18 +526,13 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.launch("adamw", Self::per_element(n), &args);
     }
 
-    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
-        let limit = u32::MAX as usize;
-        let checks = [("attention", b * nh * t * t), ("the qkv projection", b * t * 3 * c)];
-        for (op, elements) in checks {
-            if elements > limit {
-                let detail = format!(
-                    "needs {elements} elements in one tensor at batch size {b} and sequence length {t}, past the 2^32 that the CUDA kernels' 32-bit indices reach"
-                );
-                return Err(BackendError::ShapeUnsupported { op: op.into(), detail }.into());
-            }
+    /// The kernels index every tensor with 32 bits: attention's `[b, nh, t, t]`, the qkv projection and the
+    /// logits `[b * t, vocab]` must stay under 2^32 elements.
+    fn check_step_shape(&self, shape: StepShape) -> Result<()> {
+        match shape.past_index_limit(u32::MAX as usize, 32) {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn begin_download(&mut self, src: View, host: Vec<f32>) -> Result<Download> {

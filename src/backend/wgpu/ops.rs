@@ -15,6 +15,7 @@ use super::params::{
 use super::windows::Win;
 use super::{ceil_div, Backend, BackendError, Download, TokenView, View, WgpuBackend, SUM_BLOCK};
 use crate::backend::op_args::*;
+use crate::backend::StepShape;
 use anyhow::Result;
 
 /// `VPI` of residual4.wgsl: vec4s per invocation of the vec4 element-wise kernels.
@@ -86,7 +87,13 @@ fn gelu_params(n: u32, [out_off, inp_off, dout_off]: [u32; 3]) -> GeluParams {
 }
 
 impl Backend for WgpuBackend {
-    fn check_step_shape(&self, b: usize, t: usize, c: usize, nh: usize) -> Result<()> {
+    /// The shaders index with 32 bits (attention, the qkv projection and the logits must stay under 2^32
+    /// elements), and a software adapter's loop budget bounds the longest loops.
+    fn check_step_shape(&self, shape: StepShape) -> Result<()> {
+        if let Some(e) = shape.past_index_limit(u32::MAX as usize, 32) {
+            return Err(e.into());
+        }
+        let (b, t, c, nh) = (shape.batch, shape.seq_len, shape.width, shape.heads);
         let tokens = b * t;
         let checks = [
             ("attention", attention_iterations(t, c / nh.max(1))),

@@ -103,8 +103,8 @@ fn attention_fits_the_software_loop_budget_at_gpt2_length() {
 #[test]
 fn step_shapes_past_the_software_loop_budget_are_refused_up_front() {
     let Some(be) = wgpu_or_skip(None) else { return };
-    be.check_step_shape(8, 1024, 768, 12).expect("GPT-2 at 8 x 1024 tokens");
-    let big = be.check_step_shape(128, 1024, 768, 12);
+    be.check_step_shape(gpt2_shape(8)).expect("GPT-2 at 8 x 1024 tokens");
+    let big = be.check_step_shape(gpt2_shape(128));
     if be.adapter().is_software {
         let err = big.expect_err("128 x 1024 tokens exceed the budget");
         assert!(
@@ -151,7 +151,7 @@ fn hardware_kernels_keep_the_loop_budget() {
         .checked(),
     );
     let result = be.synchronize();
-    let step = be.check_step_shape(128, 1024, 768, 12);
+    let step = be.check_step_shape(gpt2_shape(128));
     if be.adapter().is_software {
         let err = result.expect_err("k = 70000 exceeds the loop budget");
         assert!(
@@ -178,4 +178,15 @@ fn allocations_past_the_buffer_limit_are_refused() {
         matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { .. })),
         "{err:#}"
     );
+}
+
+/// GPT-2's step at `batch` sequences of 1024 tokens.
+fn gpt2_shape(batch: usize) -> crate::backend::StepShape {
+    crate::backend::StepShape {
+        batch,
+        seq_len: 1024,
+        width: 768,
+        heads: 12,
+        vocab: 50257,
+    }
 }
