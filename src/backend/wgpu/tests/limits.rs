@@ -104,16 +104,18 @@ fn attention_fits_the_software_loop_budget_at_gpt2_length() {
 fn step_shapes_past_the_software_loop_budget_are_refused_up_front() {
     let Some(be) = wgpu_or_skip(None) else { return };
     be.check_step_shape(gpt2_shape(8)).expect("GPT-2 at 8 x 1024 tokens");
-    let big = be.check_step_shape(gpt2_shape(128));
+    // 72 x 1024 tokens: past the loop budget (65535), within the 32-bit indices (the logits reach them
+    // from about 85,400 tokens).
+    let big = be.check_step_shape(gpt2_shape(72));
     if be.adapter().is_software {
-        let err = big.expect_err("128 x 1024 tokens exceed the budget");
+        let err = big.expect_err("72 x 1024 tokens exceed the budget");
         assert!(
             matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { .. })),
             "{err:#}"
         );
         let text = format!("{err:#}");
         assert!(
-            text.contains("stops a shader's loops") && text.contains("batch size 128 and sequence length 1024"),
+            text.contains("stops a shader's loops") && text.contains("batch size 72 and sequence length 1024"),
             "{text}"
         );
         assert!(!text.contains("--"), "no command-line flags in backend errors: {text}");
@@ -151,14 +153,14 @@ fn hardware_kernels_keep_the_loop_budget() {
         .checked(),
     );
     let result = be.synchronize();
-    let step = be.check_step_shape(gpt2_shape(128));
+    let step = be.check_step_shape(gpt2_shape(72));
     if be.adapter().is_software {
         let err = result.expect_err("k = 70000 exceeds the loop budget");
         assert!(
             matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { op, .. }) if op == "matmul"),
             "{err:#}"
         );
-        step.expect_err("128 x 1024 tokens exceed the budget");
+        step.expect_err("72 x 1024 tokens exceed the budget");
     } else {
         result.unwrap();
         step.unwrap();
@@ -189,4 +191,17 @@ fn gpt2_shape(batch: usize) -> crate::backend::StepShape {
         heads: 12,
         vocab: 50257,
     }
+}
+
+/// Past the shaders' 32-bit indices (GPT-2's logits at 128 x 1024 tokens), every adapter refuses the step
+/// up front, naming the tensor.
+#[test]
+fn step_shapes_past_32_bit_indices_are_refused_on_every_adapter() {
+    let Some(be) = wgpu_or_skip(None) else { return };
+    let err = be
+        .check_step_shape(gpt2_shape(128))
+        .expect_err("128 x 1024 x 50257 logits");
+    let text = format!("{err:#}");
+    assert!(text.contains("the logits") && text.contains("32-bit indices"), "{text}");
+    assert!(!text.contains("--"), "no command-line flags in backend errors: {text}");
 }
