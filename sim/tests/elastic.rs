@@ -434,6 +434,24 @@ fn sharded_deaths_anywhere_in_a_step_end_with_the_bits_of_a_restart() {
     );
 }
 
+/// Sharded with `--overlap off`, where the parameter gathers complete inside the step that updated: a death
+/// during them leaves ranks that applied the update and have not finished the step; the update is the
+/// commit point, so none applies it twice, and every run ends with the bits of a restart.
+#[test]
+fn sharded_without_overlap_a_death_in_the_gathers_commits_the_update_once() {
+    let base = sharded(3).bucket_elems(30_000).overlap(false);
+    let options = options_of(&base);
+    for msgs in 14..46 {
+        let run = worker_1_dropped_after(base.clone(), msgs, STEPS);
+        let Some(change) = run.report.ranks[0].memberships.first() else {
+            continue;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let replayed = replay(&options, 3, change.resumed_from_step, 2, dir.path());
+        assert_eq!(replayed, vec![run.final_hash().to_string(); 2], "drop after {msgs}");
+    }
+}
+
 #[test]
 fn sharded_a_joiner_takes_a_chunk_and_a_mirror() {
     let cluster = sharded(2).fault("join=3").unwrap();

@@ -136,9 +136,9 @@ pub trait Collective: Send {
         Ok(())
     }
 
-    /// The count of bytes this rank has sent to its neighbours (collective payloads with their frame
-    /// headers; not the control plane), readable from any thread, for the metrics' `sent_bytes`. A count
-    /// that stays at zero for transports that do not count.
+    /// The count of bytes this rank has sent to its neighbours (collective payloads, with their frame
+    /// headers where the transport has frames; not the control plane), readable from any thread, for the
+    /// metrics' `sent_bytes`. A count that stays at zero for transports that do not count.
     fn sent_bytes(&self) -> SentBytes {
         SentBytes::default()
     }

@@ -124,6 +124,32 @@ fn holders(layout: &StateLayout, members: &[MemberId]) -> Result<Vec<(usize, usi
     Ok(held)
 }
 
+/// Whether every survivor behind the newest committed step can roll it forward: one step behind, with that
+/// step's reduced gradient on its device and the scalars a survivor that committed it agreed on.
+fn catch_up_possible(states: &[ShardedSurvivor], newest: u64) -> Result<()> {
+    for (rank, s) in states
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.joining && s.committed < newest)
+    {
+        ensure!(
+            s.committed + 1 == newest,
+            "rank {rank} committed {} steps and another survivor {newest}: too far behind to catch up",
+            s.committed
+        );
+        ensure!(
+            s.reduced == Some(s.committed),
+            "rank {rank} must apply step {newest}, which another survivor committed, but its reduced gradient of \
+             that step is not on its device"
+        );
+        ensure!(
+            states.iter().any(|o| o.agreed.is_some_and(|a| a.0 == s.committed)),
+            "no survivor that committed step {newest} says what its ranks agreed on"
+        );
+    }
+    Ok(())
+}
+
 /// Checks that `ranges` cover `0..total` exactly once and returns them sorted with their contributor and
 /// offset in the contributor's piece.
 fn cover(ranges: &[Vec<(usize, usize)>], total: usize) -> Result<Vec<(usize, usize, Range<usize>)>> {
@@ -188,6 +214,9 @@ impl<B: Backend> Trainer<B> {
             .find(|s| s.committed == newest)
             .expect("the newest is someone's"))
         .clone();
+        // Every rank checks every survivor's catch-up, so all refuse alike rather than one leaving the others
+        // waiting in the rebuild's collectives.
+        catch_up_possible(&states, newest)?;
         if !joining && self.step < newest {
             self.roll_forward(newest, &states)?;
         }
@@ -242,23 +271,13 @@ impl<B: Backend> Trainer<B> {
 
     /// Applies step `newest - 1`, which this rank began and another survivor completed: the reduced gradient
     /// is still on the device, the other tells the agreed scalars.
+    /// [`catch_up_possible`] has checked, on every rank, that it can.
     fn roll_forward(&mut self, newest: u64, states: &[ShardedSurvivor]) -> Result<()> {
         let step = self.step;
-        ensure!(
-            step + 1 == newest,
-            "rank {}: it committed {step} steps and another survivor {newest}: too far behind to catch up",
-            self.rank
-        );
         let (_, loss, grad_sq) = states
             .iter()
             .find_map(|s| s.agreed.filter(|a| a.0 == step))
             .with_context(|| format!("no survivor that committed step {newest} says what its ranks agreed on"))?;
-        ensure!(
-            self.reduced_step == Some(step),
-            "rank {}: step {newest} was committed by another survivor, but this rank's reduced gradient of it is \
-             not on its device",
-            self.rank
-        );
         let agreed = AgreedStep { loss, grad_sq };
         self.last_agreed = Some((step, agreed));
         self.spikes.observe(loss);

@@ -13,7 +13,18 @@ pub(super) const INNER_M: &str = "inner_exp_avg";
 pub(super) const INNER_V: &str = "inner_exp_avg_sq";
 /// Each rank's own parameters in a `--sync outer` checkpoint saved between outer steps.
 pub(super) const INNER_P: &str = "inner_params";
-/// Each rank's outer round under way (its own inner losses) in a `--sync outer` checkpoint.
+/// A u64's bits as two f32s (low half first), stored exactly in an F32 tensor.
+pub(super) fn u64_as_f32_pair(n: u64) -> [f32; 2] {
+    [f32::from_bits(n as u32), f32::from_bits((n >> 32) as u32)]
+}
+
+/// The u64 [`u64_as_f32_pair`] stored.
+pub(super) fn u64_from_f32_pair(pair: [f32; 2]) -> u64 {
+    u64::from(pair[0].to_bits()) | (u64::from(pair[1].to_bits()) << 32)
+}
+
+/// Each rank's outer round under way (its own inner losses, then its inner optimizer step as an f32 pair)
+/// in a `--sync outer` checkpoint.
 pub(super) const INNER_ROUND: &str = "inner_round";
 /// What every per-rank tensor name starts with.
 pub(super) const INNER_PREFIX: &str = "inner_";
@@ -35,9 +46,11 @@ impl<B: Backend> Trainer<B> {
             // hold the shared parameters of the last outer step (what `sample` and `--init` read).
             let mid_round = self.step % outer.every != 0;
             let local = mid_round.then_some(params.as_slice());
-            let round = sync
+            let mut round = sync
                 .remove(super::outer_sync::ROUND)
                 .context("the outer sync kept no round")?;
+            // With this rank's inner optimizer step: each rank skips its own non-finite steps.
+            round.extend(u64_as_f32_pair(self.opt.step));
             sync.extend(self.gather_inner_state(&m, &v, &round, local)?);
             if mid_round {
                 params = sync

@@ -160,10 +160,13 @@ impl<B: Backend> Trainer<B> {
         self.install_group(comm, owner)?;
         self.faults = self.armed_faults.for_members(&membership.members);
         self.membership = membership;
-        match sharded {
-            true => self.rebuild_sharded(joining),
-            false => self.catch_up(),
-        }
+        let resumed = match sharded {
+            true => self.rebuild_sharded(joining)?,
+            false => self.catch_up()?,
+        };
+        // The catch-up's transfers are the re-form's, not the next step's traffic.
+        self.sent_mark = self.comm.sent_bytes();
+        Ok(resumed)
     }
 
     /// A new member takes its place in a running elastic job: `comm` is the group that admitted it (with

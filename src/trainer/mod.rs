@@ -323,7 +323,14 @@ impl<B: Backend> Trainer<B> {
             step = state.data_cursor / global as u64;
             tokens_seen = state.tokens_seen;
             let mut sync_state = state.sync;
+            let mut inner_step = None;
             if opts.sync.outer().is_some() {
+                // Checked on every rank before any collective, so that all refuse alike.
+                ensure!(
+                    sync_state.contains_key(outer_sync::ANCHOR),
+                    "--resume: the checkpoint holds no --sync outer state: it was written by a run of another \
+                     --sync mode; resume it with that mode"
+                );
                 // Each rank's own inner moments (rank 0's are the checkpoint's moments).
                 ensure!(
                     state.world_size == world,
@@ -362,20 +369,25 @@ impl<B: Backend> Trainer<B> {
                     );
                     be.upload(model.params, local)?;
                 }
-                // This rank's round under way, for the outer sync (none in a checkpoint of the other --sync
-                // mode, which the outer sync then refuses by name).
+                // This rank's round under way, for the outer sync, and its own inner optimizer step.
                 let round = sync_state
                     .get(&format!("{}.rank{rank}", checkpointing::INNER_ROUND))
-                    .cloned();
+                    .cloned()
+                    .context("--resume: no outer round for this rank")?;
                 sync_state.retain(|k, _| !k.starts_with(checkpointing::INNER_PREFIX));
-                if let Some(round) = round {
-                    sync_state.insert(outer_sync::ROUND.to_string(), round);
-                }
+                ensure!(
+                    round.len() == 5,
+                    "--resume: this rank's outer round has {} values, not 5",
+                    round.len()
+                );
+                inner_step = Some(checkpointing::u64_from_f32_pair([round[3], round[4]]));
+                sync_state.insert(outer_sync::ROUND.to_string(), round[..3].to_vec());
             }
             resumed_sync_state = Some(sync_state);
-            opt.step = match state.extra.get("optimizer_step") {
-                Some(s) => s.parse().context("--resume: bad optimizer_step in trainer state")?,
-                None => state.step,
+            opt.step = match (inner_step, state.extra.get("optimizer_step")) {
+                (Some(own), _) => own,
+                (None, Some(s)) => s.parse().context("--resume: bad optimizer_step in trainer state")?,
+                (None, None) => state.step,
             };
             if let Some(mirror) = &mut mirror {
                 mirror.step = opt.step;
@@ -549,15 +561,15 @@ impl<B: Backend> Trainer<B> {
         self.last_agreed = Some((self.step, agreed));
         let loss_spike_reference = self.spikes.observe(agreed.loss);
         let (lr, skipped) = self.update(agreed)?;
+        // Committed: the update is applied, so the step counts even if what follows fails (an elastic
+        // re-form continues from here; a sharded one re-gathers the parameters from their owners).
+        self.step += 1;
+        self.tokens_seen += self.tokens_per_step();
         if !skipped {
             self.sync.after_update(&mut self.be, &self.comm, self.model.params)?;
         }
         self.sync.end_of_step(&mut self.be, &self.comm, self.model.params)?;
         let outer = self.sync.take_round();
-        // Committed: the parameters are updated, so the step counts even if what follows fails (an elastic
-        // re-form continues from here).
-        self.step += 1;
-        self.tokens_seen += self.tokens_per_step();
         let comm = self.sync.take_comm_time();
         let verify = self.opts.verify_every;
         let param_hash = match verify > 0 && self.step % verify == 0 {
@@ -763,10 +775,11 @@ impl<B: Backend> Trainer<B> {
         }
     }
 
-    /// The update, decided from agreed values so that every rank decides alike: a non-finite loss or norm
-    /// skips it (or stops the run), otherwise AdamW runs on what this rank owns (checked and recorded by the
-    /// shard guard) and on its buddy mirror. The caller has the sync distribute the result. Returns the
-    /// learning rate and whether it skipped.
+    /// The update, decided from agreed values so that every rank decides alike (under `--sync outer` the
+    /// values are each rank's own: a rank that stops on a non-finite value tells the others, whose next
+    /// collective fails naming it): a non-finite loss or norm skips it (or stops the run), otherwise AdamW
+    /// runs on what this rank owns (checked and recorded by the shard guard) and on its buddy mirror. The
+    /// caller has the sync distribute the result. Returns the learning rate and whether it skipped.
     fn update(&mut self, agreed: AgreedStep) -> Result<(f64, bool)> {
         let grad_norm = agreed.grad_sq.sqrt();
         let lr = self.opts.schedule.lr_at(self.step);

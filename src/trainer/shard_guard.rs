@@ -7,8 +7,9 @@
 //! since the next gather overwrites it with the owner's bytes. So the owner guards what only it holds, its
 //! parameter chunks and its AdamW moments: blake3 of them right after its update, checked right before its
 //! next update. Nothing legitimate writes them in between (the gather writes back the owner's own bytes), so
-//! a mismatch is corruption, reported naming the rank and both steps. No replica keeps a copy of a rank's
-//! moments, so there is nothing to restore from: the step fails.
+//! a mismatch is corruption, reported naming the rank and both steps. Outside elastic runs no replica keeps
+//! a copy of a rank's moments (an elastic run's buddy mirror is only read after a loss), so there is nothing
+//! to restore from: the step fails.
 //!
 //! It is on with `--verify-every N` (any N), and then checks every step, since a flip between two
 //! verified steps would be spread by the next gather and never seen. Its cost is reading back and hashing
