@@ -73,7 +73,7 @@ struct Cli {
     #[arg(long)]
     replay_splits: Option<std::path::PathBuf>,
     /// Survivors of a lost worker (kill, drop, or freeze past --timeout) re-form the group and go on
-    /// (replicated update, --transport mem)
+    /// (either update, --transport mem)
     #[arg(long)]
     elastic: bool,
     /// With --elastic: who may go on after a loss, a strict majority of the last membership, or any
