@@ -95,6 +95,8 @@ struct ShardedSurvivor {
     reduced: Option<u64>,
     /// A new member, which holds nothing of the job's state.
     joining: bool,
+    /// Why the state cannot be rebuilt, when this member found that part of it is on no survivor.
+    lost: Option<String>,
     /// The flat ranges whose parameters and moments this rank contributes, as (start, length), in the
     /// order of its contribution.
     ranges: Vec<(usize, usize)>,
@@ -188,12 +190,17 @@ impl<B: Backend> Trainer<B> {
     /// new member, holding nothing. Returns the step the group continues from.
     pub(super) fn rebuild_sharded(&mut self, joining: bool) -> Result<u64> {
         let members = self.membership.members.clone();
-        // Every non-joiner checks the layout before any transfer, so all of them refuse alike.
-        let contributions = match joining {
-            true => Vec::new(),
-            false => self.contributions(&members)?,
+        // A state nobody holds whole (an owner and its buddy lost together) is found by the members that held
+        // it; they say so in the exchange, so that every rank, a joiner too, refuses alike.
+        let (contributions, lost) = match joining {
+            true => (Vec::new(), None),
+            false => match self.contributions(&members) {
+                Ok(pieces) => (pieces, None),
+                Err(e) => (Vec::new(), Some(format!("{e:#}"))),
+            },
         };
         let mine = ShardedSurvivor {
+            lost,
             committed: self.step,
             optimizer_step: self.opt.step,
             tokens_seen: self.tokens_seen,
@@ -203,6 +210,9 @@ impl<B: Backend> Trainer<B> {
             ranges: contributions.iter().map(|(r, _)| (r.start, r.len())).collect(),
         };
         let states = self.exchange_states(&mine)?;
+        if let Some(why) = states.iter().find_map(|s| s.lost.clone()) {
+            bail!("{why}");
+        }
         let holders: Vec<&ShardedSurvivor> = states.iter().filter(|s| !s.joining).collect();
         ensure!(
             !holders.is_empty(),
