@@ -653,7 +653,15 @@ fn a_save_that_fails_mid_run_stops_the_run_and_keeps_the_last_checkpoint() {
         assert!(started.elapsed() < Duration::from_secs(120), "no checkpoint appeared");
         std::thread::sleep(Duration::from_millis(5));
     }
-    std::fs::write(ck.join("notes.txt"), b"mine").unwrap();
+    // A save in progress renames the directory away and its replacement in: between the two renames the
+    // path is briefly absent, so the write is retried then.
+    while let Err(e) = std::fs::write(ck.join("notes.txt"), b"mine") {
+        assert!(
+            e.kind() == std::io::ErrorKind::NotFound && started.elapsed() < Duration::from_secs(120),
+            "{e}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
