@@ -288,12 +288,7 @@ impl<B: Backend> Trainer<B> {
             .iter()
             .find_map(|s| s.agreed.filter(|a| a.0 == step))
             .with_context(|| format!("no survivor that committed step {newest} says what its ranks agreed on"))?;
-        let agreed = AgreedStep { loss, grad_sq };
-        self.last_agreed = Some((step, agreed));
-        self.spikes.observe(loss);
-        self.update(agreed)?;
-        self.step += 1;
-        self.tokens_seen += self.tokens_per_step();
+        self.commit(AgreedStep { loss, grad_sq })?;
         self.reduced_step = None;
         Ok(())
     }

@@ -127,8 +127,14 @@ impl BucketedSync {
     /// neighbour's reduced chunk of every bucket, in the same collective as its reduce-scatter.
     pub fn with_buddy_mirrors(mut self, on: bool) -> Self {
         self.mirrors = on;
-        self.left = crate::trainer::buddy::left_of(&self.owner).filter(|_| on && self.update == UpdateMode::Sharded);
+        self.left = self.mirrored_neighbour(&self.owner);
         self
+    }
+
+    /// The ownership map whose chunks this rank mirrors under `owner`: its left neighbour's, when mirrors
+    /// are asked for, the update is sharded and the group has several ranks.
+    fn mirrored_neighbour(&self, owner: &Owner) -> Option<Owner> {
+        crate::trainer::buddy::left_of(owner).filter(|_| self.mirrors && self.update == UpdateMode::Sharded)
     }
 
     /// Forgets the last step (a step that failed half way leaves nothing behind): read-backs still in
@@ -353,8 +359,7 @@ impl<B: Backend> GradientSync<B> for BucketedSync {
         self.plan = plan.clone();
         (self.world, self.rank) = (owner.world(), owner.rank());
         self.owner = owner.clone();
-        self.left =
-            crate::trainer::buddy::left_of(owner).filter(|_| self.mirrors && self.update == UpdateMode::Sharded);
+        self.left = self.mirrored_neighbour(owner);
         self.reduction = reduction;
         Ok(())
     }

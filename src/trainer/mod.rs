@@ -407,7 +407,7 @@ impl<B: Backend> Trainer<B> {
             None => Box::new(
                 BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone())
                     .reducing(reduction)
-                    .with_buddy_mirrors(mirror.is_some() || buddy::mirrors_wanted(&opts)),
+                    .with_buddy_mirrors(buddy::mirrors_wanted(&opts)),
             ),
         };
         let layout = buddy::StateLayout::first(world, owner.clone());
@@ -558,13 +558,7 @@ impl<B: Backend> Trainer<B> {
         let agreed = self
             .sync
             .synchronise(&mut self.be, &self.comm, self.model.grads, local)?;
-        self.last_agreed = Some((self.step, agreed));
-        let loss_spike_reference = self.spikes.observe(agreed.loss);
-        let (lr, skipped) = self.update(agreed)?;
-        // Committed: the update is applied, so the step counts even if what follows fails (an elastic
-        // re-form continues from here; a sharded one re-gathers the parameters from their owners).
-        self.step += 1;
-        self.tokens_seen += self.tokens_per_step();
+        let (lr, skipped, loss_spike_reference) = self.commit(agreed)?;
         if !skipped {
             self.sync.after_update(&mut self.be, &self.comm, self.model.params)?;
         }
@@ -773,6 +767,19 @@ impl<B: Backend> Trainer<B> {
             });
             std::thread::sleep(duration);
         }
+    }
+
+    /// Applies the step under way with the scalars the ranks agreed on and counts it: committed, so the
+    /// step counts even if what follows fails (an elastic re-form continues from here; a sharded one
+    /// re-gathers the parameters from their owners). Returns the learning rate, whether the update was
+    /// skipped, and the loss-spike reference.
+    fn commit(&mut self, agreed: AgreedStep) -> Result<(f64, bool, Option<f64>)> {
+        self.last_agreed = Some((self.step, agreed));
+        let loss_spike_reference = self.spikes.observe(agreed.loss);
+        let (lr, skipped) = self.update(agreed)?;
+        self.step += 1;
+        self.tokens_seen += self.tokens_per_step();
+        Ok((lr, skipped, loss_spike_reference))
     }
 
     /// The update, decided from agreed values so that every rank decides alike (under `--sync outer` the

@@ -19,6 +19,7 @@
 //! this rank's chunk `[≈P/N]`. A checkpoint (taken at an outer step, where the options put every save)
 //! carries both, full, as `sync.outer_anchor` and `sync.outer_momentum`.
 
+use super::checkpointing::{u64_as_f32_pair, u64_from_f32_pair};
 use super::comm_ledger::{CommLedger, CommTime};
 use super::sync::{AgreedStep, GradientSync, LocalStep, SyncState};
 use super::{grad_sync::Reduction, BucketPlan, OuterOptions, UpdateMode};
@@ -108,7 +109,7 @@ impl OuterSync {
                     "the checkpoint's outer round has {} values, not 3",
                     round.len()
                 );
-                let bits = u64::from(round[0].to_bits()) | (u64::from(round[1].to_bits()) << 32);
+                let bits = u64_from_f32_pair([round[0], round[1]]);
                 (self.round_loss, self.round_steps) = (f64::from_bits(bits), round[2] as u64);
                 ensure!(
                     self.round_steps < self.outer.every,
@@ -310,12 +311,8 @@ impl<B: Backend> GradientSync<B> for OuterSync {
                 comm.run(move |c| c.all_gather(&mut momentum).map(|()| momentum))?
             }
         };
-        let bits = self.round_loss.to_bits();
-        let round = vec![
-            f32::from_bits(bits as u32),
-            f32::from_bits((bits >> 32) as u32),
-            self.round_steps as f32,
-        ];
+        let [lo, hi] = u64_as_f32_pair(self.round_loss.to_bits());
+        let round = vec![lo, hi, self.round_steps as f32];
         Ok(SyncState::from([
             (ANCHOR.to_string(), self.anchor.clone()),
             (MOMENTUM.to_string(), momentum),
