@@ -17,10 +17,10 @@ use ringtrain::backend::factory::{open_kind, BackendKind};
 use ringtrain::backend::matmul_bench::MatmulBench;
 use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::wgpu::{list_adapters, AdapterSelection, WgpuBackend};
-use ringtrain::backend::{AdamWStep, AttentionShape, Backend, MatmulShape, WeightLayout};
+use ringtrain::backend::{AdamWStep, AttentionSaving, AttentionShape, Backend, MatmulShape, WeightLayout};
 use ringtrain::backend::{
-    AdamWUpdate, AttentionForward, CrossEntropyBackward, CrossEntropyForward, EncoderBackward, EncoderForward,
-    EncoderShape, LogitsShape, MatmulBackward, MatmulForward,
+    AdamWUpdate, AttentionBackward, AttentionForward, CrossEntropyBackward, CrossEntropyForward, EncoderBackward,
+    EncoderForward, EncoderShape, LogitsShape, MatmulBackward, MatmulForward,
 };
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -54,10 +54,10 @@ fn shared_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
     open_wgpu(&BE, |_| {})
 }
 
-/// Segment size of the `wgpu_segmented` backend, in elements (256 KiB buffers).
-const SEGMENT: usize = 65536;
+/// Segment size of the `wgpu_segmented` backend, in elements (1 MiB buffers: one gpt2-wide sequence of 1024 tokens fits a binding).
+const SEGMENT: usize = 262_144;
 
-/// A wgpu backend whose allocations are split into 256 KiB buffers (bindings capped alike), as a
+/// A wgpu backend whose allocations are split into 1 MiB buffers (bindings capped alike), as a
 /// tensor larger than `max_buffer_size` would be.
 fn segmented_wgpu() -> Option<MutexGuard<'static, WgpuBackend>> {
     static BE: OnceLock<Option<Mutex<WgpuBackend>>> = OnceLock::new();
@@ -116,7 +116,7 @@ macro_rules! backend_tests {
                 }
             )*
         }
-        /// Every view straddles two 256 KiB segments of its allocation.
+        /// Every view straddles two 1 MiB segments of its allocation.
         mod wgpu_segmented {
             use ringtrain::backend::conformance::{Group, Settings};
             $(
@@ -346,28 +346,50 @@ fn split_cases(r: &mut Runner) {
             )
         },
     );
+    // qkv [3, 300, 192] is 2.6 windows; one sequence's fits one.
     let s = AttentionShape {
         b: 3,
-        t: 150,
-        c: 8,
+        t: 300,
+        c: 64,
         nh: 2,
     };
-    // out [3, 150, 8], att [3, 2, 150, 150], qkv [3, 150, 24]
+    let (bt, c) = (3 * 300, 64);
+    let room = AttentionSaving::Probabilities.saved_len(s);
+    // dqkv [bt, 3c], out [bt, c], saved, scratch, dout [bt, c], qkv [bt, 3c]
     let case = Operands::default()
-        .zeros(3 * 150 * 8)
-        .zeros(3 * 2 * 150 * 150)
-        .rand(&mut rng, 3 * 150 * 24, 2.0);
+        .rand(&mut rng, bt * 3 * c, 1.0)
+        .zeros(bt * c)
+        .unchecked(room)
+        .unchecked(room)
+        .rand(&mut rng, bt * c, 1.0)
+        .rand(&mut rng, bt * 3 * c, 2.0);
     r.check(
-        "attention_forward",
-        "split b3 t150 c8 nh2",
+        "attention_forward and backward",
+        "split b3 t300 c64 nh2",
         &case,
         TRANSCENDENTAL,
         &|be, f, _| {
+            let saving = be.attention_saving();
+            let saved = f[2].sub(0, saving.saved_len(s));
             be.attention_forward(
                 AttentionForward {
-                    out: f[0],
-                    att: f[1],
-                    qkv: f[2],
+                    out: f[1],
+                    saved,
+                    qkv: f[5],
+                    saving,
+                    shape: s,
+                }
+                .checked(),
+            );
+            be.attention_backward(
+                AttentionBackward {
+                    dqkv: f[0],
+                    scratch: f[3].sub(0, saving.scratch_len(s)),
+                    dout: f[4],
+                    qkv: f[5],
+                    out: f[1],
+                    saved,
+                    saving,
                     shape: s,
                 }
                 .checked(),

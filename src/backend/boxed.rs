@@ -22,6 +22,10 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).name()
     }
 
+    fn attention_saving(&self) -> AttentionSaving {
+        (**self).attention_saving()
+    }
+
     fn alloc(&mut self, len: usize) -> Result<View> {
         (**self).alloc(len)
     }

@@ -54,6 +54,7 @@ pub mod cpu;
 pub mod cuda;
 mod error;
 pub mod factory;
+pub mod flash;
 pub mod matmul_bench;
 mod op_args;
 pub mod op_cost;
@@ -65,10 +66,10 @@ pub mod wgpu;
 
 pub use error::BackendError;
 pub use op_args::{
-    AdamWUpdate, AddInplace, AddLayerNormForward, AttentionBackward, AttentionForward, AttentionShape, Checked,
-    CopyInto, CrossEntropyBackward, CrossEntropyForward, CrossEntropyForwardBackward, EncoderBackward, EncoderForward,
-    EncoderShape, GeluBackward, GeluForward, LayerNormBackward, LayerNormForward, LogitsShape, MatmulBackward,
-    MatmulForward, MatmulGeluForward, MatmulShape, OpArgs, ResidualForward, RowsShape, WeightLayout,
+    AdamWUpdate, AddInplace, AddLayerNormForward, AttentionBackward, AttentionForward, AttentionSaving, AttentionShape,
+    Checked, CopyInto, CrossEntropyBackward, CrossEntropyForward, CrossEntropyForwardBackward, EncoderBackward,
+    EncoderForward, EncoderShape, GeluBackward, GeluForward, LayerNormBackward, LayerNormForward, LogitsShape,
+    MatmulBackward, MatmulForward, MatmulGeluForward, MatmulShape, OpArgs, ResidualForward, RowsShape, WeightLayout,
 };
 pub use view::{TokenView, View};
 
@@ -127,13 +128,18 @@ pub struct StepShape {
 }
 
 impl StepShape {
-    /// The largest tensors of a step, by element count: each must be indexable by the GPU kernels.
-    pub fn largest_tensors(&self) -> [(&'static str, usize); 3] {
+    /// The largest tensors of a step, by element count, with attention keeping what `saving` says: each
+    /// must be indexable by the GPU kernels.
+    pub fn largest_tensors(&self, saving: AttentionSaving) -> [(&'static str, usize); 3] {
         let (b, t) = (self.batch, self.seq_len);
+        let per_row = match saving {
+            AttentionSaving::Probabilities => t,
+            AttentionSaving::RowLogSumExp => 1,
+        };
         [
             (
                 "attention",
-                b.saturating_mul(self.heads).saturating_mul(t).saturating_mul(t),
+                b.saturating_mul(self.heads).saturating_mul(t).saturating_mul(per_row),
             ),
             (
                 "the qkv projection",
@@ -144,9 +150,9 @@ impl StepShape {
     }
 
     /// [`BackendError::ShapeUnsupported`] for the first tensor of the step with more than `limit` elements
-    /// (the kernels' indices are `index_bits` wide).
-    pub fn past_index_limit(&self, limit: usize, index_bits: u32) -> Option<BackendError> {
-        let (op, elements) = self.largest_tensors().into_iter().find(|(_, n)| *n > limit)?;
+    /// (the kernels' indices are `index_bits` wide), attention keeping what `saving` says.
+    pub fn past_index_limit(&self, limit: usize, index_bits: u32, saving: AttentionSaving) -> Option<BackendError> {
+        let (op, elements) = self.largest_tensors(saving).into_iter().find(|(_, n)| *n > limit)?;
         Some(BackendError::ShapeUnsupported {
             op: op.into(),
             detail: format!(
@@ -192,6 +198,9 @@ pub trait Backend {
     fn layernorm_backward(&mut self, op: Checked<LayerNormBackward>);
     fn matmul_forward(&mut self, op: Checked<MatmulForward>);
     fn matmul_backward(&mut self, op: Checked<MatmulBackward>);
+    /// What this backend's attention keeps from forward for backward: the model carves its lengths and
+    /// passes it back in the attention ops' arguments.
+    fn attention_saving(&self) -> AttentionSaving;
     fn attention_forward(&mut self, op: Checked<AttentionForward>);
     fn attention_backward(&mut self, op: Checked<AttentionBackward>);
     fn gelu_forward(&mut self, op: Checked<GeluForward>);
@@ -364,10 +373,11 @@ mod tests {
     #[test]
     fn the_up_front_check_names_the_logits_past_32_bit_indices() {
         let limit = u32::MAX as usize;
-        assert!(gpt2(8, 1024).past_index_limit(limit, 32).is_none());
-        assert!(gpt2(83, 1024).past_index_limit(limit, 32).is_none());
+        let flash = AttentionSaving::RowLogSumExp;
+        assert!(gpt2(8, 1024).past_index_limit(limit, 32, flash).is_none());
+        assert!(gpt2(83, 1024).past_index_limit(limit, 32, flash).is_none());
         let err = gpt2(84, 1024)
-            .past_index_limit(limit, 32)
+            .past_index_limit(limit, 32, flash)
             .expect("84 x 1024 x 50257 > 2^32");
         let BackendError::ShapeUnsupported { op, detail } = err else {
             panic!("{err}")
@@ -377,11 +387,14 @@ mod tests {
             detail.contains("4322906112 elements") && !detail.contains("--"),
             "{detail}"
         );
-        // Long sequences reach attention's [b, nh, t, t] first.
-        let long = gpt2(1, 20_000).past_index_limit(limit, 32).unwrap();
+        // Long sequences reach the probabilities [b, nh, t, t] first where they are kept; the flash kernels
+        // keep [b, nh, t].
+        let probabilities = AttentionSaving::Probabilities;
+        let long = gpt2(1, 20_000).past_index_limit(limit, 32, probabilities).unwrap();
         assert!(
             matches!(long, BackendError::ShapeUnsupported { ref op, .. } if op == "attention"),
             "{long}"
         );
+        assert!(gpt2(1, 20_000).past_index_limit(limit, 32, flash).is_none());
     }
 }

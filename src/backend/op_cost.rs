@@ -8,8 +8,11 @@
 //!   token's matmuls over a step are `6·P_w + 2·P_b` (P_w the matmul weights, the tied LM head included,
 //!   P_b their biases).
 //! - Causal attention counts its contractions over the causal half, the diagonal included: forward
-//!   `Q·Kᵀ` and `P·V`, `hs·t(t+1)` each per sequence and head, so `2·b·c·t(t+1)` in all; backward four
-//!   (`dP`, `dV`, `dQ`, `dK`), `4·b·c·t(t+1)`. Softmax and scaling are not counted (a few FLOPs per score,
+//!   `Q·Kᵀ` and `P·V`, `hs·t(t+1)` each per sequence and head, so `2·b·c·t(t+1)` in all; backward, with
+//!   the probabilities saved, four (`dP`, `dV`, `dQ`, `dK`), `4·b·c·t(t+1)`; recomputing them from each
+//!   row's log-sum-exp (the GPU kernels), eight: the `dQ` pass recomputes `Q·Kᵀ` and `dP`, the `dK` pass
+//!   both again, the `dV` pass `Q·Kᵀ`, so `8·b·c·t(t+1)`. Masked scores inside a tile on the diagonal are
+//!   computed and thrown away by the tiled kernels; they are not counted. Softmax and scaling are not counted (a few FLOPs per score,
 //!   against `2·hs` per score in each contraction).
 //! - Element-wise and row-wise ops count the arithmetic per element their CPU kernels run, rounded: layer
 //!   norm 8 forward and 12 backward, GELU (tanh form) 10 and 16, softmax with cross-entropy 4 per logit
@@ -129,15 +132,24 @@ impl Costed for AttentionForward {
         cost(
             OpFamily::Attention,
             attention_forward_flops(&self.shape),
-            self.qkv.len + self.att.len + self.out.len,
+            self.qkv.len + self.saved.len + self.out.len,
         )
     }
 }
 
 impl Costed for AttentionBackward {
     fn cost(&self) -> OpCost {
-        let moved = self.dout.len + self.qkv.len + self.att.len + self.datt.len + self.dqkv.len;
-        cost(OpFamily::Attention, 2.0 * attention_forward_flops(&self.shape), moved)
+        let moved = self.dout.len + self.qkv.len + self.saved.len + self.scratch.len + self.dqkv.len;
+        // Recomputing kernels also read the output, for each row's dout · out.
+        let (passes, moved) = match self.saving {
+            AttentionSaving::Probabilities => (2.0, moved),
+            AttentionSaving::RowLogSumExp => (4.0, moved + self.out.len),
+        };
+        cost(
+            OpFamily::Attention,
+            passes * attention_forward_flops(&self.shape),
+            moved,
+        )
     }
 }
 

@@ -95,6 +95,10 @@ impl<B: Backend> Backend for Profiled<B> {
         self.inner.name()
     }
 
+    fn attention_saving(&self) -> AttentionSaving {
+        self.inner.attention_saving()
+    }
+
     fn alloc(&mut self, len: usize) -> Result<View> {
         self.inner.alloc(len)
     }

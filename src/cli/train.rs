@@ -42,8 +42,10 @@ struct RunSetup {
     job_hash: u64,
     /// This rank's compute threads, already installed.
     threads: ThreadBudget,
-    /// What this rank will allocate, checked against the room it has once the backend is open.
-    plan: MemoryPlan,
+    /// The model's shape, and whether the run resumes: with the backend, what the memory plan is made of
+    /// ([`check_memory_plan`]).
+    model: ringtrain::model::ModelConfig,
+    resume: bool,
     /// Injected faults ([`INJECT_FAULT_VAR`]; empty in a real run).
     faults: FaultPlan,
 }
@@ -97,7 +99,6 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let backend = parse_backend(args.backend.as_deref())?;
     let job_hash = opts.job_hash(&model, launch.world_size);
     let resume = source.is_resume();
-    let plan = MemoryPlan::new(&model, &opts, launch.world_size, launch.rank, resume);
     let faults = fault_plan_from_env(launch.world_size, opts.steps)?;
     Ok(RunSetup {
         source,
@@ -111,7 +112,8 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         transport: args.transport.unwrap_or_default(),
         job_hash,
         threads,
-        plan,
+        model,
+        resume,
         faults,
     })
 }
@@ -144,17 +146,25 @@ fn arm_faults<B: Backend>(trainer: &mut Trainer<B>, faults: &FaultPlan) {
     trainer.arm_faults(faults.clone());
 }
 
-/// Prints this rank's memory plan and refuses to go on when it does not fit the backend's memory.
-fn check_memory_plan(s: &RunSetup, be: &dyn Backend) -> Result<()> {
+/// This rank's memory plan on the opened backend (whose attention decides a term), printed; refuses to go
+/// on when it does not fit the backend's memory.
+fn check_memory_plan(s: &RunSetup, be: &dyn Backend) -> Result<MemoryPlan> {
     let who = match s.launch.world_size {
         1 => String::new(),
         _ => format!("rank {}: ", s.launch.rank),
     };
+    let plan = MemoryPlan::new(
+        &s.model,
+        &s.opts,
+        (s.launch.world_size, s.launch.rank),
+        s.resume,
+        be.attention_saving(),
+    );
     // Each line in one write: the ranks of a `launch` share its stderr.
-    eprint_line(&format!("{who}{}", s.plan));
-    s.plan
-        .check(be.memory(), host_available())
-        .map_err(|e| anyhow::anyhow!("{who}{e}"))
+    eprint_line(&format!("{who}{plan}"));
+    plan.check(be.memory(), host_available())
+        .map_err(|e| anyhow::anyhow!("{who}{e}"))?;
+    Ok(plan)
 }
 
 /// How this process joins: the ring it belongs to (a one-rank stand-in for a single process, QUIC
@@ -477,7 +487,7 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result
     args.save = None;
     let s = setup(args)?;
     let (be, _) = open_backend(s.backend, s.launch.local_rank)?;
-    check_memory_plan(&s, &*be)?;
+    let plan_peak = check_memory_plan(&s, &*be)?.peak();
     let (be, profiled): (Box<dyn Backend>, _) = match profile {
         true => {
             let (p, handle) = Profiled::new(be);
@@ -490,7 +500,6 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result
         "bench step times steps, not recoveries: --elastic applies to train"
     );
     let comm = connect(&s)?.comm;
-    let plan_peak = s.plan.peak();
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_faults(&mut trainer, &s.faults);
     for _ in 0..warmup {

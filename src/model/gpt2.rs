@@ -4,8 +4,8 @@
 use super::layout::{BlockParams, ParamLayout};
 use super::ModelConfig;
 use crate::backend::{
-    AddInplace, AddLayerNormForward, AttentionBackward, AttentionForward, AttentionShape, Backend, Checked,
-    CrossEntropyBackward, CrossEntropyForward, CrossEntropyForwardBackward, EncoderBackward, EncoderForward,
+    AddInplace, AddLayerNormForward, AttentionBackward, AttentionForward, AttentionSaving, AttentionShape, Backend,
+    Checked, CrossEntropyBackward, CrossEntropyForward, CrossEntropyForwardBackward, EncoderBackward, EncoderForward,
     EncoderShape, GeluBackward, LayerNormBackward, LayerNormForward, LogitsShape, MatmulBackward, MatmulForward,
     MatmulGeluForward, MatmulShape, RowsShape, TokenView, View, WeightLayout,
 };
@@ -18,7 +18,7 @@ struct BlockActs {
     ln1_mean: View,  // [b*t]
     ln1_rstd: View,  // [b*t]
     qkv: View,       // [b*t, 3c]
-    att: View,       // [b, nh, t, t]
+    att_saved: View, // saving.saved_len: what attention keeps for backward
     atty: View,      // [b*t, c]
     residual2: View, // [b*t, c]
     ln2: View,       // [b*t, c]
@@ -45,12 +45,14 @@ struct Activations {
     logits: View,   // [b*t, v]; overwritten by dlogits in backward
     losses: View,   // [b*t]
     // Backward scratch.
-    dres: View,  // [b*t, c]: gradient of the residual stream
-    dbtc: View,  // [b*t, c]
-    d4c_a: View, // [b*t, 4c]
-    d4c_b: View, // [b*t, 4c]
-    dqkv: View,  // [b*t, 3c]
-    datt: View,  // [b, nh, t, t]
+    dres: View,        // [b*t, c]: gradient of the residual stream
+    dbtc: View,        // [b*t, c]
+    d4c_a: View,       // [b*t, 4c]
+    d4c_b: View,       // [b*t, 4c]
+    dqkv: View,        // [b*t, 3c]
+    att_scratch: View, // saving.scratch_len: attention backward's scratch
+    /// What the backend's attention keeps, which sized `att_saved` and `att_scratch`.
+    saving: AttentionSaving,
 }
 
 /// Carves consecutive views out of one allocation. With no allocation yet it only counts, so the same
@@ -86,13 +88,14 @@ impl Carver {
 
 impl Activations {
     fn new<B: Backend>(be: &mut B, cfg: &ModelConfig, b: usize, t: usize) -> Result<Self> {
-        let total = Gpt2::activation_floats(cfg, b, t);
+        let saving = be.attention_saving();
+        let total = Gpt2::activation_floats(cfg, b, t, saving);
         let mut carver = Carver {
             whole: Some(be.alloc(total)?),
             next: 0,
         };
         let (tokens, targets) = (be.alloc_tokens(b * t)?, be.alloc_tokens(b * t)?);
-        let acts = Self::carve(&mut carver, cfg, b, t, tokens, targets);
+        let acts = Self::carve(&mut carver, cfg, b, t, saving, tokens, targets);
         debug_assert_eq!(carver.next, total);
         Ok(acts)
     }
@@ -113,6 +116,7 @@ impl Activations {
             cfg,
             b,
             self.t,
+            self.saving,
             self.tokens.sub(0, bt),
             self.targets.sub(0, bt),
         )
@@ -125,9 +129,18 @@ impl Activations {
         be.free_tokens(self.targets);
     }
 
-    fn carve(a: &mut Carver, cfg: &ModelConfig, b: usize, t: usize, tokens: TokenView, targets: TokenView) -> Self {
+    fn carve(
+        a: &mut Carver,
+        cfg: &ModelConfig,
+        b: usize,
+        t: usize,
+        saving: AttentionSaving,
+        tokens: TokenView,
+        targets: TokenView,
+    ) -> Self {
         let (c, nh, v) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
         let bt = b * t;
+        let attention = AttentionShape { b, t, c, nh };
         let encoded = a.take(bt * c);
         let blocks = (0..cfg.n_layer)
             .map(|_| BlockActs {
@@ -135,7 +148,7 @@ impl Activations {
                 ln1_mean: a.take(bt),
                 ln1_rstd: a.take(bt),
                 qkv: a.take(bt * 3 * c),
-                att: a.take(b * nh * t * t),
+                att_saved: a.take(saving.saved_len(attention)),
                 atty: a.take(bt * c),
                 residual2: a.take(bt * c),
                 ln2: a.take(bt * c),
@@ -164,7 +177,8 @@ impl Activations {
             d4c_a: a.take(bt * 4 * c),
             d4c_b: a.take(bt * 4 * c),
             dqkv: a.take(bt * 3 * c),
-            datt: a.take(b * nh * t * t),
+            att_scratch: a.take(saving.scratch_len(attention)),
+            saving,
         }
     }
 }
@@ -188,14 +202,14 @@ pub struct Gpt2 {
 impl Gpt2 {
     /// f32 elements of the activations (and backward scratch) of one `[b, t]` micro-batch: what the first
     /// forward allocates, counted by the same carving code. The two token buffers come on top.
-    pub fn activation_floats(config: &ModelConfig, b: usize, t: usize) -> usize {
+    pub fn activation_floats(config: &ModelConfig, b: usize, t: usize, saving: AttentionSaving) -> usize {
         let mut counter = Carver { whole: None, next: 0 };
         let unallocated = TokenView {
             buf: usize::MAX,
             offset: 0,
             len: 0,
         };
-        Activations::carve(&mut counter, config, b, t, unallocated, unallocated);
+        Activations::carve(&mut counter, config, b, t, saving, unallocated, unallocated);
         counter.next
     }
 
@@ -407,8 +421,9 @@ impl Gpt2 {
             be.attention_forward(
                 AttentionForward {
                     out: a.atty,
-                    att: a.att,
+                    saved: a.att_saved,
                     qkv: a.qkv,
+                    saving: acts.saving,
                     shape: attn_shape,
                 }
                 .checked(),
@@ -636,10 +651,12 @@ impl Gpt2 {
             be.attention_backward(
                 AttentionBackward {
                     dqkv: acts.dqkv,
-                    datt: acts.datt,
+                    scratch: acts.att_scratch,
                     dout: acts.dbtc,
                     qkv: a.qkv,
-                    att: a.att,
+                    out: a.atty,
+                    saved: a.att_saved,
+                    saving: acts.saving,
                     shape: attn_shape,
                 }
                 .checked(),

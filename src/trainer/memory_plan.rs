@@ -13,7 +13,7 @@
 
 use super::buckets::optimizer_elems;
 use super::{TrainOptions, UpdateMode};
-use crate::backend::BackendMemory;
+use crate::backend::{AttentionSaving, BackendMemory};
 use crate::model::{Gpt2, ModelConfig};
 use std::fmt;
 
@@ -75,6 +75,8 @@ struct PlanShape {
     /// `--global-batch` given: a smaller micro-batch keeps the global batch by itself (more micro-batches
     /// per share), with no --grad-accum to adjust.
     global_batch: bool,
+    /// What the backend's attention keeps for backward (probabilities on the CPU, row statistics on GPUs).
+    attention: AttentionSaving,
 }
 
 /// Free memory where a plan must fit, and where that figure came from.
@@ -85,9 +87,15 @@ pub struct Available {
 }
 
 impl MemoryPlan {
-    /// The plan of rank `rank` of `world` for a run of `config` with `opts`; `resume` adds the resumed
-    /// moments to the initial copy.
-    pub fn new(config: &ModelConfig, opts: &TrainOptions, world: usize, rank: usize, resume: bool) -> Self {
+    /// The plan of rank `rank` of `world` for a run of `config` with `opts` on a backend whose attention
+    /// keeps what `attention` says; `resume` adds the resumed moments to the initial copy.
+    pub fn new(
+        config: &ModelConfig,
+        opts: &TrainOptions,
+        (world, rank): (usize, usize),
+        resume: bool,
+        attention: AttentionSaving,
+    ) -> Self {
         let shape = PlanShape {
             config: config.clone(),
             seq_len: opts.seq_len,
@@ -99,6 +107,7 @@ impl MemoryPlan {
             outer: opts.sync.outer().is_some(),
             sharded: opts.update == UpdateMode::Sharded,
             global_batch: opts.global_batch.is_some(),
+            attention,
         };
         Self::for_shape(shape, opts.batch_size, opts.grad_accum)
     }
@@ -106,7 +115,8 @@ impl MemoryPlan {
     fn for_shape(shape: PlanShape, batch_size: usize, grad_accum: usize) -> Self {
         let p = shape.config.param_count() as u64;
         let (b, t) = (batch_size, shape.seq_len);
-        let activations = Gpt2::activation_floats(&shape.config, b, t) as u64 * F32 + 2 * (b * t) as u64 * TOKEN;
+        let activations =
+            Gpt2::activation_floats(&shape.config, b, t, shape.attention) as u64 * F32 + 2 * (b * t) as u64 * TOKEN;
         let staging = match (shape.outer, shape.world > 1) {
             // The anchor `[P]`, the outer step's Δ `[P]` and the outer momentum (this rank's chunk when
             // sharded).
@@ -358,10 +368,15 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
+    /// The plan of a fresh run on the CPU backend.
+    fn cpu_plan(config: &ModelConfig, opts: &TrainOptions, (world, rank): (usize, usize)) -> MemoryPlan {
+        MemoryPlan::new(config, opts, (world, rank), false, AttentionSaving::Probabilities)
+    }
+
     fn plan_for(config: &ModelConfig, batch: usize, seq: usize, accum: usize, world: usize) -> MemoryPlan {
         let mut opts = TrainOptions::for_model(config);
         (opts.batch_size, opts.seq_len, opts.grad_accum) = (batch, seq, accum);
-        MemoryPlan::new(config, &opts, world, 0, false)
+        cpu_plan(config, &opts, (world, 0))
     }
 
     fn host(bytes: u64) -> Option<Available> {
@@ -377,12 +392,12 @@ mod tests {
         let p = cfg.param_count() as u64;
         let mut opts = TrainOptions::for_model(&cfg);
         (opts.batch_size, opts.seq_len, opts.update) = (1, 1024, UpdateMode::Replicated);
-        let plan = MemoryPlan::new(&cfg, &opts, 2, 0, false);
+        let plan = cpu_plan(&cfg, &opts, (2, 0));
         assert_eq!((plan.params, plan.grads, plan.optimizer), (4 * p, 4 * p, 8 * p));
         assert_eq!(plan.staging, 8 * p);
         assert_eq!(
             plan.activations,
-            Gpt2::activation_floats(&cfg, 1, 1024) as u64 * 4 + 2 * 1024 * 4
+            Gpt2::activation_floats(&cfg, 1, 1024, AttentionSaving::Probabilities) as u64 * 4 + 2 * 1024 * 4
         );
         // Activations grow with the batch; one rank needs no staging.
         let single = plan_for(&cfg, 4, 1024, 1, 1);
@@ -390,25 +405,39 @@ mod tests {
     }
 
     /// ZeRO-1: each of N sharded ranks keeps the moments of its own chunk, 1/N of the replicated state.
+    /// The GPU backends keep each attention row's log-sum-exp instead of its probabilities, and backward's
+    /// scratch shrinks the same way: gpt2 at 8 x 1024 drops by 13 [8, 12, 1024, 1024] terms (one per
+    /// layer and the scratch, 4.87 GiB) to under 7.3 GiB of activations.
+    #[test]
+    fn flash_attention_plans_row_statistics_instead_of_probabilities() {
+        let cfg = ModelConfig::gpt2();
+        let mut opts = TrainOptions::for_model(&cfg);
+        (opts.batch_size, opts.seq_len) = (8, 1024);
+        let cpu = cpu_plan(&cfg, &opts, (1, 0)).activations;
+        let gpu = MemoryPlan::new(&cfg, &opts, (1, 0), false, AttentionSaving::RowLogSumExp).activations;
+        let square = 8 * 12 * 1024 * 1024u64;
+        let row = 8 * 12 * 1024u64;
+        assert_eq!(cpu - gpu, 4 * ((12 + 1) * (square - row)));
+        assert!(gpu <= 73 * GIB / 10, "{} GiB", gpu as f64 / GIB as f64);
+    }
+
     #[test]
     fn sharded_ranks_plan_a_nth_of_the_optimizer_state() {
         let cfg = ModelConfig::small();
         let p = cfg.param_count();
         let mut opts = TrainOptions::for_model(&cfg);
         opts.update = UpdateMode::Replicated;
-        let replicated = MemoryPlan::new(&cfg, &opts, 3, 0, false).optimizer;
+        let replicated = cpu_plan(&cfg, &opts, (3, 0)).optimizer;
         assert_eq!(replicated, 8 * p as u64);
         opts.update = UpdateMode::Sharded;
-        let per_rank: Vec<u64> = (0..3)
-            .map(|r| MemoryPlan::new(&cfg, &opts, 3, r, false).optimizer)
-            .collect();
+        let per_rank: Vec<u64> = (0..3).map(|r| cpu_plan(&cfg, &opts, (3, r)).optimizer).collect();
         assert_eq!(per_rank.iter().sum::<u64>(), replicated);
         assert!(
             per_rank.iter().all(|&o| o.abs_diff(replicated / 3) <= 8),
             "{per_rank:?}"
         );
         // One rank owns everything.
-        assert_eq!(MemoryPlan::new(&cfg, &opts, 1, 0, false).optimizer, replicated);
+        assert_eq!(cpu_plan(&cfg, &opts, (1, 0)).optimizer, replicated);
     }
 
     /// Elastic and sharded: the chunk of the smallest group the job can shrink to, and a neighbour's beside
@@ -420,11 +449,11 @@ mod tests {
         let p = cfg.param_count() as u64;
         let mut opts = TrainOptions::for_model(&cfg);
         opts.update = UpdateMode::Sharded;
-        let plain = MemoryPlan::new(&cfg, &opts, 8, 0, false);
-        let two_of = MemoryPlan::new(&cfg, &opts, 2, 0, false).optimizer;
+        let plain = cpu_plan(&cfg, &opts, (8, 0));
+        let two_of = cpu_plan(&cfg, &opts, (2, 0)).optimizer;
         opts.elastic = Some(ElasticRules::default());
         // A majority quorum can shrink 8 ranks to 2: each keeps up to half, twice (its own and a mirror).
-        let elastic = MemoryPlan::new(&cfg, &opts, 8, 0, false);
+        let elastic = cpu_plan(&cfg, &opts, (8, 0));
         assert_eq!(elastic.optimizer, 2 * two_of);
         assert!(elastic.optimizer > 7 * plain.optimizer);
         assert_eq!(elastic.init_copy, 4 * p * F32);
@@ -432,26 +461,22 @@ mod tests {
             quorum: Quorum::Majority,
             min_ranks: 4,
         });
-        let four_of = MemoryPlan::new(
+        let four_of = cpu_plan(
             &cfg,
-            &{
-                TrainOptions {
-                    elastic: None,
-                    ..opts.clone()
-                }
+            &TrainOptions {
+                elastic: None,
+                ..opts.clone()
             },
-            4,
-            0,
-            false,
+            (4, 0),
         )
         .optimizer;
-        assert_eq!(MemoryPlan::new(&cfg, &opts, 8, 3, false).optimizer, 2 * four_of);
+        assert_eq!(cpu_plan(&cfg, &opts, (8, 3)).optimizer, 2 * four_of);
         // Down to one rank, which owns everything and mirrors nothing.
         opts.elastic = Some(ElasticRules {
             quorum: Quorum::Any,
             min_ranks: 1,
         });
-        assert_eq!(MemoryPlan::new(&cfg, &opts, 8, 0, false).optimizer, 8 * p);
+        assert_eq!(cpu_plan(&cfg, &opts, (8, 0)).optimizer, 8 * p);
     }
 
     /// `--sync outer`: the anchor, Δ and a chunk of the momentum on the host, on one rank too.
@@ -466,13 +491,13 @@ mod tests {
             lr: 0.7,
             momentum: 0.9,
         });
-        let sharded = MemoryPlan::new(&cfg, &opts, 4, 0, false);
+        let sharded = cpu_plan(&cfg, &opts, (4, 0));
         assert_eq!(sharded.staging, (2 * p + p.div_ceil(4)) * F32);
         // The whole inner optimizer on every rank, sharded or not.
         assert_eq!(sharded.optimizer, 2 * p * F32);
-        assert_eq!(MemoryPlan::new(&cfg, &opts, 1, 0, false).staging, 3 * p * F32);
+        assert_eq!(cpu_plan(&cfg, &opts, (1, 0)).staging, 3 * p * F32);
         opts.update = UpdateMode::Replicated;
-        assert_eq!(MemoryPlan::new(&cfg, &opts, 4, 0, false).staging, 3 * p * F32);
+        assert_eq!(cpu_plan(&cfg, &opts, (4, 0)).staging, 3 * p * F32);
     }
 
     /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.
@@ -525,7 +550,7 @@ mod tests {
         let cfg = ModelConfig::gpt2();
         let mut opts = TrainOptions::for_model(&cfg);
         (opts.batch_size, opts.seq_len, opts.global_batch) = (64, 1024, Some(96));
-        let plan = MemoryPlan::new(&cfg, &opts, 2, 1, false);
+        let plan = cpu_plan(&cfg, &opts, (2, 1));
         let err = plan.check(BackendMemory::Host, host(24 * GIB)).unwrap_err();
         assert!(!err.contains("--grad-accum"), "{err}");
         assert!(err.contains("in more, smaller micro-batches"), "{err}");
@@ -537,9 +562,9 @@ mod tests {
         let cfg = ModelConfig::gpt2();
         let mut opts = TrainOptions::for_model(&cfg);
         (opts.batch_size, opts.seq_len, opts.update) = (1, 1024, UpdateMode::Replicated);
-        let replicated = MemoryPlan::new(&cfg, &opts, 4, 0, false);
+        let replicated = cpu_plan(&cfg, &opts, (4, 0));
         opts.update = UpdateMode::Sharded;
-        let sharded = MemoryPlan::new(&cfg, &opts, 4, 0, false);
+        let sharded = cpu_plan(&cfg, &opts, (4, 0));
         assert!(sharded.peak() < replicated.peak());
         let room = (sharded.peak() + replicated.peak()) / 2;
         let err = replicated.check(BackendMemory::Host, host(room)).unwrap_err();

@@ -3,9 +3,8 @@
 
 use super::harness::{Operands, Runner};
 use super::tolerance::{self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL};
-use crate::backend::cpu::CpuBackend;
 use crate::backend::op_args::*;
-use crate::backend::{AdamWStep, Backend};
+use crate::backend::AdamWStep;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -173,74 +172,80 @@ pub(super) fn matmul(r: &mut Runner) {
 
 pub(super) fn attention(r: &mut Runner) {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
-    for (b, t, c, nh) in [(2, 5, 12, 3), (1, 1, 8, 2), (2, 17, 20, 4)] {
+    // Odd and 4-wide heads; then 64-wide heads over several of the GPU kernels' 64-row tiles (partial last
+    // tile), and at gpt2's sequence lengths.
+    let shapes = [
+        (2, 5, 12, 3),
+        (1, 1, 8, 2),
+        (2, 17, 20, 4),
+        (2, 65, 128, 2),
+        (1, 256, 128, 2),
+        (1, 1024, 64, 1),
+    ];
+    for (b, t, c, nh) in shapes {
         let s = AttentionShape { b, t, c, nh };
         let shape = format!("b{b} t{t} c{c} nh{nh}");
-        // out [b, t, c], att [b, nh, t, t], qkv [b, t, 3c]
+        // What each backend saves differs (probabilities, or each row's log-sum-exp): its place is sized for
+        // the larger and not compared; the outputs are.
+        let (saved_room, scratch_room) = (
+            AttentionSaving::Probabilities.saved_len(s),
+            AttentionSaving::Probabilities.scratch_len(s),
+        );
+        // out [b, t, c], saved, qkv [b, t, 3c]
         let case = Operands::default()
             .zeros(b * t * c)
-            .zeros(b * nh * t * t)
+            .unchecked(saved_room)
             .rand(&mut rng, b * t * 3 * c, 2.0);
         r.check("attention_forward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            let saving = be.attention_saving();
             be.attention_forward(
                 AttentionForward {
                     out: f[0],
-                    att: f[1],
+                    saved: f[1].sub(0, saving.saved_len(s)),
                     qkv: f[2],
+                    saving,
                     shape: s,
                 }
                 .checked(),
             )
         });
-        // Backward reads the forward's probabilities: build them with the f32 reference.
-        let qkv: Vec<f32> = (0..b * t * 3 * c).map(|_| rng.random_range(-2.0..2.0f32)).collect(); // [b, t, 3c]
-        let att = reference_attention_probabilities(&qkv, s); // [b, nh, t, t]
-                                                              // dqkv [b, t, 3c], datt [b, nh, t, t], dout [b, t, c], qkv [b, t, 3c], att [b, nh, t, t]
+        // Backward reads what the same backend's forward saved: the case runs both.
+        // dqkv [b, t, 3c], out [b, t, c], saved, scratch, dout [b, t, c], qkv [b, t, 3c]
         let case = Operands::default()
             .rand(&mut rng, b * t * 3 * c, 1.0)
-            .rand(&mut rng, b * nh * t * t, 1.0)
+            .zeros(b * t * c)
+            .unchecked(saved_room)
+            .unchecked(scratch_room)
             .rand(&mut rng, b * t * c, 1.0)
-            .values(qkv)
-            .values(att);
+            .rand(&mut rng, b * t * 3 * c, 2.0);
         r.check("attention_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
+            let saving = be.attention_saving();
+            let saved = f[2].sub(0, saving.saved_len(s));
+            be.attention_forward(
+                AttentionForward {
+                    out: f[1],
+                    saved,
+                    qkv: f[5],
+                    saving,
+                    shape: s,
+                }
+                .checked(),
+            );
             be.attention_backward(
                 AttentionBackward {
                     dqkv: f[0],
-                    datt: f[1],
-                    dout: f[2],
-                    qkv: f[3],
-                    att: f[4],
+                    scratch: f[3].sub(0, saving.scratch_len(s)),
+                    dout: f[4],
+                    qkv: f[5],
+                    out: f[1],
+                    saved,
+                    saving,
                     shape: s,
                 }
                 .checked(),
             )
         });
     }
-}
-
-/// The softmax probabilities `att` `[b, nh, t, t]` of `qkv` `[b, t, 3c]`, from `CpuBackend<f32>`.
-fn reference_attention_probabilities(qkv: &[f32], s: AttentionShape) -> Vec<f32> {
-    let mut cpu = CpuBackend::<f32>::new();
-    let (b, t, c, nh) = (s.b, s.t, s.c, s.nh);
-    let allocated = (|| {
-        let out = cpu.alloc(b * t * c)?; // [b, t, c]
-        let att = cpu.alloc(b * nh * t * t)?; // [b, nh, t, t]
-        let q = cpu.alloc(qkv.len())?; // [b, t, 3c]
-        cpu.upload(q, qkv)?;
-        anyhow::Ok((out, att, q))
-    })();
-    // The CPU backend's allocations and uploads fail only on a length mismatch, a bug here.
-    let (out, att, q) = allocated.expect("host buffers for the attention probabilities");
-    cpu.attention_forward(
-        AttentionForward {
-            out,
-            att,
-            qkv: q,
-            shape: s,
-        }
-        .checked(),
-    );
-    cpu.slice(att).to_vec()
 }
 
 pub(super) fn gelu(r: &mut Runner) {

@@ -288,21 +288,38 @@ impl<F: Real> Backend for CpuBackend<F> {
         ops::matmul_backward(di, dw, dbias.map(|_| db), d, x, w, shape);
     }
 
+    /// The CPU keeps the probabilities: its attention is the specification, in today's bits.
+    fn attention_saving(&self) -> AttentionSaving {
+        AttentionSaving::Probabilities
+    }
+
     fn attention_forward(&mut self, op: Checked<AttentionForward>) {
-        let ([o, a], [q]) = borrow_views(&mut self.bufs, [op.out, op.att], [op.qkv]);
+        assert_eq!(
+            op.saving,
+            AttentionSaving::Probabilities,
+            "the CPU attention keeps the probabilities"
+        );
+        let ([o, a], [q]) = borrow_views(&mut self.bufs, [op.out, op.saved], [op.qkv]);
         ops::attention_forward(o, a, q, op.shape);
     }
 
     fn attention_backward(&mut self, op: Checked<AttentionBackward>) {
         let AttentionBackward {
             dqkv,
-            datt,
+            scratch,
             dout,
             qkv,
-            att,
+            saved,
+            saving,
             shape,
+            ..
         } = *op;
-        let ([dq, da], [d, q, a]) = borrow_views(&mut self.bufs, [dqkv, datt], [dout, qkv, att]);
+        assert_eq!(
+            saving,
+            AttentionSaving::Probabilities,
+            "the CPU attention keeps the probabilities"
+        );
+        let ([dq, da], [d, q, a]) = borrow_views(&mut self.bufs, [dqkv, scratch], [dout, qkv, saved]);
         ops::attention_backward(dq, da, d, q, a, shape);
     }
 

@@ -39,9 +39,17 @@ pub(super) const FAMILIES: [(&str, &str); 9] = [
 /// Where to find the entry points of a family: every `extern "C" __global__` kernel's name.
 pub(super) fn kernel_names(source: &str) -> Vec<&str> {
     source
-        .split("__launch_bounds__(WG)")
+        .split("extern \"C\" __global__ void")
         .skip(1)
-        .filter_map(|rest| rest.split('(').next().map(str::trim))
+        .filter_map(|rest| {
+            let rest = rest.trim_start();
+            // Past `__launch_bounds__(...)`, whatever its block size.
+            let rest = match rest.strip_prefix("__launch_bounds__") {
+                Some(r) => r[r.find(')')? + 1..].trim_start(),
+                None => rest,
+            };
+            rest.split('(').next().map(str::trim)
+        })
         .filter(|name| !name.is_empty())
         .collect()
 }

@@ -11,9 +11,6 @@ use super::staging::Staging;
 use cudarc::driver::sys as cu;
 use std::collections::HashMap;
 
-/// Threads per block of every kernel (`WG` in kernels/common.cuh).
-const WG: u32 = 256;
-
 /// One CUDA device, ready to run the kernels.
 pub struct Driver {
     pub(super) info: DeviceInfo,
@@ -238,7 +235,13 @@ impl Gpu for Driver {
         )
     }
 
-    fn launch(&mut self, kernel: &'static str, blocks: u32, params: &[Param]) -> Result<(), BackendError> {
+    fn launch(
+        &mut self,
+        kernel: &'static str,
+        blocks: u32,
+        threads: u32,
+        params: &[Param],
+    ) -> Result<(), BackendError> {
         let function = *self
             .kernels
             .get(kernel)
@@ -264,7 +267,7 @@ impl Gpu for Driver {
                     blocks,
                     1,
                     1,
-                    WG,
+                    threads,
                     1,
                     1,
                     0,

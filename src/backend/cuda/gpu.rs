@@ -63,8 +63,10 @@ pub(super) trait Gpu {
     fn fill(&mut self, dst: Addr, bits: u32, words: usize) -> Result<(), BackendError>;
     /// Copies `bytes` from `src` to `dst` (no overlap).
     fn copy(&mut self, dst: Addr, src: Addr, bytes: usize) -> Result<(), BackendError>;
-    /// Runs `kernel` on `blocks` blocks of 256 threads with `params` in its parameter order.
-    fn launch(&mut self, kernel: &'static str, blocks: u32, params: &[Param]) -> Result<(), BackendError>;
+    /// Runs `kernel` on `blocks` blocks of `threads` threads (at most 256) with `params` in its parameter
+    /// order.
+    fn launch(&mut self, kernel: &'static str, blocks: u32, threads: u32, params: &[Param])
+        -> Result<(), BackendError>;
     fn gemm(&mut self, gemm: &Gemm) -> Result<(), BackendError>;
     /// Starts copying `words` floats at `src` out, after the work queued so far, without waiting; returns
     /// a ticket.

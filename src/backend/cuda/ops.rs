@@ -7,10 +7,11 @@ use super::super::{Backend, BackendError, BackendMemory, Download, StepShape, To
 use super::blas;
 use super::device::{CudaBackend, DeviceBuffer, Scratch, TokenBuffer};
 use super::gpu::{Addr, Gemm, Gpu, Param};
+use crate::backend::flash::{flash_groups, head_width_error, FLASH_ROWS};
 use crate::backend::token_index::token_index;
 use anyhow::Result;
 
-/// Threads per block of every kernel (`WG` in kernels/common.cuh).
+/// Threads per block of every kernel but the flash attention ones (`WG` in kernels/common.cuh).
 const WG: usize = 256;
 
 /// `sum_squares`' block: the CPU specification's `SUM_BLOCK` (kernels/reduce.cu).
@@ -38,6 +39,11 @@ impl<G: Gpu> CudaBackend<G> {
     /// Launches `kernel` on `blocks` blocks of [`WG`] threads with `args` in its parameter order. A size or
     /// view past 32-bit indexing is recorded as [`BackendError::ShapeUnsupported`] and nothing runs.
     fn launch(&mut self, kernel: &'static str, blocks: usize, args: &[Arg]) {
+        self.launch_blocks_of(kernel, (blocks, WG), args)
+    }
+
+    /// [`Self::launch`] on blocks of `threads` threads.
+    fn launch_blocks_of(&mut self, kernel: &'static str, (blocks, threads): (usize, usize), args: &[Arg]) {
         if blocks == 0 {
             return;
         }
@@ -48,7 +54,7 @@ impl<G: Gpu> CudaBackend<G> {
             Arg::U(n) => n,
             Arg::Ptr(_) | Arg::S(_) => 0,
         });
-        if let Some(extent) = std::iter::once(blocks * WG)
+        if let Some(extent) = std::iter::once(blocks * threads)
             .chain(extents)
             .find(|&n| n > u32::MAX as usize)
         {
@@ -70,8 +76,19 @@ impl<G: Gpu> CudaBackend<G> {
                 Arg::S(s) => Param::F32(s),
             })
             .collect();
-        let launched = self.gpu.launch(kernel, blocks as u32, &params);
+        let launched = self.gpu.launch(kernel, blocks as u32, threads as u32, &params);
         self.record(launched);
+    }
+
+    /// Records why the attention kernels cannot take `shape`'s heads, if they cannot.
+    fn refuse_heads(&mut self, op: &str, shape: AttentionShape) -> bool {
+        match head_width_error(op, shape) {
+            Some(refusal) => {
+                self.record(Err(refusal));
+                true
+            }
+            None => false,
+        }
     }
 
     /// Blocks for one thread per element.
@@ -367,54 +384,63 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         }
     }
 
+    /// The flash kernels keep each row's log-sum-exp and recompute the probabilities in backward.
+    fn attention_saving(&self) -> AttentionSaving {
+        AttentionSaving::RowLogSumExp
+    }
+
     fn attention_forward(&mut self, op: Checked<AttentionForward>) {
         let AttentionForward {
             out,
-            att,
+            saved: lse,
             qkv,
-            shape: AttentionShape { b, t, c, nh },
+            shape,
+            ..
         } = *op;
-        let [sb, st, sc, snh] = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
-        let rows = Self::per_element(b * nh * t);
-        self.launch("attention_forward", rows, &[Arg::F(att), Arg::F(qkv), sb, st, sc, snh]);
-        let args = [Arg::F(out), Arg::F(att), Arg::F(qkv), sb, st, sc, snh];
-        self.launch("attention_forward_out", Self::per_element(b * t * c), &args);
+        if self.refuse_heads("attention_forward", shape) {
+            return;
+        }
+        let AttentionShape { b, t, c, nh } = shape;
+        let args = [
+            Arg::F(out),
+            Arg::F(lse),
+            Arg::F(qkv),
+            Arg::U(b),
+            Arg::U(t),
+            Arg::U(c),
+            Arg::U(nh),
+        ];
+        self.launch_blocks_of("attention_forward", (flash_groups(b, t, nh), FLASH_ROWS), &args);
     }
 
     fn attention_backward(&mut self, op: Checked<AttentionBackward>) {
         let AttentionBackward {
             dqkv,
-            datt,
+            scratch: delta,
             dout,
             qkv,
-            att,
-            shape: AttentionShape { b, t, c, nh },
+            out,
+            saved: lse,
+            shape,
+            ..
         } = *op;
-        let [sb, st, sc, snh] = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
+        if self.refuse_heads("attention_backward", shape) {
+            return;
+        }
+        let AttentionShape { b, t, c, nh } = shape;
+        let sizes = [Arg::U(b), Arg::U(t), Arg::U(c), Arg::U(nh)];
+        let delta_args = [Arg::F(delta), Arg::F(dout), Arg::F(out)];
         let rows = Self::per_element(b * nh * t);
-        let elements = Self::per_element(b * t * c);
-        self.launch(
-            "attention_backward",
-            rows,
-            &[Arg::F(datt), Arg::F(att), Arg::F(qkv), Arg::F(dout), sb, st, sc, snh],
-        );
-        self.launch(
+        self.launch("attention_backward_delta", rows, &[&delta_args[..], &sizes].concat());
+        let args = [Arg::F(dqkv), Arg::F(lse), Arg::F(qkv), Arg::F(delta), Arg::F(dout)];
+        let args = [&args[..], &sizes].concat();
+        for kernel in [
             "attention_backward_dq",
-            elements,
-            &[Arg::F(dqkv), Arg::F(datt), Arg::F(qkv), sb, st, sc, snh],
-        );
-        let args = [
-            Arg::F(dqkv),
-            Arg::F(datt),
-            Arg::F(att),
-            Arg::F(qkv),
-            Arg::F(dout),
-            sb,
-            st,
-            sc,
-            snh,
-        ];
-        self.launch("attention_backward_dkv", elements, &args);
+            "attention_backward_dk",
+            "attention_backward_dv",
+        ] {
+            self.launch_blocks_of(kernel, (flash_groups(b, t, nh), FLASH_ROWS), &args);
+        }
     }
 
     fn gelu_forward(&mut self, op: Checked<GeluForward>) {
@@ -529,7 +555,16 @@ impl<G: Gpu> Backend for CudaBackend<G> {
     /// The kernels index every tensor with 32 bits: attention's `[b, nh, t, t]`, the qkv projection and the
     /// logits `[b * t, vocab]` must stay under 2^32 elements.
     fn check_step_shape(&self, shape: StepShape) -> Result<()> {
-        match shape.past_index_limit(u32::MAX as usize, 32) {
+        let attention = AttentionShape {
+            b: shape.batch,
+            t: shape.seq_len,
+            c: shape.width,
+            nh: shape.heads,
+        };
+        if let Some(e) = head_width_error("attention", attention) {
+            return Err(e.into());
+        }
+        match shape.past_index_limit(u32::MAX as usize, 32, self.attention_saving()) {
             Some(e) => Err(e.into()),
             None => Ok(()),
         }

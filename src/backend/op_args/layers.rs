@@ -1,7 +1,9 @@
 //! The arguments of the model's layer ops: embedding, layer norm, matmul, attention, cross-entropy, and
 //! their fused forms.
 
-use super::{or_empty, AttentionShape, Check, EncoderShape, LogitsShape, MatmulShape, OpArgs, RowsShape};
+use super::{
+    or_empty, AttentionSaving, AttentionShape, Check, EncoderShape, LogitsShape, MatmulShape, OpArgs, RowsShape,
+};
 use crate::backend::{TokenView, View};
 
 /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`.
@@ -303,15 +305,18 @@ impl OpArgs for MatmulGeluForward {
     }
 }
 
-/// Causal multi-head attention, keeping the softmax probabilities for backward.
+/// Causal multi-head attention, keeping what the backend's [`AttentionSaving`] says for backward.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionForward {
     /// `[b, t, c]`
     pub out: View,
-    /// `[b, nh, t, t]`: softmax probabilities; entries above the diagonal are 0
-    pub att: View,
+    /// `saving.saved_len(shape)`: the softmax probabilities `[b, nh, t, t]` or the rows' log-sum-exp
+    /// `[b, nh, t]`
+    pub saved: View,
     /// `[b, t, 3c]` laid out as q | k | v
     pub qkv: View,
+    /// What `saved` holds: the backend's own [`Backend::attention_saving`](crate::backend::Backend).
+    pub saving: AttentionSaving,
     pub shape: AttentionShape,
 }
 
@@ -323,25 +328,28 @@ impl OpArgs for AttentionForward {
         let k = Check::new(Self::OP, self);
         k.require(nh > 0 && c % nh == 0, "c is not a whole number of heads")
             .len("out", self.out.len, b * t * c)
-            .len("att", self.att.len, b * nh * t * t)
+            .len("saved", self.saved.len, self.saving.saved_len(self.shape))
             .len("qkv", self.qkv.len, b * t * 3 * c)
-            .disjoint(&[("out", self.out), ("att", self.att)], &[("qkv", self.qkv)]);
+            .disjoint(&[("out", self.out), ("saved", self.saved)], &[("qkv", self.qkv)]);
     }
 }
 
-/// Attention's backward: overwrites `dqkv`; `datt` is scratch.
+/// Attention's backward: overwrites `dqkv`; `scratch` is the backend's to use.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionBackward {
     /// `[b, t, 3c]`
     pub dqkv: View,
-    /// `[b, nh, t, t]`, scratch
-    pub datt: View,
+    /// `saving.scratch_len(shape)`
+    pub scratch: View,
     /// `[b, t, c]`
     pub dout: View,
     /// `[b, t, 3c]`
     pub qkv: View,
-    /// `[b, nh, t, t]`
-    pub att: View,
+    /// `[b, t, c]`: the forward's output
+    pub out: View,
+    /// What the forward saved (`saving.saved_len(shape)`)
+    pub saved: View,
+    pub saving: AttentionSaving,
     pub shape: AttentionShape,
 }
 
@@ -353,13 +361,19 @@ impl OpArgs for AttentionBackward {
         let k = Check::new(Self::OP, self);
         k.require(nh > 0 && c % nh == 0, "c is not a whole number of heads")
             .len("dqkv", self.dqkv.len, b * t * 3 * c)
-            .len("datt", self.datt.len, b * nh * t * t)
+            .len("scratch", self.scratch.len, self.saving.scratch_len(self.shape))
             .len("dout", self.dout.len, b * t * c)
             .len("qkv", self.qkv.len, b * t * 3 * c)
-            .len("att", self.att.len, b * nh * t * t)
+            .len("out", self.out.len, b * t * c)
+            .len("saved", self.saved.len, self.saving.saved_len(self.shape))
             .disjoint(
-                &[("dqkv", self.dqkv), ("datt", self.datt)],
-                &[("dout", self.dout), ("qkv", self.qkv), ("att", self.att)],
+                &[("dqkv", self.dqkv), ("scratch", self.scratch)],
+                &[
+                    ("dout", self.dout),
+                    ("qkv", self.qkv),
+                    ("out", self.out),
+                    ("saved", self.saved),
+                ],
             );
     }
 }

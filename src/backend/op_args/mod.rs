@@ -22,7 +22,7 @@ pub use layers::{
     CrossEntropyForwardBackward, EncoderBackward, EncoderForward, LayerNormBackward, LayerNormForward, MatmulBackward,
     MatmulForward, MatmulGeluForward,
 };
-pub use shapes::{AttentionShape, EncoderShape, LogitsShape, MatmulShape, RowsShape, WeightLayout};
+pub use shapes::{AttentionSaving, AttentionShape, EncoderShape, LogitsShape, MatmulShape, RowsShape, WeightLayout};
 
 use super::View;
 use std::fmt::Debug;

@@ -80,8 +80,9 @@ fn attention_needs_whole_heads() {
     let message = panic_message(|| {
         AttentionForward {
             out: view(0, 0, 12),
-            att: view(1, 0, 16),
+            saved: view(1, 0, 16),
             qkv: view(2, 0, 36),
+            saving: AttentionSaving::Probabilities,
             shape,
         }
         .checked();

@@ -58,10 +58,10 @@ pub(super) const FAMILIES: &[Family] = &[
         include_str!("../../../shaders/attention.wgsl"),
         &[
             ("attention_forward", 3),
-            ("attention_forward_out", 3),
-            ("attention_backward", 5),
-            ("attention_backward_dq", 4),
-            ("attention_backward_dkv", 5),
+            ("attention_backward_delta", 6),
+            ("attention_backward_dq", 5),
+            ("attention_backward_dk", 5),
+            ("attention_backward_dv", 5),
         ],
     ),
     (

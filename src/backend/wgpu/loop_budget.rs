@@ -10,15 +10,18 @@
 //! such limit.
 
 use super::{ceil_div, BackendError, WgpuBackend};
+use crate::backend::flash::{head_width_error, FLASH_HEAD_MAX, FLASH_TILE};
+use crate::backend::AttentionShape;
 
 /// Iterations after which llvmpipe stops an invocation's loops; measured on Mesa 22.3 with two loops in a
 /// row, whose iterations count against one budget.
 pub(crate) const SOFTWARE_LOOP_BUDGET: usize = 65535;
 
-/// Attention's loop iterations per invocation for rows of `t` and heads `hs` wide: t dot products of
-/// hs / 4 steps (and hs % 4), then three passes over t.
-pub(crate) fn attention_iterations(t: usize, hs: usize) -> usize {
-    t * (hs / 4 + hs % 4 + 1) + 3 * t
+/// Attention's loop iterations per invocation at sequence length `t`, in its heaviest kernels (`dq` and
+/// `dk`): up to ⌈t / 32⌉ tiles, each staged in 8 steps, then per row of the tile three dot or update loops
+/// of 8 steps and the row's own; 16 steps to load each of two rows, and the head's 64 to store.
+pub(crate) fn attention_iterations(t: usize) -> usize {
+    t.div_ceil(FLASH_TILE) * (8 + FLASH_TILE * 25) + 2 * 16 + FLASH_HEAD_MAX
 }
 
 /// A matmul's loop iterations per invocation over `k` terms: k steps (k / 4 for the vec4 and
@@ -64,6 +67,18 @@ impl WgpuBackend {
     /// records the refusal, returned at the next synchronisation point, and the op must record nothing
     /// (`check_step_shape` refuses a training run's shapes before this can happen).
     #[must_use]
+    /// Whether the attention kernels can run `shape` here (the head width, the loop budget); records why
+    /// not.
+    pub(crate) fn require_attention_kernels(&self, op: &str, shape: AttentionShape) -> bool {
+        match head_width_error(op, shape) {
+            Some(refusal) => {
+                self.errors.record(refusal);
+                false
+            }
+            None => self.require_loop_budget(op, attention_iterations(shape.t)),
+        }
+    }
+
     pub(crate) fn require_loop_budget(&self, op: &str, iterations: usize) -> bool {
         match self.loop_budget_error(op, iterations) {
             Some(refusal) => {

@@ -14,6 +14,7 @@ use super::params::{
 };
 use super::windows::Win;
 use super::{ceil_div, Backend, BackendError, Download, TokenView, View, WgpuBackend, SUM_BLOCK};
+use crate::backend::flash::{head_width_error, FLASH_ROWS as ATTENTION_ROWS};
 use crate::backend::op_args::*;
 use crate::backend::StepShape;
 use anyhow::Result;
@@ -90,13 +91,16 @@ impl Backend for WgpuBackend {
     /// The shaders index with 32 bits (attention, the qkv projection and the logits must stay under 2^32
     /// elements), and a software adapter's loop budget bounds the longest loops.
     fn check_step_shape(&self, shape: StepShape) -> Result<()> {
-        if let Some(e) = shape.past_index_limit(u32::MAX as usize, 32) {
+        if let Some(e) = shape.past_index_limit(u32::MAX as usize, 32, self.attention_saving()) {
             return Err(e.into());
         }
         let (b, t, c, nh) = (shape.batch, shape.seq_len, shape.width, shape.heads);
+        if let Some(e) = head_width_error("attention", AttentionShape { b, t, c, nh }) {
+            return Err(e.into());
+        }
         let tokens = b * t;
         let checks = [
-            ("attention", attention_iterations(t, c / nh.max(1))),
+            ("attention", attention_iterations(t)),
             // The weight gradients sum over every token of the micro-batch (k = b * t; the strided kernel
             // where the texture-fed one does not apply).
             ("the weight-gradient matmul", matmul_iterations(tokens, false)),
@@ -362,86 +366,110 @@ impl Backend for WgpuBackend {
         }
     }
 
+    /// The flash kernels keep each row's log-sum-exp and recompute the probabilities in backward.
+    fn attention_saving(&self) -> AttentionSaving {
+        AttentionSaving::RowLogSumExp
+    }
+
     fn attention_forward(&mut self, op: Checked<AttentionForward>) {
         let AttentionForward {
             out,
-            att,
+            saved: lse,
             qkv,
-            shape: AttentionShape { b, t, c, nh },
+            shape,
+            ..
         } = *op;
-        if b == 0 || t == 0 {
+        let AttentionShape { b, t, c, nh } = shape;
+        if b == 0 || t == 0 || !self.require_attention_kernels("attention", shape) {
             return;
         }
-        if !self.require_loop_budget("attention", attention_iterations(t, c / nh)) {
-            return;
-        }
-        let whole = self.fits(att.offset, att.end()) && self.fits(qkv.offset, qkv.end());
-        let per = if whole { b } else { 1 };
+        let per = match self.attention_batch_step("attention", b, &[(out, t * c), (lse, nh * t), (qkv, t * 3 * c)]) {
+            Some(per) => per,
+            None => return,
+        };
         for b0 in (0..b).step_by(per) {
             let nb = per.min(b - b0);
             let o = out.sub(b0 * t * c, nb * t * c);
-            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
+            let l = lse.sub(b0 * nh * t, nb * nh * t);
             let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
-            let w = [o, a, q].map(|v| self.win(v));
+            let w = [o, l, q].map(|v| self.win(v));
             let p = AttentionParams {
                 b: word(nb),
                 t: word(t),
                 c: word(c),
                 nh: word(nh),
                 out_off: w[0].off,
-                att_off: w[1].off,
+                lse_off: w[1].off,
                 qkv_off: w[2].off,
-                datt_off: 0,
+                delta_off: 0,
                 dout_off: 0,
+                fout_off: 0,
             };
-            let g1 = self.grid1d(nb * nh * t);
-            self.dispatch("attention_forward", &w, &p, g1);
-            let g2 = self.grid1d(nb * t * c);
-            self.dispatch("attention_forward_out", &w, &p, g2);
+            let groups = self.grid(nb * nh * t.div_ceil(ATTENTION_ROWS));
+            self.dispatch("attention_forward", &w, &p, groups);
         }
     }
 
     fn attention_backward(&mut self, op: Checked<AttentionBackward>) {
         let AttentionBackward {
             dqkv,
-            datt,
+            scratch: delta,
             dout,
             qkv,
-            att,
-            shape: AttentionShape { b, t, c, nh },
+            out,
+            saved: lse,
+            shape,
+            ..
         } = *op;
-        if b == 0 || t == 0 {
+        let AttentionShape { b, t, c, nh } = shape;
+        if b == 0 || t == 0 || !self.require_attention_kernels("attention backward", shape) {
             return;
         }
-        if !self.require_loop_budget("attention backward", attention_iterations(t, c / nh)) {
-            return;
-        }
-        let whole = [att, datt, qkv, dqkv].iter().all(|v| self.fits(v.offset, v.end()));
-        let per = if whole { b } else { 1 };
+        let per_sequence = [
+            (dqkv, t * 3 * c),
+            (lse, nh * t),
+            (qkv, t * 3 * c),
+            (delta, nh * t),
+            (dout, t * c),
+            (out, t * c),
+        ];
+        let per = match self.attention_batch_step("attention backward", b, &per_sequence) {
+            Some(per) => per,
+            None => return,
+        };
         for b0 in (0..b).step_by(per) {
             let nb = per.min(b - b0);
-            let dq = dqkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
-            let a = att.sub(b0 * nh * t * t, nb * nh * t * t);
-            let q = qkv.sub(b0 * t * 3 * c, nb * t * 3 * c);
-            let da = datt.sub(b0 * nh * t * t, nb * nh * t * t);
-            let d = dout.sub(b0 * t * c, nb * t * c);
-            let w = [dq, a, q, da, d].map(|v| self.win(v));
+            let views = [
+                dqkv.sub(b0 * t * 3 * c, nb * t * 3 * c),
+                lse.sub(b0 * nh * t, nb * nh * t),
+                qkv.sub(b0 * t * 3 * c, nb * t * 3 * c),
+                delta.sub(b0 * nh * t, nb * nh * t),
+                dout.sub(b0 * t * c, nb * t * c),
+                out.sub(b0 * t * c, nb * t * c),
+            ];
+            let w = views.map(|v| self.win(v));
             let p = AttentionParams {
                 b: word(nb),
                 t: word(t),
                 c: word(c),
                 nh: word(nh),
                 out_off: w[0].off,
-                att_off: w[1].off,
+                lse_off: w[1].off,
                 qkv_off: w[2].off,
-                datt_off: w[3].off,
+                delta_off: w[3].off,
                 dout_off: w[4].off,
+                fout_off: w[5].off,
             };
-            let g1 = self.grid1d(nb * nh * t);
-            self.dispatch("attention_backward", &w, &p, g1);
-            let g2 = self.grid1d(nb * t * c);
-            self.dispatch("attention_backward_dq", &w[..4], &p, g2);
-            self.dispatch("attention_backward_dkv", &w, &p, g2);
+            let rows = self.grid1d(nb * nh * t);
+            self.dispatch("attention_backward_delta", &w, &p, rows);
+            let groups = self.grid(nb * nh * t.div_ceil(ATTENTION_ROWS));
+            for kernel in [
+                "attention_backward_dq",
+                "attention_backward_dk",
+                "attention_backward_dv",
+            ] {
+                self.dispatch(kernel, &w[..5], &p, groups);
+            }
         }
     }
 
@@ -616,5 +644,30 @@ impl Backend for WgpuBackend {
         // After the wait every map callback has fired, so the staging of reclaimed read-backs is reusable.
         self.readbacks.end_interval();
         Ok(waited?)
+    }
+}
+
+impl WgpuBackend {
+    /// Sequences per dispatch of the attention kernels over `views` (each with its elements per sequence):
+    /// all when every view fits one binding, else one at a time. `None`, with the refusal recorded, when one
+    /// sequence's views do not fit.
+    fn attention_batch_step(&mut self, op: &str, b: usize, views: &[(View, usize)]) -> Option<usize> {
+        if views.iter().all(|(v, _)| self.fits(v.offset, v.end())) {
+            return Some(b);
+        }
+        // A sequence's window starts at most one alignment before its first element.
+        let largest = views.iter().map(|&(_, per)| per).max().unwrap_or(0);
+        if 4 * largest as u64 + self.align <= self.max_binding {
+            return Some(1);
+        }
+        self.errors.record(BackendError::ShapeUnsupported {
+            op: op.into(),
+            detail: format!(
+                "one sequence needs a {}-byte binding, past this adapter's limit of {} bytes",
+                4 * largest,
+                self.max_binding
+            ),
+        });
+        None
     }
 }

@@ -135,10 +135,12 @@ kernel_params! {
         nh: u32,
         /// out (forward) or dqkv (backward).
         out_off: u32,
-        att_off: u32,
+        lse_off: u32,
         qkv_off: u32,
-        datt_off: u32,
+        delta_off: u32,
         dout_off: u32,
+        /// The forward's out, read by backward's row dot products.
+        fout_off: u32,
     }
 }
 

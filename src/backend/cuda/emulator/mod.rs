@@ -13,8 +13,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-/// The launcher the compiled library exports: `emu_launch(name, blocks, params)`, 0 on success.
-type Launch = unsafe extern "C" fn(*const std::ffi::c_char, u32, *mut *mut std::ffi::c_void) -> i32;
+/// The launcher the compiled library exports: `emu_launch(name, blocks, threads, params)`, 0 on success.
+type Launch = unsafe extern "C" fn(*const std::ffi::c_char, u32, u32, *mut *mut std::ffi::c_void) -> i32;
 
 /// The C++ program: the shim, each family in a namespace of its own (families may reuse helper names),
 /// and a launcher naming every kernel.
@@ -28,12 +28,12 @@ fn program() -> String {
         );
         for name in kernel_names(source) {
             dispatch += &format!(
-                "    if (strcmp(name, \"{name}\") == 0) {{ emu::grid(family_{stem}::{name}, blocks, params); return 0; }}\n"
+                "    if (strcmp(name, \"{name}\") == 0) {{ emu::grid(family_{stem}::{name}, blocks, threads, params); return 0; }}\n"
             );
         }
     }
     text + &format!(
-        "extern \"C\" int emu_launch(const char* name, unsigned blocks, void** params) {{\n{dispatch}    return -1;\n}}\n"
+        "extern \"C\" int emu_launch(const char* name, unsigned blocks, unsigned threads, void** params) {{\n{dispatch}    return -1;\n}}\n"
     )
 }
 
@@ -188,7 +188,14 @@ impl Gpu for Emulator {
         Ok(())
     }
 
-    fn launch(&mut self, kernel: &'static str, blocks: u32, params: &[Param]) -> Result<(), BackendError> {
+    fn launch(
+        &mut self,
+        kernel: &'static str,
+        blocks: u32,
+        threads: u32,
+        params: &[Param],
+    ) -> Result<(), BackendError> {
+        assert!((1..=256).contains(&threads), "{kernel}: {threads} threads per block");
         // Each parameter in an 8-byte slot: a pointer fills it; a u32 or f32 sits in its first 4 bytes, where a
         // little-endian read of that size finds it.
         let mut slots: Vec<u64> = params
@@ -207,7 +214,7 @@ impl Gpu for Emulator {
         let _turn = ONE_LAUNCH_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the launcher calls the named kernel with each parameter read through `pointers` at the
         // kernel's declared type, as cuLaunchKernel does; the device addresses are live host memory.
-        let status = unsafe { (self.launch)(name.as_ptr(), blocks, pointers.as_mut_ptr()) };
+        let status = unsafe { (self.launch)(name.as_ptr(), blocks, threads, pointers.as_mut_ptr()) };
         assert_eq!(status, 0, "the emulator has no kernel named {kernel}");
         Ok(())
     }

@@ -18,6 +18,12 @@ inline int max(int a, int b) { return a > b ? a : b; }
 struct EmuDim3 {
     unsigned x, y, z;
 };
+
+// CUDA's float4 (16-byte aligned, as on the device) and its maker.
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 static EmuDim3 threadIdx, blockIdx;
 
 namespace emu {
@@ -26,6 +32,7 @@ constexpr std::size_t STACK_BYTES = 64 * 1024;
 static ucontext_t scheduler;
 static ucontext_t fibers[THREADS];
 static bool finished[THREADS];
+static int block_threads = THREADS;
 static char* stacks = nullptr;
 static int current = 0;
 static void (*block_body)(void*) = nullptr;
@@ -38,12 +45,13 @@ static void fiber_main() {
 
 inline void barrier() { swapcontext(&fibers[current], &scheduler); }
 
-// Runs one block: every fiber until its next barrier, round after round, until all have returned.
+// Runs one block of `block_threads` fibers: every fiber until its next barrier, round after round, until
+// all have returned.
 static void run_block(void (*body)(void*), void* arg) {
     if (stacks == nullptr) { stacks = new char[THREADS * STACK_BYTES]; }
     block_body = body;
     block_arg = arg;
-    for (int i = 0; i < THREADS; i++) {
+    for (int i = 0; i < block_threads; i++) {
         getcontext(&fibers[i]);
         fibers[i].uc_stack.ss_sp = stacks + i * STACK_BYTES;
         fibers[i].uc_stack.ss_size = STACK_BYTES;
@@ -53,7 +61,7 @@ static void run_block(void (*body)(void*), void* arg) {
     }
     for (bool live = true; live;) {
         live = false;
-        for (int i = 0; i < THREADS; i++) {
+        for (int i = 0; i < block_threads; i++) {
             if (finished[i]) { continue; }
             current = i;
             threadIdx.x = (unsigned)i;
@@ -70,8 +78,10 @@ void invoke(void (*k)(A...), void** params, std::index_sequence<I...>) {
     k(*static_cast<std::remove_reference_t<A>*>(params[I])...);
 }
 
+// Runs kernel `k` on `blocks` blocks of `threads` (at most THREADS) threads.
 template <typename... A>
-void grid(void (*k)(A...), unsigned blocks, void** params) {
+void grid(void (*k)(A...), unsigned blocks, unsigned threads, void** params) {
+    block_threads = (int)threads;
     struct Call {
         void (*k)(A...);
         void** params;
