@@ -116,12 +116,31 @@ pub(super) fn layernorm(r: &mut Runner) {
     }
 }
 
+/// A matmul's `(n, c, oc)`.
+type MatmulDims = (usize, usize, usize);
+
 pub(super) fn matmul(r: &mut Runner) {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let shapes = [(7, 37, 53), (1, 70, 130), (65, 67, 129), (130, 17, 3), (2, 1, 5)];
-    for (n, c, oc) in shapes {
-        for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
-            for bias in [true, false] {
+    let small = [(7, 37, 53), (1, 70, 130), (65, 67, 129), (130, 17, 3), (2, 1, 5)];
+    let every_kind = [WeightLayout::InOut, WeightLayout::OutIn].map(|layout| [(layout, true), (layout, false)]);
+    // ((n, c, oc), (layout, bias))
+    let mut cases: Vec<(MatmulDims, (WeightLayout, bool))> = small
+        .iter()
+        .flat_map(|&shape| every_kind.iter().flatten().map(move |&kind| (shape, kind)))
+        .collect();
+    // A weight gradient summing 2048 tokens, which the GPU kernels split along k; gpt2's widths over a few
+    // tokens: the qkv projection and the tied LM head (`[V, C]`, an odd 50257 wide). A segmented run skips
+    // the widths: every straddling view is a copy there, and the plain run checks the kernels.
+    cases.push(((2048, 48, 40), (WeightLayout::InOut, true)));
+    if !r.straddles() {
+        cases.extend([
+            ((64, 768, 2304), (WeightLayout::InOut, true)),
+            ((16, 768, 50257), (WeightLayout::OutIn, false)),
+        ]);
+    }
+    for ((n, c, oc), (layout, bias)) in cases {
+        {
+            {
                 let s = MatmulShape { n, c, oc, layout };
                 let shape = format!("{n}x{c}x{oc} {layout:?} bias={bias}");
                 // out [n, oc], inp [n, c], weight [c*oc], bias [oc]

@@ -101,6 +101,11 @@ impl<'a> Runner<'a> {
         Runner { be, settings, sink }
     }
 
+    /// Whether every operand straddles segments (a segmented backend's run).
+    pub fn straddles(&self) -> bool {
+        self.settings.straddle.is_some()
+    }
+
     /// Runs `op` on the backend and on the reference, and compares the whole buffers.
     pub fn check(&mut self, op: &str, shape: &str, operands: &Operands, tol: Tolerance, call: Op) {
         let straddle = self.settings.straddle;

@@ -54,6 +54,15 @@ pub(super) const FAMILIES: &[Family] = &[
         &[("matmul4", 4)],
     ),
     (
+        "matmul_tiled",
+        include_str!("../../../shaders/matmul_tiled.wgsl"),
+        &[
+            ("matmul_tiled", 4),
+            ("matmul_tiled_partial", 4),
+            ("matmul_tiled_reduce", 4),
+        ],
+    ),
+    (
         "attention",
         include_str!("../../../shaders/attention.wgsl"),
         &[

@@ -30,6 +30,14 @@ pub(crate) fn matmul_iterations(k: usize, vec4: bool) -> usize {
     (if vec4 { k / 4 } else { k }) + 256
 }
 
+/// The tiled matmul's loop iterations per invocation over `k` terms: one per step of 8 terms. Its inner
+/// loops have fixed trip counts of 4 and 8, which Mesa unrolls before llvmpipe counts anything (measured:
+/// `hardware_kernels_keep_the_loop_budget`, whose slices would run over 350 K iterations if every one
+/// counted, matches the CPU).
+pub(crate) fn tiled_iterations(k: usize) -> usize {
+    k.div_ceil(8) + 64
+}
+
 /// A tree reduction's loop iterations per invocation: `passes` strided loops over `len` elements
 /// (`stride` apart per invocation), then `trees` reductions of `levels` levels each.
 pub(crate) fn tree_iterations(len: usize, stride: usize, passes: usize, trees: usize, levels: usize) -> usize {
@@ -44,6 +52,17 @@ pub(crate) fn column_sum_iterations(rows: usize) -> usize {
 }
 
 impl WgpuBackend {
+    /// Loop iterations of a weight gradient over `tokens` terms: the tiled kernel where this backend runs
+    /// the hardware kernels, else the strided one (the texture-fed kernel does not take the transposed
+    /// operand).
+    pub(crate) fn weight_gradient_iterations(&self, tokens: usize) -> usize {
+        if self.hardware_kernels_only() {
+            tiled_iterations(tokens)
+        } else {
+            matmul_iterations(tokens, false)
+        }
+    }
+
     /// Whether a kernel whose invocations run `iterations` loop iterations each computes everything on this
     /// adapter ([`SOFTWARE_LOOP_BUDGET`]).
     pub(crate) fn within_loop_budget(&self, iterations: usize) -> bool {

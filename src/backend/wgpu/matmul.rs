@@ -1,14 +1,15 @@
 //! Matmul planning: every matmul of the model (forward, input gradient, weight gradient) as one strided
-//! GEMM, and the choice of kernel for it: the `vec4` kernel (`matmul4.wgsl`) for row-major operands with
-//! 4-aligned offsets, strides, `n` and `k`, the strided one (`matmul.wgsl`) for everything else; on
-//! software adapters the texture-fed kernels where they apply (`software`). A GEMM whose windows exceed a
-//! storage binding, or whose grid exceeds the dispatch limit, is halved along M, N or K until it fits.
-//!
-//! The kernels keep a large register block per invocation and read A and B straight from storage (no
-//! workgroup memory, no barriers), which suits CPU implementations and stays plain WGSL for GPUs.
+//! GEMM, and the choice of kernel for it. Hardware adapters (and the hardware-kernels mode) run the tiled
+//! kernel (`matmul_tiled.wgsl`, workgroup-memory tiles, split along k when its grid is small) for every
+//! case. Software adapters run kernels shaped for llvmpipe, which read A and B straight from storage (no
+//! workgroup memory, no barriers): the `vec4` kernel (`matmul4.wgsl`) for row-major operands with
+//! 4-aligned offsets, strides, `n` and `k`, the texture-fed kernels where they apply (`software`), the
+//! strided one (`matmul.wgsl`) for everything else. A GEMM whose windows exceed a storage binding, or whose
+//! grid exceeds the dispatch limit, is halved along M, N or K until it fits.
 
-use super::loop_budget::{column_sum_iterations, matmul_iterations};
-use super::params::{word, MatmulParams};
+use super::kernels::WG;
+use super::loop_budget::{column_sum_iterations, matmul_iterations, tiled_iterations};
+use super::params::{word, MatmulParams, TiledMatmulParams};
 use super::windows::Win;
 use super::{ceil_div, MatmulShape, View, WeightLayout, WgpuBackend};
 
@@ -18,6 +19,36 @@ const MATMUL_TILE_N: usize = 128;
 /// C tile of one workgroup of the vec4 matmul (matmul4.wgsl).
 const MATMUL4_TILE_M: usize = 128;
 const MATMUL4_TILE_N: usize = 128;
+/// C tile of one workgroup of the tiled matmul (`BM` x `BN` of matmul_tiled.wgsl), and its k step (`BK`).
+const TILED_M: usize = 128;
+const TILED_N: usize = 128;
+const TILED_K: usize = 8;
+
+/// Workgroups a tiled matmul should offer the device: past this it is not split along k.
+const SPLIT_K_TARGET_GROUPS: usize = 512;
+/// The fewest k terms one split-K slice sums.
+const SPLIT_K_MIN_TERMS: usize = 512;
+/// The most slices.
+const SPLIT_K_MAX_SPLITS: usize = 16;
+/// The most elements the partial products may take (32 MiB).
+pub(super) const SPLIT_K_PARTIALS_MAX: usize = 8 << 20;
+
+/// Split-K plan of an `m x n x k` matmul: (k terms per slice, slices), or `None` for one pass. A function of
+/// the shape alone, so the same matmul always sums in the same order.
+/// `room` bounds the partial products' elements (the adapter's binding limit, at most
+/// [`SPLIT_K_PARTIALS_MAX`]).
+pub(super) fn split_k_plan(m: usize, n: usize, k: usize, room: usize) -> Option<(usize, usize)> {
+    let groups = ceil_div(m, TILED_M) * ceil_div(n, TILED_N);
+    let wanted = ceil_div(SPLIT_K_TARGET_GROUPS, groups)
+        .min(k / SPLIT_K_MIN_TERMS)
+        .min(SPLIT_K_MAX_SPLITS)
+        .min(room / (m * n).max(1));
+    if wanted < 2 {
+        return None;
+    }
+    let k_split = ceil_div(ceil_div(k, wanted), TILED_K) * TILED_K;
+    Some((k_split, ceil_div(k, k_split)))
+}
 
 /// One strided matrix operand: element `(r, c)` is at `off + r * rs + c * cs` of buffer `buf`.
 #[derive(Clone, Copy, Debug)]
@@ -279,8 +310,76 @@ impl WgpuBackend {
         self.gemm(hi);
     }
 
+    /// One tiled matmul of `g` over its windows `[C, A, B, bias]` (what hardware adapters run), split along
+    /// k ([`split_k_plan`]) when its tiles alone would leave the device idle.
+    fn dispatch_tiled(&mut self, g: &Gemm, wins: [Win; 4]) {
+        let [wc, wa, wb, wbias] = &wins;
+        let flags = g.accumulate as u32
+            | (g.bias.is_some() as u32) << 1
+            | ((g.a.cs == 1) as u32) << 2
+            | ((g.b.cs == 1) as u32) << 3;
+        let mut p = TiledMatmulParams {
+            m: word(g.m),
+            n: word(g.n),
+            k: word(g.k),
+            c_off: wc.off,
+            c_rs: word(g.c.rs),
+            a_off: wa.off,
+            a_rs: word(g.a.rs),
+            a_cs: word(g.a.cs),
+            b_off: wb.off,
+            b_rs: word(g.b.rs),
+            b_cs: word(g.b.cs),
+            bias_off: wbias.off,
+            flags,
+            k_split: word(g.k),
+            splits: 1,
+        };
+        if !self.require_loop_budget("matmul", tiled_iterations(g.k)) {
+            return;
+        }
+        let (tile_cols, tile_rows) = (ceil_div(g.n, TILED_N), ceil_div(g.m, TILED_M));
+        let room = SPLIT_K_PARTIALS_MAX.min(self.max_window_elems());
+        let plan = split_k_plan(g.m, g.n, g.k, room).filter(|&(_, s)| tile_rows * s <= self.max_groups as usize);
+        let Some((k_split, splits)) = plan else {
+            self.dispatch("matmul_tiled", &wins, &p, (tile_cols as u32, tile_rows as u32));
+            return;
+        };
+        let len = splits * g.m * g.n;
+        let partials = match self.split_k_partials(len) {
+            Ok(partials) => partials,
+            Err(e) => {
+                self.errors.record(e);
+                return;
+            }
+        };
+        let wp = self.win_of(&partials.buffer, Some(partials.id), len, 0, len);
+        (p.k_split, p.splits) = (word(k_split), word(splits));
+        let partial_p = TiledMatmulParams { c_off: wp.off, ..p };
+        let groups = (tile_cols as u32, (tile_rows * splits) as u32);
+        self.dispatch(
+            "matmul_tiled_partial",
+            &[wp.clone(), wa.clone(), wb.clone(), wbias.clone()],
+            &partial_p,
+            groups,
+        );
+        let reduce_p = TiledMatmulParams { a_off: wp.off, ..p };
+        let dummy = self.dummy_win();
+        let groups = self.grid(ceil_div(g.m * g.n, WG as usize));
+        self.dispatch(
+            "matmul_tiled_reduce",
+            &[wc.clone(), wp, dummy, wbias.clone()],
+            &reduce_p,
+            groups,
+        );
+    }
+
     /// One dispatch of `g` over its windows `[C, A, B, bias]`.
     fn dispatch_gemm(&mut self, g: &Gemm, wins: [Win; 4]) {
+        if self.hardware_kernels_only() {
+            self.dispatch_tiled(g, wins);
+            return;
+        }
         let [wc, wa, wb, wbias] = &wins;
         let flags = g.accumulate as u32 | (g.bias.is_some() as u32) << 1;
         // Windows starting 16-byte aligned, with n and k multiples of 4, and each operand row-major or

@@ -307,17 +307,33 @@ impl WgpuBackend {
     /// A buffer of at least `blocks` elements for `sum_squares`' partial sums: the previous one when it is
     /// large enough, else a new one replacing it.
     pub(super) fn sum_squares_partials(&mut self, blocks: usize) -> Result<Tracked, BackendError> {
-        if let Some((partials, len)) = &self.partials {
-            if *len >= blocks {
-                return Ok(partials.clone());
+        self.scratch(|be| &mut be.partials, blocks, "sum_squares partials")
+    }
+
+    /// A buffer of at least `len` elements for split-K matmuls' partial products, kept like
+    /// [`Self::sum_squares_partials`].
+    pub(super) fn split_k_partials(&mut self, len: usize) -> Result<Tracked, BackendError> {
+        self.scratch(|be| &mut be.split_k, len, "split-K partials")
+    }
+
+    /// The scratch buffer in `slot` when it holds `len` elements, else a new one replacing it.
+    fn scratch(
+        &mut self,
+        slot: fn(&mut Self) -> &mut Option<(Tracked, usize)>,
+        len: usize,
+        label: &'static str,
+    ) -> Result<Tracked, BackendError> {
+        if let Some((kept, kept_len)) = slot(self) {
+            if *kept_len >= len {
+                return Ok(kept.clone());
             }
         }
-        let buffer = self.new_buffer(blocks, "sum_squares partials")?;
-        let partials = self.track(buffer);
-        if let Some((old, _)) = self.partials.replace((partials.clone(), blocks)) {
+        let buffer = self.new_buffer(len, label)?;
+        let fresh = self.track(buffer);
+        if let Some((old, _)) = slot(self).replace((fresh.clone(), len)) {
             // The old buffer is freed: its entries could never hit again but would keep its memory alive.
             self.bind_groups.forget(old.id);
         }
-        Ok(partials)
+        Ok(fresh)
     }
 }

@@ -106,6 +106,9 @@ pub struct WgpuBackend {
     /// `sum_squares`' per-block partial sums and their number of elements, grown on demand (a call reads
     /// them back before returning, so the next call may reuse them).
     partials: Option<(Tracked, usize)>,
+    /// Split-K matmuls' partial products `[splits, m, n]`, grown on demand up to
+    /// [`matmul::SPLIT_K_PARTIALS_MAX`] elements (dispatches in queue order may reuse them).
+    split_k: Option<(Tracked, usize)>,
     /// The embedding backward's token index (`[rows | starts | positions]`, u32), grown on demand and
     /// rewritten by each call, so its bind groups are cached like any other.
     embed_index: Option<EmbedIndex>,
@@ -171,6 +174,7 @@ impl WgpuBackend {
             tok_bufs: Vec::new(),
             dummy,
             partials: None,
+            split_k: None,
             embed_index: None,
             software,
             buffer_ids,

@@ -7,7 +7,7 @@
 //! sequence's attention `[nh, t, t]` must each fit a binding.
 
 use super::kernels::WG;
-use super::loop_budget::{attention_iterations, column_sum_iterations, matmul_iterations, tree_iterations};
+use super::loop_budget::{attention_iterations, column_sum_iterations, tree_iterations};
 use super::params::{
     word, AdamWParams, AttentionParams, CrossEntropyParams, EncoderParams, GeluParams, KernelParams, LayerNormParams,
     ReduceParams, ResidualParams,
@@ -103,7 +103,7 @@ impl Backend for WgpuBackend {
             ("attention", attention_iterations(t)),
             // The weight gradients sum over every token of the micro-batch (k = b * t; the strided kernel
             // where the texture-fed one does not apply).
-            ("the weight-gradient matmul", matmul_iterations(tokens, false)),
+            ("the weight-gradient matmul", self.weight_gradient_iterations(tokens)),
             ("the embedding backward", tokens),
         ];
         for (op, iterations) in checks {

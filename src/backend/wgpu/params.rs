@@ -127,6 +127,28 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `matmul_tiled.wgsl`: [`MatmulParams`] and the split-K range.
+    TiledMatmulParams for ["matmul_tiled"] {
+        m: u32,
+        n: u32,
+        k: u32,
+        c_off: u32,
+        c_rs: u32,
+        a_off: u32,
+        a_rs: u32,
+        a_cs: u32,
+        b_off: u32,
+        b_rs: u32,
+        b_cs: u32,
+        bias_off: u32,
+        /// Bit 0: accumulate into C; bit 1: add the bias; bit 2: A's k stride is 1; bit 3: B's n stride is 1.
+        flags: u32,
+        k_split: u32,
+        splits: u32,
+    }
+}
+
+kernel_params! {
     /// `attention.wgsl`, forward and backward.
     AttentionParams for ["attention"] {
         b: u32,
@@ -256,6 +278,7 @@ mod tests {
         check::<EncoderParams>();
         check::<LayerNormParams>();
         check::<MatmulParams>();
+        check::<TiledMatmulParams>();
         check::<AttentionParams>();
         check::<GeluParams>();
         check::<ResidualParams>();
@@ -266,6 +289,7 @@ mod tests {
             EncoderParams::FAMILIES,
             LayerNormParams::FAMILIES,
             MatmulParams::FAMILIES,
+            TiledMatmulParams::FAMILIES,
             AttentionParams::FAMILIES,
             GeluParams::FAMILIES,
             ResidualParams::FAMILIES,
