@@ -207,6 +207,12 @@ fn bad_inputs_give_clear_errors() {
     fails_with(&with(&SMALL, &["--shuffle", "maybe"]), "--shuffle");
     fails_with(&["train", "--model", "huge"], "unknown model preset");
     fails_with(&with(&SMALL, &["--backend", "nope"]), "--backend");
+    // TF32 is CUDA's: the CPU backend refuses it by name; an unknown precision lists the known ones.
+    fails_with(
+        &with(&SMALL, &["--backend", "cpu", "--matmul-precision", "tf32"]),
+        "--matmul-precision tf32 needs the cuda backend: cpu",
+    );
+    fails_with(&with(&SMALL, &["--matmul-precision", "fp16"]), "expected fp32 or tf32");
     // A TOML config with an unknown key.
     std::fs::write(p("run.toml"), "batch-size = 2\nbogus-key = 1\n").unwrap();
     fails_with(&["train", "--config", &p("run.toml")], "bogus-key");

@@ -3,7 +3,7 @@
 //! [factory](super::factory) returns.
 
 use super::op_args::*;
-use super::{Backend, BackendMemory, Download, StepShape, TokenView, View};
+use super::{Backend, BackendMemory, Download, MatmulPrecision, StepShape, TokenView, View};
 use anyhow::Result;
 
 /// Forwards each op, which takes its checked arguments only, to the box's content.
@@ -24,6 +24,10 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
 
     fn attention_saving(&self) -> AttentionSaving {
         (**self).attention_saving()
+    }
+
+    fn set_matmul_precision(&mut self, precision: MatmulPrecision) -> Result<()> {
+        (**self).set_matmul_precision(precision)
     }
 
     fn alloc(&mut self, len: usize) -> Result<View> {

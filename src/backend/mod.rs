@@ -113,6 +113,28 @@ pub enum Download {
     InFlight { ticket: u64, host: Vec<f32> },
 }
 
+/// How matmuls multiply (`--matmul-precision`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulPrecision {
+    /// fp32 products and sums (TF32 off), every backend's default.
+    #[default]
+    Fp32,
+    /// Inputs rounded to TF32 (10-bit mantissa) on tensor cores, fp32 sums: CUDA only, deterministic.
+    Tf32,
+}
+
+impl std::str::FromStr for MatmulPrecision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" => Ok(MatmulPrecision::Fp32),
+            "tf32" => Ok(MatmulPrecision::Tf32),
+            other => Err(format!("unknown matmul precision {other:?}: expected fp32 or tf32")),
+        }
+    }
+}
+
 /// The shape of one training step's micro-batch on a model, as a backend checks it up front
 /// ([`Backend::check_step_shape`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -345,6 +367,18 @@ pub trait Backend {
     /// Where this backend's buffers live and how much room is left there, for the memory plan.
     fn memory(&self) -> BackendMemory {
         BackendMemory::Device { available: None }
+    }
+
+    /// How the matmuls multiply from now on. Every backend computes in fp32; only CUDA offers TF32 (its
+    /// tensor cores, through cuBLAS), and the others refuse it by name.
+    fn set_matmul_precision(&mut self, precision: MatmulPrecision) -> Result<()> {
+        match precision {
+            MatmulPrecision::Fp32 => Ok(()),
+            MatmulPrecision::Tf32 => anyhow::bail!(
+                "--matmul-precision tf32 needs the cuda backend: {} multiplies in fp32 only",
+                self.name()
+            ),
+        }
     }
 
     /// Waits for queued work, then returns the first error recorded since the last synchronisation point

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::op_args::*;
 use super::op_cost::{fill_cost, scale_cost, sum_squares_cost, Costed, OpCost, OpFamily};
-use super::{Backend, BackendMemory, Download, StepShape, TokenView, View};
+use super::{Backend, BackendMemory, Download, MatmulPrecision, StepShape, TokenView, View};
 use anyhow::Result;
 
 /// One family's totals since the profile was last cleared.
@@ -97,6 +97,10 @@ impl<B: Backend> Backend for Profiled<B> {
 
     fn attention_saving(&self) -> AttentionSaving {
         self.inner.attention_saving()
+    }
+
+    fn set_matmul_precision(&mut self, precision: MatmulPrecision) -> Result<()> {
+        self.inner.set_matmul_precision(precision)
     }
 
     fn alloc(&mut self, len: usize) -> Result<View> {

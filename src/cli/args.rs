@@ -59,6 +59,9 @@ pub struct TrainArgs {
     /// auto, cpu, wgpu or cuda
     #[arg(long)]
     pub backend: Option<String>,
+    /// How matmuls multiply: fp32, or tf32 (CUDA's tensor cores; the other backends refuse it) [default: fp32]
+    #[arg(long)]
+    pub matmul_precision: Option<String>,
     /// Sequences per micro-batch per rank [default: 64 for the unchanged `small` preset (byte tokenizer), else 8]
     #[arg(long, allow_negative_numbers = true)]
     pub batch_size: Option<usize>,

@@ -8,7 +8,7 @@ use anyhow::{ensure, Context, Result};
 use ringtrain::backend::factory::BackendChoice;
 use ringtrain::backend::op_cost::OpFamily;
 use ringtrain::backend::profiled::{FamilyTotals, Profile, Profiled};
-use ringtrain::backend::Backend;
+use ringtrain::backend::{Backend, MatmulPrecision};
 use ringtrain::collective::mem::single_rank;
 use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::{Collective, TwoLevel};
@@ -32,6 +32,8 @@ struct RunSetup {
     opts: TrainOptions,
     /// Opened after everything else is resolved.
     backend: BackendChoice,
+    /// `--matmul-precision`, set on the backend once it is open (a rank's own choice, as its backend is).
+    matmul_precision: MatmulPrecision,
     metrics_path: Option<std::path::PathBuf>,
     launch: LaunchEnv,
     secret_file: Option<std::path::PathBuf>,
@@ -97,6 +99,12 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let data_spec = args.data.clone().unwrap_or_else(|| "synthetic".into());
     let data = load_splits(&data_spec, args.val_data.as_deref(), args.tokenizer_kind()?)?;
     let backend = parse_backend(args.backend.as_deref())?;
+    let matmul_precision: MatmulPrecision = args
+        .matmul_precision
+        .as_deref()
+        .unwrap_or("fp32")
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--matmul-precision: {e}"))?;
     let job_hash = opts.job_hash(&model, launch.world_size);
     let resume = source.is_resume();
     let faults = fault_plan_from_env(launch.world_size, opts.steps)?;
@@ -105,6 +113,7 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
         data,
         opts,
         backend,
+        matmul_precision,
         metrics_path: args.metrics.clone(),
         launch,
         secret_file: args.secret_file.clone(),
@@ -224,7 +233,8 @@ fn connect(s: &RunSetup) -> Result<Connection> {
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let s = setup(args)?;
-    let (be, selection) = open_backend(s.backend, s.launch.local_rank)?;
+    let (mut be, selection) = open_backend(s.backend, s.launch.local_rank)?;
+    be.set_matmul_precision(s.matmul_precision)?;
     check_memory_plan(&s, &*be)?;
     let resuming = s.source.is_resume();
     let Connection {
@@ -486,7 +496,8 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result
     args.eval_every = Some(0);
     args.save = None;
     let s = setup(args)?;
-    let (be, _) = open_backend(s.backend, s.launch.local_rank)?;
+    let (mut be, _) = open_backend(s.backend, s.launch.local_rank)?;
+    be.set_matmul_precision(s.matmul_precision)?;
     let plan_peak = check_memory_plan(&s, &*be)?.peak();
     let (be, profiled): (Box<dyn Backend>, _) = match profile {
         true => {

@@ -144,6 +144,21 @@ impl Blas {
         Ok(blas)
     }
 
+    /// `CUBLAS_TF32_TENSOR_OP_MATH` (fp32 GEMMs round their inputs to TF32 on tensor cores, what PyTorch's
+    /// `allow_tf32 = True` does), or back to `CUBLAS_DEFAULT_MATH`. With the fixed workspace, results still
+    /// repeat bit for bit.
+    pub(super) fn set_tf32(&self, on: bool) -> Result<(), BackendError> {
+        let mode = match on {
+            true => cublas::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+            false => cublas::cublasMath_t::CUBLAS_DEFAULT_MATH,
+        };
+        // SAFETY: the handle is live and its context current (the caller binds it).
+        check_blas(
+            unsafe { cublas::cublasSetMathMode(self.handle, mode) },
+            "setting cuBLAS's math mode",
+        )
+    }
+
     /// Queues `g` on the handle's stream.
     pub(super) fn run(&self, g: &Gemm) -> Result<(), BackendError> {
         // cuBLAS refuses a leading dimension of 0, which a degenerate shape (c or oc of 0) would give.

@@ -285,6 +285,11 @@ impl Gpu for Driver {
         self.blas.as_ref().expect("cuBLAS is set up by `open`").run(gemm)
     }
 
+    fn set_tf32(&mut self, on: bool) -> Result<(), BackendError> {
+        self.bind()?;
+        self.blas.as_ref().expect("cuBLAS is set up by `open`").set_tf32(on)
+    }
+
     fn begin_read(&mut self, src: Addr, words: usize) -> Result<u64, BackendError> {
         self.bind()?;
         self.readbacks.begin(self.compute, self.copy, src, words)

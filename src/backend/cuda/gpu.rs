@@ -68,6 +68,8 @@ pub(super) trait Gpu {
     fn launch(&mut self, kernel: &'static str, blocks: u32, threads: u32, params: &[Param])
         -> Result<(), BackendError>;
     fn gemm(&mut self, gemm: &Gemm) -> Result<(), BackendError>;
+    /// Whether the GEMMs from now on round their inputs to TF32 (tensor cores) instead of computing in fp32.
+    fn set_tf32(&mut self, on: bool) -> Result<(), BackendError>;
     /// Starts copying `words` floats at `src` out, after the work queued so far, without waiting; returns
     /// a ticket.
     fn begin_read(&mut self, src: Addr, words: usize) -> Result<u64, BackendError>;

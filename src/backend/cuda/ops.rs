@@ -3,7 +3,7 @@
 
 use super::super::error::ensure_view;
 use super::super::op_args::*;
-use super::super::{Backend, BackendError, BackendMemory, Download, StepShape, TokenView, View};
+use super::super::{Backend, BackendError, BackendMemory, Download, MatmulPrecision, StepShape, TokenView, View};
 use super::blas;
 use super::device::{CudaBackend, DeviceBuffer, Scratch, TokenBuffer};
 use super::gpu::{Addr, Gemm, Gpu, Param};
@@ -382,6 +382,11 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             let args = [Arg::F(dbias), Arg::F(dout), Arg::U(s.n), Arg::U(s.oc)];
             self.launch("matmul_backward_bias", s.oc.div_ceil(COLUMNS_PER_BLOCK), &args);
         }
+    }
+
+    /// TF32 through cuBLAS's math mode; the kernels stay fp32.
+    fn set_matmul_precision(&mut self, precision: MatmulPrecision) -> Result<()> {
+        Ok(self.gpu.set_tf32(precision == MatmulPrecision::Tf32)?)
     }
 
     /// The flash kernels keep each row's log-sum-exp and recompute the probabilities in backward.

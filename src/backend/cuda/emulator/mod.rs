@@ -100,6 +100,17 @@ pub(in crate::backend::cuda) struct Emulator {
     /// Finished reads by ticket (the emulator runs everything at once).
     reads: HashMap<u64, Vec<f32>>,
     next_ticket: u64,
+    /// GEMM inputs rounded to TF32 ([`Gpu::set_tf32`]).
+    tf32: bool,
+}
+
+/// `x` rounded to TF32 (10 mantissa bits) to nearest, ties away from zero, as the tensor cores' input
+/// conversion does; infinities and NaN pass unchanged.
+fn to_tf32(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    f32::from_bits((x.to_bits() + 0x1000) & 0xffff_e000)
 }
 
 impl Emulator {
@@ -114,6 +125,7 @@ impl Emulator {
             allocations: HashMap::new(),
             reads: HashMap::new(),
             next_ticket: 0,
+            tf32: false,
         })
     }
 
@@ -226,10 +238,16 @@ impl Gpu for Emulator {
         self.check_matrix(g.a, a_rows, a_cols, g.lda, "gemm A");
         self.check_matrix(g.b, b_rows, b_cols, g.ldb, "gemm B");
         self.check_matrix(g.c, g.m, g.n, g.ldc, "gemm C");
+        let tf32 = self.tf32;
         let at = |base: Addr, ld: usize, op: Op, i: usize, j: usize| -> f32 {
             let (r, c) = if op == Op::N { (i, j) } else { (j, i) };
             // SAFETY: (r, c) lies inside the operand checked above.
-            unsafe { *((base as *const f32).add(c * ld + r)) }
+            let x = unsafe { *((base as *const f32).add(c * ld + r)) };
+            if tf32 {
+                to_tf32(x)
+            } else {
+                x
+            }
         };
         for j in 0..g.n {
             for i in 0..g.m {
@@ -242,6 +260,11 @@ impl Gpu for Emulator {
                 *c = if g.beta == 0.0 { sum } else { g.beta * *c + sum };
             }
         }
+        Ok(())
+    }
+
+    fn set_tf32(&mut self, on: bool) -> Result<(), BackendError> {
+        self.tf32 = on;
         Ok(())
     }
 

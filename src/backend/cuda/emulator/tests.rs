@@ -92,3 +92,55 @@ fn tiny_trains_like_cpu_and_repeats_on_the_emulated_cuda_backend() {
     );
     assert!(bits(&params) == bits(&params_again), "two emulated runs differ");
 }
+
+/// `--matmul-precision tf32` reaches cuBLAS's math mode: on the emulator the GEMM inputs are rounded to
+/// TF32, so a matmul moves off the fp32 result by no more than TF32's 2^-11 relative rounding of each input
+/// allows, repeats bit for bit, and switching back gives the fp32 bits again.
+#[test]
+fn tf32_rounds_the_gemm_inputs_and_fp32_restores_them() {
+    use crate::backend::{MatmulForward, MatmulPrecision, MatmulShape, WeightLayout};
+    let Some(mut be) = emulated() else { return };
+    let s = MatmulShape {
+        n: 8,
+        c: 64,
+        oc: 16,
+        layout: WeightLayout::InOut,
+    };
+    let values = |n: usize, seed: u32| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 10007) as f32 / 5003.0 - 1.0)
+            .collect()
+    };
+    let (inp, weight) = (values(s.n * s.c, 1), values(s.c * s.oc, 2));
+    let run = |be: &mut CudaBackend<Emulator>, precision| -> Vec<f32> {
+        be.set_matmul_precision(precision).unwrap();
+        let [out, i, w] = [s.n * s.oc, s.n * s.c, s.c * s.oc].map(|len| be.alloc(len).unwrap());
+        be.upload(i, &inp).unwrap();
+        be.upload(w, &weight).unwrap();
+        be.matmul_forward(
+            MatmulForward {
+                out,
+                inp: i,
+                weight: w,
+                bias: None,
+                shape: s,
+            }
+            .checked(),
+        );
+        let mut host = vec![0f32; out.len];
+        be.download(out, &mut host).unwrap();
+        host
+    };
+    let fp32 = run(&mut be, MatmulPrecision::Fp32);
+    let tf32 = run(&mut be, MatmulPrecision::Tf32);
+    assert_eq!(bits(&tf32), bits(&run(&mut be, MatmulPrecision::Tf32)), "tf32 repeats");
+    assert_eq!(bits(&fp32), bits(&run(&mut be, MatmulPrecision::Fp32)), "fp32 again");
+    assert_ne!(bits(&fp32), bits(&tf32), "tf32 rounds the inputs");
+    // Each of the 64 products of inputs below 1 in size moves by at most about 2 * 2^-11.
+    let worst = fp32.iter().zip(&tf32).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst < 64.0 * 2.0 / 2048.0, "{worst}");
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
