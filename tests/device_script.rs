@@ -13,34 +13,42 @@ use std::process::{Command, Output};
 use std::time::Instant;
 
 /// Every check run.sh reports, in its order.
-const CHECKS: [&str; 17] = [
+const CHECKS: [&str; 21] = [
     "gpu",
     "binaries",
     "cuda_libs",
+    "cuda_driver",
     "vulkan_loader",
     "vulkan_nvidia",
     "info",
-    "selftest_cpu",
     "selftest_cuda",
-    "selftest_wgpu",
-    "sim",
-    "bench_step_cpu",
     "bench_step_cuda",
     "torch_step",
     "torch_matmul",
+    "torch_step_tf32",
+    "bench_step_cuda_tf32",
+    "profile_cuda",
+    "selftest_wgpu",
     "bench_step_wgpu",
     "matmul_cuda",
     "matmul_wgpu",
+    "sim",
+    "selftest_cpu",
+    "bench_step_cpu",
 ];
 
 /// The checks that need an NVIDIA GPU, skipped in the no-GPU mode.
-const GPU_CHECKS: [&str; 9] = [
+const GPU_CHECKS: [&str; 13] = [
     "gpu",
+    "cuda_driver",
     "vulkan_nvidia",
     "selftest_cuda",
     "bench_step_cuda",
     "torch_step",
     "torch_matmul",
+    "torch_step_tf32",
+    "bench_step_cuda_tf32",
+    "profile_cuda",
     "bench_step_wgpu",
     "matmul_cuda",
     "matmul_wgpu",

@@ -2,10 +2,12 @@
 """Reads the JSON lines of a benchmark (ringtrain `bench step` / `bench kernels`, or torch_ref.py) from stdin
 and prints one `FIGURE<TAB>NOTE` line for bench/device/run.sh's results file. Standard library only.
 
-  figures.py step --layers L --embd C [--peak-tflops P]
-      the first line with `tokens_per_s`: tokens/s, and the model FLOP utilisation
+  figures.py step --layers L --embd C [--peak-tflops P] [--impl NAME] [--loss-near X]
+      the first line with `tokens_per_s` (and `impl` NAME, when given): tokens/s, and the model FLOP utilisation
       MFU = tokens/s * (6N + 12*L*C*T) / peak, with N = `params` and T = `seq` from that line. The peak
       defaults to 67 TFLOP/s, the fp32 (non-tensor) rate of an H200 SXM (and H100 SXM) by NVIDIA's datasheet.
+      With --loss-near X the line's `first_loss` (step 1, from a fresh init: about ln(vocab)) must lie within
+      1 of X, else the model computes wrong and the figure is refused.
   figures.py matmul --size S
       the `matmul_forward` line of an S x S x S product: its GFLOP/s (the median over its rounds when it has
       them, as `bench kernels` writes for a GPU backend beside its CPU reference).
@@ -39,10 +41,10 @@ def flops_per_token(params, layers, embd, seq):
     return 6 * params + 12 * layers * embd * seq
 
 
-def step_figure(lines, layers, embd, peak_tflops):
-    line = next((d for d in lines if "tokens_per_s" in d), None)
+def step_figure(lines, layers, embd, peak_tflops, impl=None, loss_near=None):
+    line = next((d for d in lines if "tokens_per_s" in d and impl in (None, d.get("impl"))), None)
     if line is None:
-        raise LookupError("no line with tokens_per_s")
+        raise LookupError(f"no line with tokens_per_s{f' from {impl}' if impl else ''}")
     for key in ("params", "seq", "tokens_per_s"):
         if not isinstance(line.get(key), (int, float)) or line[key] <= 0:
             raise LookupError(f"the tokens_per_s line has no positive {key}")
@@ -54,6 +56,11 @@ def step_figure(lines, layers, embd, peak_tflops):
         f" {line.get('ms_per_step', float('nan')):.1f} ms/step, batch {line.get('batch', '?')};"
         f" {line.get('backend') or line.get('impl', '?')}"
     )
+    first = line.get("first_loss")
+    if loss_near is not None:
+        if not isinstance(first, (int, float)) or not abs(first - loss_near) <= 1.0:
+            raise LookupError(f"step-1 loss {first} is not within 1 of {loss_near:.3f}: the model computes wrong")
+        note += f"; step-1 loss {first:.3f} (expected about {loss_near:.3f})"
     return f"{tokens_per_s:.0f} tok/s", note
 
 
@@ -82,6 +89,8 @@ def main():
     step.add_argument("--layers", type=int, required=True)
     step.add_argument("--embd", type=int, required=True)
     step.add_argument("--peak-tflops", type=float, default=H200_SXM_FP32_PEAK_TFLOPS)
+    step.add_argument("--impl", help="only the line whose impl is this")
+    step.add_argument("--loss-near", type=float, help="the step-1 loss must lie within 1 of this")
     matmul = sub.add_parser("matmul", help="GFLOP/s of a square matmul line")
     matmul.add_argument("--size", type=int, required=True)
     args = ap.parse_args()
@@ -91,7 +100,7 @@ def main():
     lines = list(json_lines(sys.stdin.read()))
     try:
         if args.kind == "step":
-            figure, note = step_figure(lines, args.layers, args.embd, args.peak_tflops)
+            figure, note = step_figure(lines, args.layers, args.embd, args.peak_tflops, args.impl, args.loss_near)
         else:
             figure, note = matmul_figure(lines, args.size)
     except (LookupError, KeyError, TypeError) as e:

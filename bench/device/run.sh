@@ -16,7 +16,7 @@
 #   --bin DIR    folder with ringtrain and ringtrain-sim (default: $RINGTRAIN_BIN_DIR, else target/device/bin)
 #   --out DIR    folder for results.tsv and log.txt (default: $OUT, else a new temporary folder)
 #   --no-gpu     skip the GPU parts even where an NVIDIA GPU exists
-#   --budget S   wall-clock seconds for the whole run (default 300)
+#   --budget S   wall-clock seconds for the whole run (default 420)
 #   --only LIST  run only these checks, comma-separated (the environment probes always run)
 # exit: 0 when no check failed, 1 when one did, 2 on a usage error.
 set -uo pipefail
@@ -33,7 +33,7 @@ usage() { # EXIT_STATUS
 bin_dir=${RINGTRAIN_BIN_DIR:-$pack_dir/bin}
 out_dir=${OUT:-}
 force_no_gpu=0
-budget=300
+budget=420
 only=
 while [ $# -gt 0 ]; do
   case $1 in
@@ -51,8 +51,8 @@ if ! [[ $budget =~ ^[0-9]{1,5}$ ]] || [ "$budget" -lt 10 ]; then
   exit 2
 fi
 # The checks --only may name (the environment probes gpu, binaries, cuda_libs and vulkan_* always run).
-checks=(info selftest_cpu selftest_cuda selftest_wgpu sim bench_step_cpu bench_step_cuda torch_step torch_matmul
-  bench_step_wgpu matmul_cuda matmul_wgpu)
+checks=(info selftest_cuda bench_step_cuda torch_step torch_matmul torch_step_tf32 bench_step_cuda_tf32 profile_cuda
+  selftest_wgpu bench_step_wgpu matmul_cuda matmul_wgpu sim selftest_cpu bench_step_cpu)
 if [ -n "$only" ]; then
   IFS=, read -ra asked <<<"${only:1:-1}"
   for check in "${asked[@]}"; do
@@ -77,6 +77,8 @@ printf 'check\tstatus\tfigure\tnote\n' >"$results"
 GPT2_LAYERS=12
 GPT2_EMBD=768
 PEAK_TFLOPS=${PEAK_TFLOPS:-67}
+# A fresh model's step-1 loss is about ln(vocab) = ln(50257) for gpt2; far off means it computes wrong.
+GPT2_FIRST_LOSS=10.825
 # A step that would get less than this is reported skipped instead.
 MIN_STEP_SECONDS=5
 
@@ -111,6 +113,8 @@ run_step() {
     record "$check" skipped "" "the run's ${budget}s budget is spent"
     return 1
   fi
+  # `rt CMD...`: CMD with ringtrain's loader path (timeout runs programs, not shell functions).
+  [ "$1" = rt ] && set -- env "LD_LIBRARY_PATH=$(rt_path)" "${@:2}"
   printf '\n=== %s (at %ss, limit %ss): %s\n' "$check" "$SECONDS" "$step_limit" "$*" | tee -a "$log"
   : >"$work/$check.log"
   timeout -k 5 "$step_limit" "$@" 2>&1 | tee -a "$log" "$work/$check.log"
@@ -159,8 +163,14 @@ unpack_debs() {
   for deb in "$@"; do
     dpkg -x "$deb" "$dest" || { echo "dpkg -x $deb failed"; return 1; }
   done
-  export LD_LIBRARY_PATH=$dest/usr/lib/x86_64-linux-gnu:$dest/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  rt_ld=$dest/usr/lib/x86_64-linux-gnu:$dest/lib/x86_64-linux-gnu${rt_ld:+:$rt_ld}
 }
+
+# The loader path of ringtrain's own processes: the packed Debian libraries first (rt_ld), never python's,
+# nvidia-smi's or the driver's.
+rt_ld=
+rt_path() { echo "${rt_ld}${LD_LIBRARY_PATH:+${rt_ld:+:}$LD_LIBRARY_PATH}"; }
+rt() { env LD_LIBRARY_PATH="$(rt_path)" "$@"; }
 
 probe_gpu() {
   gpu=0
@@ -206,8 +216,8 @@ probe_binaries() {
     echo "missing shared libraries: $unresolved; unpacking ${debs[*]:-nothing}" | tee -a "$log"
     [ ${#debs[@]} -gt 0 ] && unpack_debs "$work/syslibs" "${debs[@]}" >>"$log" 2>&1
   fi
-  [ -x "$ringtrain" ] && "$ringtrain" --help >/dev/null 2>>"$log" && have_ringtrain=1
-  [ -x "$sim" ] && "$sim" --help >/dev/null 2>>"$log" && have_sim=1
+  [ -x "$ringtrain" ] && rt "$ringtrain" --help >/dev/null 2>>"$log" && have_ringtrain=1
+  [ -x "$sim" ] && rt "$sim" --help >/dev/null 2>>"$log" && have_sim=1
   [ -f "$pack_dir/manifest.txt" ] && { echo "=== manifest"; cat "$pack_dir/manifest.txt"; } >>"$log"
   if [ ${#missing[@]} -eq 0 ]; then
     if [ "$have_ringtrain$have_sim" = 11 ]; then
@@ -338,7 +348,7 @@ icd_library_gaps() {
     path=$lib
   else
     local search=()
-    IFS=: read -ra search <<<"${LD_LIBRARY_PATH:-}"
+    IFS=: read -ra search <<<"${rt_ld}:${LD_LIBRARY_PATH:-}"
     for d in "${search[@]}" /usr/local/nvidia/lib64 /lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib; do
       [ -n "$d" ] && [ -e "$d/$lib" ] && { path=$d/$lib; break; }
     done
@@ -349,7 +359,7 @@ icd_library_gaps() {
     return 2
   fi
   local missing
-  missing=$(ldd "$path" 2>&1 | awk '/not found/ {print $1}' | paste -sd ' ' -)
+  missing=$(rt ldd "$path" 2>&1 | awk '/not found/ {print $1}' | paste -sd ' ' -)
   [ -z "$missing" ] || { echo "$missing (needed by $path)"; return 1; }
 }
 
@@ -357,7 +367,7 @@ icd_library_gaps() {
 
 check_info() {
   wanted info || return 0
-  run_step info 60 "$ringtrain" info || return 0
+  run_step info 20 rt "$ringtrain" info || return 0
   if [ "$step_rc" = 0 ]; then
     # The CUDA lines (driver, devices, NVRTC, cuBLAS) follow `cuda:` indented, up to the `--backend` line.
     record info pass "" "$(sed -n '/^cuda:/,/^--backend/p' "$work/info.log" | sed 's/^ *//' | paste -sd ';' -)"
@@ -372,15 +382,15 @@ wgpu_usable() {
     [ "$vulkan_nvidia" = 1 ]
   else
     local info
-    info=$(timeout 60 "$ringtrain" info 2>/dev/null)
+    info=$(rt timeout 60 "$ringtrain" info 2>/dev/null)
     [ "$have_loader" = 1 ] && grep -q '^wgpu: [1-9]' <<<"$info"
   fi
 }
 
-check_selftest() { # BACKEND
+check_selftest() { # BACKEND LIMIT
   local check=selftest_$1 summary figure
   wanted "$check" || return 0
-  run_step "$check" 150 "$ringtrain" selftest --backend "$1" || return 0
+  run_step "$check" "$2" rt "$ringtrain" selftest --backend "$1" || return 0
   summary=$(grep -o 'selftest: [0-9]*/[0-9]* passed on .*' "$work/$check.log" | tail -n 1)
   figure=$(sed -n 's#^selftest: \([0-9]*/[0-9]*\) passed.*#\1#p' <<<"$summary")
   if [ "$step_rc" = 0 ] && [ -n "$summary" ]; then
@@ -394,7 +404,7 @@ check_selftest() { # BACKEND
 
 check_sim() { # BACKENDS
   wanted sim || return 0
-  run_step sim 120 "$sim" --workers 3 --backends "$1" --update sharded --steps 5 || return 0
+  run_step sim 25 rt "$sim" --workers 3 --backends "$1" --update sharded --steps 5 || return 0
   local verdict
   verdict=$(grep -E 'bit-identical|diverged' "$work/sim.log" | tail -n 1)
   if [ "$step_rc" = 0 ] && [[ $verdict == *bit-identical* ]]; then
@@ -420,45 +430,57 @@ record_figures() {
   fi
 }
 
-check_bench_step() { # CHECK BACKEND MODEL BATCH SEQ STEPS LIMIT
+check_bench_step() { # CHECK BACKEND MODEL BATCH SEQ STEPS LIMIT [EXTRA FLAG...]
   wanted "$1" || return 0
-  run_step "$1" "$7" "$ringtrain" bench step --backend "$2" --model "$3" --batch-size "$4" --seq-len "$5" \
-    --steps "$6" --warmup-steps 2 || return 0
-  local layers=$GPT2_LAYERS embd=$GPT2_EMBD
-  [ "$3" = tiny ] && layers=2 embd=64 # ModelConfig::tiny
-  record_figures "$1" step --layers "$layers" --embd "$embd" --peak-tflops "$PEAK_TFLOPS"
+  run_step "$1" "$7" rt "$ringtrain" bench step --backend "$2" --model "$3" --batch-size "$4" --seq-len "$5" \
+    --steps "$6" --warmup-steps 2 "${@:8}" || return 0
+  local shape=(--layers "$GPT2_LAYERS" --embd "$GPT2_EMBD" --loss-near "$GPT2_FIRST_LOSS")
+  [ "$3" = tiny ] && shape=(--layers 2 --embd 64) # ModelConfig::tiny
+  record_figures "$1" step "${shape[@]}" --peak-tflops "$PEAK_TFLOPS"
+}
+
+# The per-op profile of the CUDA step (each op synchronised, so slower than bench_step_cuda): its table goes
+# to the log, its JSON line (with `profile`) too; the figure is the step's tokens/s under profiling.
+check_profile() {
+  wanted profile_cuda || return 0
+  run_step profile_cuda 30 rt "$ringtrain" bench step --backend cuda --model gpt2 --batch-size 8 --seq-len 1024 \
+    --steps 2 --warmup-steps 1 --profile || return 0
+  record_figures profile_cuda step --layers "$GPT2_LAYERS" --embd "$GPT2_EMBD" --peak-tflops "$PEAK_TFLOPS"
 }
 
 check_matmul() { # BACKEND
   wanted "matmul_$1" || return 0
-  run_step "matmul_$1" 120 "$ringtrain" bench kernels --backend "$1" --sizes 4096 --iters 5 || return 0
+  run_step "matmul_$1" 15 rt "$ringtrain" bench kernels --backend "$1" --sizes 4096 --iters 5 || return 0
   record_figures "matmul_$1" matmul --size 4096
 }
 
-# The PyTorch reference: one process gives both torch_step and torch_matmul; torch_ref.py exits 3 when
-# python3 has no torch, transformers or CUDA.
+# The PyTorch reference: one process gives torch_step, torch_matmul and torch_step_tf32 (the same step with
+# TF32 matmuls); torch_ref.py exits 3 when python3 has no torch, transformers or CUDA.
 check_torch() {
-  wanted torch_step || wanted torch_matmul || return 0
+  local all=(torch_step torch_matmul torch_step_tf32) c
+  wanted torch_step || wanted torch_matmul || wanted torch_step_tf32 || return 0
   if [ "$gpu" = 0 ]; then
-    skip_all "$no_gpu_reason" torch_step torch_matmul
+    skip_all "$no_gpu_reason" "${all[@]}"
     return
   elif ! command -v python3 >/dev/null; then
-    skip_all "no python3" torch_step torch_matmul
+    skip_all "no python3" "${all[@]}"
     return
   fi
-  run_step torch_step 180 env PYTHONUNBUFFERED=1 python3 "$here/torch_ref.py" --model gpt2 --batch-size 8 \
-    --seq-len 1024 --steps 10 --warmup 3 --matmul 4096 --matmul-iters 10 || {
-    skip_all "the run's ${budget}s budget is spent" torch_matmul
+  run_step torch_step 95 env PYTHONUNBUFFERED=1 python3 "$here/torch_ref.py" --model gpt2 --batch-size 8 \
+    --seq-len 1024 --steps 6 --warmup 2 --matmul 4096 --matmul-iters 10 --tf32 || {
+    skip_all "the run's ${budget}s budget is spent" torch_matmul torch_step_tf32
     return
   }
   if [ "$step_rc" = 3 ]; then
-    skip_all "PyTorch reference unavailable: $(tail -n 1 "$work/torch_step.log")" torch_step torch_matmul
+    skip_all "PyTorch reference unavailable: $(tail -n 1 "$work/torch_step.log")" "${all[@]}"
     return
   fi
-  wanted torch_step && record_figures torch_step step --layers "$GPT2_LAYERS" --embd "$GPT2_EMBD" --peak-tflops "$PEAK_TFLOPS"
-  wanted torch_matmul || return 0
-  cp "$work/torch_step.log" "$work/torch_matmul.log"
-  record_figures torch_matmul matmul --size 4096
+  for c in torch_matmul torch_step_tf32; do cp "$work/torch_step.log" "$work/$c.log"; done
+  local shape=(--layers "$GPT2_LAYERS" --embd "$GPT2_EMBD" --peak-tflops "$PEAK_TFLOPS" --loss-near "$GPT2_FIRST_LOSS")
+  wanted torch_step && record_figures torch_step step "${shape[@]}" --impl pytorch-eager-fp32
+  wanted torch_matmul && record_figures torch_matmul matmul --size 4096
+  wanted torch_step_tf32 && record_figures torch_step_tf32 step "${shape[@]}" --impl pytorch-eager-tf32
+  return 0
 }
 
 skip_all() { # REASON CHECK...
@@ -479,58 +501,89 @@ skip_or() {
   fi
 }
 
+# libcuda.so.1 as ringtrain's processes will load it: the driver's, not the CUDA toolkit's stub (which loads
+# but fails every call), found first on the loader path or in the loader's cache.
+probe_cuda_driver() {
+  if [ "$gpu" = 0 ]; then
+    record cuda_driver skipped "" "$no_gpu_reason"
+    return
+  fi
+  local dirs=() d path=
+  IFS=: read -ra dirs <<<"$(rt_path)"
+  for d in "${dirs[@]}"; do
+    [ -n "$d" ] && [ -e "$d/libcuda.so.1" ] && { path=$d/libcuda.so.1; break; }
+  done
+  [ -n "$path" ] || path=$("$(ldconfig_cmd)" -p 2>/dev/null | awk '$1 == "libcuda.so.1" {print $NF; exit}')
+  if [ -z "$path" ]; then
+    record cuda_driver fail "" "no libcuda.so.1 on the loader path or in its cache: the NVIDIA driver's library is missing"
+  elif [[ $(readlink -f "$path") == */stubs/* ]]; then
+    record cuda_driver fail "" "$path is the CUDA toolkit's stub, not the driver: take its folder off LD_LIBRARY_PATH"
+  else
+    record cuda_driver pass "" "$(readlink -f "$path")"
+  fi
+}
+
 # ---- the run ------------------------------------------------------------------------------------------------
 
 echo "run.sh: results in $results, full log in $log (budget ${budget}s)"
 probe_gpu
 probe_binaries
 probe_cuda_libs
+probe_cuda_driver
 probe_vulkan
 echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" >>"$log"
 
 # Why each kind of check cannot run on this machine ('' where it can).
-cuda_skip='' wgpu_skip='' sim_skip=''
+cuda_skip='' wgpu_skip='' sim_skip='' no_ringtrain=''
 [ "$gpu" = 1 ] || cuda_skip=$no_gpu_reason
 [ "$have_sim" = 1 ] || sim_skip="no working ringtrain-sim binary (see binaries)"
-if [ "$have_ringtrain" = 0 ]; then
-  skip_all "no working ringtrain binary (see binaries)" info selftest_cpu selftest_cuda selftest_wgpu sim \
-    bench_step_cpu bench_step_cuda
+[ "$have_ringtrain" = 1 ] || no_ringtrain="no working ringtrain binary (see binaries)"
+# Ordered by what a short loan of the machine should learn first: CUDA's correctness and speed beside
+# PyTorch's (fp32, then TF32), where its time goes, then wgpu, then what CI already checks elsewhere.
+if [ -n "$no_ringtrain" ]; then
+  skip_all "$no_ringtrain" info selftest_cuda bench_step_cuda
 else
   check_info
   wgpu_usable || wgpu_skip="no wgpu adapter (on a GPU machine: the NVIDIA Vulkan driver, see vulkan_nvidia; elsewhere: mesa-vulkan-drivers for lavapipe)"
-  check_selftest cpu
-  skip_or "$cuda_skip" selftest_cuda check_selftest cuda
-  skip_or "$wgpu_skip" selftest_wgpu check_selftest wgpu
-  # cuda, wgpu and cpu ranks; cpu stands in for a backend this machine lacks.
-  skip_or "$sim_skip" sim check_sim "$([ -z "$cuda_skip" ] && echo cuda || echo cpu),$([ -z "$wgpu_skip" ] && echo wgpu || echo cpu),cpu"
-  # The figure plumbing on a tiny model (a fraction of a second), then the GPU benchmarks.
-  check_bench_step bench_step_cpu cpu tiny 2 32 3 60
-  skip_or "$cuda_skip" bench_step_cuda check_bench_step bench_step_cuda cuda gpt2 8 1024 10 150
+  skip_or "$cuda_skip" selftest_cuda check_selftest cuda 45
+  skip_or "$cuda_skip" bench_step_cuda check_bench_step bench_step_cuda cuda gpt2 8 1024 6 50
 fi
 check_torch
 # The wgpu benchmarks are GPU benchmarks: without an NVIDIA GPU they say so, not that lavapipe is slow.
 wgpu_bench_skip=${cuda_skip:-$wgpu_skip}
-if [ "$have_ringtrain" = 0 ]; then
-  skip_all "no working ringtrain binary (see binaries)" bench_step_wgpu matmul_cuda matmul_wgpu
+if [ -n "$no_ringtrain" ]; then
+  skip_all "$no_ringtrain" bench_step_cuda_tf32 profile_cuda selftest_wgpu bench_step_wgpu matmul_cuda \
+    matmul_wgpu sim selftest_cpu bench_step_cpu
 else
-  skip_or "$wgpu_bench_skip" bench_step_wgpu check_bench_step bench_step_wgpu wgpu gpt2 8 1024 5 180
+  skip_or "$cuda_skip" bench_step_cuda_tf32 check_bench_step bench_step_cuda_tf32 cuda gpt2 8 1024 4 30 \
+    --matmul-precision tf32
+  skip_or "$cuda_skip" profile_cuda check_profile
+  skip_or "$wgpu_skip" selftest_wgpu check_selftest wgpu 35
+  skip_or "$wgpu_bench_skip" bench_step_wgpu check_bench_step bench_step_wgpu wgpu gpt2 8 1024 3 35
   skip_or "$cuda_skip" matmul_cuda check_matmul cuda
   skip_or "$wgpu_bench_skip" matmul_wgpu check_matmul wgpu
+  # cuda, wgpu and cpu ranks; cpu stands in for a backend this machine lacks.
+  skip_or "$sim_skip" sim check_sim "$([ -z "$cuda_skip" ] && echo cuda || echo cpu),$([ -z "$wgpu_skip" ] && echo wgpu || echo cpu),cpu"
+  check_selftest cpu 25
+  # The figure plumbing on a tiny model (a fraction of a second).
+  check_bench_step bench_step_cpu cpu tiny 2 32 3 15
 fi
 
-# ratio_to_torch CHECK GOAL: CHECK's tokens/s over PyTorch's, beside the issue's goal, when both ran.
+# ratio_to_torch CHECK TORCH_CHECK GOAL: CHECK's tokens/s over PyTorch's, beside the issue's goal, when both
+# ran.
 ratio_to_torch() {
-  awk -F'\t' -v check="$1" -v goal="$2" '
+  awk -F'\t' -v check="$1" -v ref="$2" -v goal="$3" '
     $1 == check && $2 == "pass" { mine = $3 + 0 }
-    $1 == "torch_step" && $2 == "pass" { torch = $3 + 0 }
-    END { if (mine > 0 && torch > 0) printf "%s tokens/s = %.2f x PyTorch eager fp32 (goal: at least %s)\n", check, mine / torch, goal }
+    $1 == ref && $2 == "pass" { torch = $3 + 0 }
+    END { if (mine > 0 && torch > 0) printf "%s tokens/s = %.2f x %s (goal: at least %s)\n", check, mine / torch, ref, goal }
   ' "$results"
 }
 
 {
   printf '\n=== summary after %ss: %s passed, %s failed, %s skipped\n' "$SECONDS" "$passed" "$failed" "$skipped"
   column -t -s $'\t' "$results" 2>/dev/null || cat "$results"
-  ratio_to_torch bench_step_cuda 1.0
-  ratio_to_torch bench_step_wgpu 0.5
+  ratio_to_torch bench_step_cuda torch_step 1.0
+  ratio_to_torch bench_step_cuda_tf32 torch_step_tf32 1.0
+  ratio_to_torch bench_step_wgpu torch_step 0.5
 } | tee -a "$log"
 [ "$failed" = 0 ]

@@ -37,14 +37,14 @@ def sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-def train_step_line(torch, args, device, name):
-    from transformers import GPT2LMHeadModel
+def train_step_line(torch, args, device, name, tf32):
+    from transformers import AutoModelForCausalLM
 
     cfg = hf_config(args.model)
     if args.seq_len > cfg.n_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds n_positions {cfg.n_positions} of {args.model}")
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").float().to(device).train()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().to(device).train()
     n_params = sum(p.numel() for p in model.parameters())  # wte counted once: lm_head is tied
     opt = adamw(model, 3e-4)
     B, T, V = args.batch_size, args.seq_len, cfg.vocab_size
@@ -60,8 +60,10 @@ def train_step_line(torch, args, device, name):
         opt.zero_grad(set_to_none=True)
         return loss
 
+    first_loss = None
     for i in range(args.warmup):
-        step(tokens[i])
+        loss = step(tokens[i])
+        first_loss = loss.item() if first_loss is None else first_loss
     sync(torch, device)
     started = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.steps):
@@ -69,7 +71,7 @@ def train_step_line(torch, args, device, name):
     sync(torch, device)
     secs = time.perf_counter() - started
     return {
-        "impl": "pytorch-eager-fp32",
+        "impl": "pytorch-eager-tf32" if tf32 else "pytorch-eager-fp32",
         "backend": name,
         "model": args.model,
         "params": n_params,
@@ -79,6 +81,7 @@ def train_step_line(torch, args, device, name):
         "warmup": args.warmup,
         "ms_per_step": secs * 1e3 / args.steps,
         "tokens_per_s": B * T * args.steps / secs,
+        "first_loss": first_loss,
         "last_loss": loss.item(),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
@@ -120,6 +123,7 @@ def main():
     ap.add_argument("--matmul-iters", type=int, default=10)
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tf32", action="store_true", help="also time the step with TF32 matmuls (a second line)")
     args = ap.parse_args()
     if min(args.batch_size, args.seq_len, args.steps, args.matmul_iters) < 1 or args.warmup < 0 or args.matmul < 0:
         ap.error("--batch-size, --seq-len, --steps and --matmul-iters must be positive, --warmup and --matmul >= 0")
@@ -141,9 +145,14 @@ def main():
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     name = f"torch {torch.__version__} (transformers {transformers.__version__}) on {where}"
 
-    print(json.dumps(train_step_line(torch, args, device, name)), flush=True)
+    print(json.dumps(train_step_line(torch, args, device, name, tf32=False)), flush=True)
     if args.matmul:
         print(json.dumps(matmul_line(torch, args, device, name)), flush=True)
+    if args.tf32:
+        # The same step with TF32 matmuls, against ringtrain's --matmul-precision tf32.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+        print(json.dumps(train_step_line(torch, args, device, name, tf32=True)), flush=True)
     return 0
 
 

@@ -513,16 +513,23 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result
     let comm = connect(&s)?.comm;
     let mut trainer = Trainer::new(be, s.source, s.data, s.opts, comm).map_err(with_flag_hints)?;
     arm_faults(&mut trainer, &s.faults);
+    // The losses of the first and last steps: a step-1 loss far from ln(vocab) means the model computes wrong.
+    let mut first_loss = None;
     for _ in 0..warmup {
-        trainer.train_step()?;
+        let loss = trainer.train_step()?.loss;
+        first_loss.get_or_insert(loss);
     }
     if let Some(p) = &profiled {
         p.lock().expect("profile lock").families.clear();
     }
     let started = std::time::Instant::now();
     let mut comm = CommTotals::default();
+    let mut last_loss = f64::NAN;
     for _ in 0..timed {
-        comm.add(&trainer.train_step()?);
+        let step = trainer.train_step()?;
+        comm.add(&step);
+        last_loss = step.loss;
+        first_loss.get_or_insert(step.loss);
     }
     let secs = started.elapsed().as_secs_f64();
     let tokens = trainer.tokens_per_step() as f64 * timed as f64;
@@ -548,6 +555,8 @@ pub fn run_bench_step(mut args: TrainArgs, warmup: u64, profile: bool) -> Result
         "world_size": trainer.world(),
         "plan_peak_bytes": plan_peak,
         "measured_peak_bytes": measured_peak(),
+        "first_loss": first_loss,
+        "last_loss": last_loss,
         "profile": profile_rows,
     });
     println!("{line}");
