@@ -398,12 +398,13 @@ fn split_cases(r: &mut Runner) {
     );
     let len = 100_003;
     let shape = format!("split n{len}");
-    // params [len], grads [len], m [len], v [len]
+    // params [len], grads [len], m [len], v [len]; decay runs crossing the windows' boundaries
     let case = Operands::default()
         .rand(&mut rng, len, 1.0)
         .rand(&mut rng, len, 1.0)
         .rand(&mut rng, len, 0.1)
-        .positive(&mut rng, len, 0.0, 0.01);
+        .positive(&mut rng, len, 0.0, 0.01)
+        .token_values(vec![10, 60_000, 65_600, 70_000, 99_000, 100_003]);
     let step = AdamWStep {
         lr: 1e-3,
         beta1: 0.9,
@@ -414,7 +415,7 @@ fn split_cases(r: &mut Runner) {
         bias_correction2_sqrt: 0.3,
         grad_scale: 1.0,
     };
-    r.check("adamw", &shape, &case, EXACTISH, &|be, f, _| {
+    r.check("adamw", &shape, &case, EXACTISH, &|be, f, t| {
         be.adamw(
             AdamWUpdate {
                 params: f[0],
@@ -422,6 +423,7 @@ fn split_cases(r: &mut Runner) {
                 m: f[2],
                 v: f[3],
                 step,
+                decay_runs: Some(t[0]),
             }
             .checked(),
         )

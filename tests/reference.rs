@@ -74,7 +74,8 @@ fn tiny_step_matches_pytorch() {
     };
     let lr = 1e-3;
     let mut opt = AdamW::new(&mut be, config, layout.total).unwrap();
-    opt.update_range(&mut be, &layout, model.params, model.grads, 0, layout.total, lr, 1.0);
+    opt.update_range(&mut be, &layout, model.params, model.grads, 0, layout.total, lr, 1.0)
+        .unwrap();
     let updated = model.download_params(&mut be).unwrap();
     let mut worst = 0f32;
     for spec in &layout.specs {

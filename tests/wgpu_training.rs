@@ -61,7 +61,8 @@ fn train<B: Backend>(be: &mut B, cfg: &ModelConfig, steps: usize, b: usize, t: u
         model.backward(be, 1.0 / (b * t) as f32).unwrap();
         let norm = be.sum_squares(model.grads).unwrap().sqrt();
         let coef = clip_coefficient(norm, 1.0);
-        opt.update_range(be, &layout, model.params, model.grads, 0, layout.total, 1e-3, coef);
+        opt.update_range(be, &layout, model.params, model.grads, 0, layout.total, 1e-3, coef)
+            .unwrap();
         losses.push(loss);
     }
     be.synchronize().unwrap();
@@ -162,7 +163,8 @@ fn gpt2_step<B: Backend>(be: &mut B, cfg: &ModelConfig, init: &[f32], b: usize, 
     let mut grads = vec![0f32; layout.total];
     be.download(model.grads, &mut grads).unwrap();
     let coef = clip_coefficient(norm, 1.0);
-    opt.update_range(be, &layout, model.params, model.grads, 0, layout.total, 1e-4, coef);
+    opt.update_range(be, &layout, model.params, model.grads, 0, layout.total, 1e-4, coef)
+        .unwrap();
     let params = model.download_params(be).unwrap();
     eprintln!("{}: loss {loss}, grad norm {norm}, {:.2?}", be.name(), start.elapsed());
     (loss, grads, params)
@@ -220,7 +222,8 @@ fn tiny_matches_pytorch_reference() {
     };
     let lr = 1e-3;
     let mut opt = AdamW::new(&mut be, config, layout.total).unwrap();
-    opt.update_range(&mut be, &layout, model.params, model.grads, 0, layout.total, lr, 1.0);
+    opt.update_range(&mut be, &layout, model.params, model.grads, 0, layout.total, lr, 1.0)
+        .unwrap();
     let updated = model.download_params(&mut be).unwrap();
     let mut worst = 0f32;
     for spec in &layout.specs {

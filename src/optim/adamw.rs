@@ -1,11 +1,12 @@
 //! AdamW with `torch.optim.AdamW` semantics over the flat parameter buffer, plus global-norm clipping.
 //!
 //! The update works on any set of element ranges of the flat buffer, so the same code serves the replicated
-//! update (the whole buffer) and the ZeRO-1 sharded update (the rank's chunk of every gradient bucket): each
-//! tensor of the layout that intersects a range is updated with its own weight decay (rank >= 2 tensors
-//! only), and the step is counted once per update, so bias correction does not depend on the ranges.
+//! update (the whole buffer) and the ZeRO-1 sharded update (the rank's chunk of every gradient bucket): one
+//! AdamW call per range, whose weight decay applies to the rank >= 2 tensors only (the range's decay runs,
+//! a small table uploaded once), and the step is counted once per update, so bias correction does not
+//! depend on the ranges.
 
-use crate::backend::{AdamWStep, AdamWUpdate, Backend, View};
+use crate::backend::{AdamWStep, AdamWUpdate, Backend, TokenView, View};
 use crate::model::ParamLayout;
 use anyhow::Result;
 use std::ops::Range;
@@ -42,6 +43,8 @@ pub struct AdamW {
     pub v: View,
     /// Optimizer steps taken so far.
     pub step: u64,
+    /// Each updated range's decay runs on the device ([`decay_runs`]), uploaded on its first update.
+    decay_tables: Vec<(Range<usize>, TokenView)>,
 }
 
 impl AdamW {
@@ -64,6 +67,7 @@ impl AdamW {
             v: be.alloc(len)?,
             owned,
             step: 0,
+            decay_tables: Vec::new(),
         })
     }
 
@@ -117,14 +121,16 @@ impl AdamW {
         grads: View,
         lr: f64,
         grad_scale: f64,
-    ) {
+    ) -> Result<()> {
         let scalars = self.step_scalars(lr, grad_scale);
         let mut moment_at = 0;
-        for r in &self.owned {
-            self.apply(be, layout, params, grads, r.clone(), moment_at, &scalars);
-            moment_at += r.len();
+        for r in self.owned.clone() {
+            let len = r.len();
+            self.apply(be, layout, params, grads, r, moment_at, &scalars)?;
+            moment_at += len;
         }
         self.step += 1;
+        Ok(())
     }
 
     /// Updates the elements `[lo, hi)` of the flat buffers, which must lie in one owned range, then counts
@@ -140,7 +146,7 @@ impl AdamW {
         hi: usize,
         lr: f64,
         grad_scale: f64,
-    ) {
+    ) -> Result<()> {
         let mut moment_at = 0;
         let within = self.owned.iter().find_map(|r| {
             let found = (r.start <= lo && hi <= r.end).then_some(moment_at + lo - r.start);
@@ -151,15 +157,16 @@ impl AdamW {
             panic!("update of [{lo}, {hi}) outside the owned ranges {:?}", self.owned)
         };
         let scalars = self.step_scalars(lr, grad_scale);
-        self.apply(be, layout, params, grads, lo..hi, moment_at, &scalars);
+        self.apply(be, layout, params, grads, lo..hi, moment_at, &scalars)?;
         self.step += 1;
+        Ok(())
     }
 
-    /// The AdamW kernel over the flat `range`, whose moments start at `moment_at`, tensor by tensor so that
-    /// each gets its own weight decay.
+    /// The AdamW kernel over the flat `range`, whose moments start at `moment_at`: one call for all the
+    /// tensors it crosses, the weight decay applying inside the decaying ones' runs (rank >= 2 tensors).
     #[allow(clippy::too_many_arguments)]
     fn apply<B: Backend>(
-        &self,
+        &mut self,
         be: &mut B,
         layout: &ParamLayout,
         params: View,
@@ -167,30 +174,60 @@ impl AdamW {
         range: Range<usize>,
         moment_at: usize,
         scalars: &AdamWStep,
-    ) {
-        for spec in &layout.specs {
-            let start = spec.offset.max(range.start);
-            let end = (spec.offset + spec.len).min(range.end);
-            if start >= end {
-                continue;
+    ) -> Result<()> {
+        let runs = self.decay_runs_of(be, layout, &range)?;
+        let len = range.len();
+        be.adamw(
+            AdamWUpdate {
+                params: params.sub(range.start, len),
+                grads: grads.sub(range.start, len),
+                m: self.m.sub(moment_at, len),
+                v: self.v.sub(moment_at, len),
+                step: *scalars,
+                decay_runs: Some(runs),
             }
-            let step = AdamWStep {
-                weight_decay: if spec.decays() { scalars.weight_decay } else { 0.0 },
-                ..*scalars
-            };
-            let (len, moment) = (end - start, moment_at + start - range.start);
-            be.adamw(
-                AdamWUpdate {
-                    params: params.sub(start, len),
-                    grads: grads.sub(start, len),
-                    m: self.m.sub(moment, len),
-                    v: self.v.sub(moment, len),
-                    step,
-                }
-                .checked(),
-            );
+            .checked(),
+        );
+        Ok(())
+    }
+
+    /// The decay runs of `range` on the device, uploaded on first use (an optimizer updates the same ranges
+    /// every step).
+    fn decay_runs_of<B: Backend>(
+        &mut self,
+        be: &mut B,
+        layout: &ParamLayout,
+        range: &Range<usize>,
+    ) -> Result<TokenView> {
+        if let Some((_, runs)) = self.decay_tables.iter().find(|(r, _)| r == range) {
+            return Ok(*runs);
+        }
+        let runs = decay_runs(layout, range);
+        let table = be.alloc_tokens(runs.len())?; // [runs.len()]
+        be.upload_tokens(table, &runs)?;
+        self.decay_tables.push((range.clone(), table));
+        Ok(table)
+    }
+}
+
+/// Offsets within `range` of the parts of decaying tensors it holds, merged where they touch:
+/// `[s0, e0, s1, e1, ...]`, ascending.
+pub fn decay_runs(layout: &ParamLayout, range: &Range<usize>) -> Vec<u32> {
+    let offset = |x: usize| u32::try_from(x - range.start).expect("an update range below 2^32 elements");
+    let mut runs: Vec<u32> = Vec::new();
+    for spec in layout.specs.iter().filter(|s| s.decays()) {
+        let (start, end) = (spec.offset.max(range.start), (spec.offset + spec.len).min(range.end));
+        if start >= end {
+            continue;
+        }
+        let (s, e) = (offset(start), offset(end));
+        match runs.last_mut() {
+            Some(last) if *last == s => *last = e,
+            _ => runs.extend([s, e]),
         }
     }
+    debug_assert!(runs.windows(2).all(|w| w[0] <= w[1]), "layout order is offset order");
+    runs
 }
 
 /// torch's `clip_grad_norm_` coefficient: `min(1, max_norm / (norm + 1e-6))`; 1 when clipping is off.
@@ -199,4 +236,44 @@ pub fn clip_coefficient(grad_norm: f64, max_norm: f64) -> f64 {
         return 1.0;
     }
     (max_norm / (grad_norm + 1e-6)).min(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::op_cost::OpFamily;
+    use crate::backend::profiled::Profiled;
+    use crate::model::ModelConfig;
+
+    /// The runs of a whole GPT-2 layout hold exactly its rank >= 2 tensors, merged where they touch (`wte`
+    /// and `wpe`), and a range cut through them keeps its share.
+    #[test]
+    fn decay_runs_hold_the_rank_two_tensors() {
+        let layout = ParamLayout::new(&ModelConfig::tiny());
+        let runs = decay_runs(&layout, &(0..layout.total));
+        let decaying: usize = layout.specs.iter().filter(|s| s.decays()).map(|s| s.len).sum();
+        let covered: usize = runs.chunks(2).map(|r| (r[1] - r[0]) as usize).sum();
+        assert_eq!(covered, decaying);
+        let (wte, wpe) = (&layout.specs[0], &layout.specs[1]);
+        assert_eq!(runs[..2], [0, (wte.len + wpe.len) as u32], "wte and wpe make one run");
+        let cut = 100..layout.total - 7;
+        let inside: usize = decay_runs(&layout, &cut).chunks(2).map(|r| (r[1] - r[0]) as usize).sum();
+        assert_eq!(inside, decaying - 100, "the cut drops 100 elements of wte; the tail decays not");
+    }
+
+    /// An update over the whole buffer is one AdamW call, however many tensors it crosses, and its runs
+    /// table is uploaded once.
+    #[test]
+    fn an_update_is_one_adamw_call() {
+        let layout = ParamLayout::new(&ModelConfig::tiny());
+        let (mut be, profile) = Profiled::new(CpuBackend::<f32>::new());
+        let (params, grads) = (be.alloc(layout.total).unwrap(), be.alloc(layout.total).unwrap());
+        let mut opt = AdamW::new(&mut be, AdamWConfig::default(), layout.total).unwrap();
+        for _ in 0..3 {
+            opt.update(&mut be, &layout, params, grads, 1e-3, 1.0).unwrap();
+        }
+        assert_eq!(profile.lock().unwrap().get(OpFamily::AdamW).calls, 3);
+        assert_eq!(opt.decay_tables.len(), 1);
+    }
 }

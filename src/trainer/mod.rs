@@ -804,10 +804,10 @@ impl<B: Backend> Trainer<B> {
         let (params, grads, step) = (self.model.params, self.model.grads, self.step + 1);
         self.guard.check(&mut self.be, params, &self.opt, self.rank, step)?;
         self.opt
-            .update(&mut self.be, &self.model.layout, params, grads, lr, coef);
+            .update(&mut self.be, &self.model.layout, params, grads, lr, coef)?;
         if let Some(mirror) = &mut self.mirror {
             // The owner's chunk, computed here too: the all-gather then writes the owner's bits over it.
-            mirror.update(&mut self.be, &self.model.layout, params, grads, lr, coef);
+            mirror.update(&mut self.be, &self.model.layout, params, grads, lr, coef)?;
         }
         self.guard.record(&mut self.be, params, &self.opt, step)?;
         Ok((lr, false))

@@ -152,7 +152,7 @@ impl ComputeProfile {
                 Ok(())
             })?;
             let update = Instant::now();
-            opt.update(be, &model.layout, model.params, model.grads, 1e-4, 1.0);
+            opt.update(be, &model.layout, model.params, model.grads, 1e-4, 1.0)?;
             be.synchronize()?;
             let run = ComputeProfile {
                 forward,

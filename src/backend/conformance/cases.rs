@@ -392,6 +392,12 @@ pub(super) fn crossentropy(r: &mut Runner) {
     }
 }
 
+/// Decay runs over `n` elements, as a model's layout gives them: an empty run, then runs that start at 0,
+/// end at `n` and lie between.
+pub fn adamw_runs(n: usize) -> Vec<u32> {
+    [0, 0, 0, n / 7, n / 3, n / 2, n - n / 5, n].map(|x| x as u32).to_vec()
+}
+
 pub(super) fn sum_squares_and_adamw(r: &mut Runner) {
     let mut rng = ChaCha8Rng::seed_from_u64(8);
     for n in [1, 4095, 4097, 30011, 150001] {
@@ -422,6 +428,22 @@ pub(super) fn sum_squares_and_adamw(r: &mut Runner) {
                     m: f[2],
                     v: f[3],
                     step,
+                    decay_runs: None,
+                }
+                .checked(),
+            )
+        });
+        // One call over several tensors, the decay inside its runs only (a token operand).
+        let case = case.token_values(adamw_runs(n));
+        r.check("adamw with decay runs", &shape, &case, EXACTISH, &|be, f, t| {
+            be.adamw(
+                AdamWUpdate {
+                    params: f[0],
+                    grads: f[1],
+                    m: f[2],
+                    v: f[3],
+                    step,
+                    decay_runs: Some(t[0]),
                 }
                 .checked(),
             )

@@ -58,6 +58,12 @@ impl Operands {
         self
     }
 
+    /// Appends given token values.
+    pub fn token_values(mut self, values: Vec<u32>) -> Self {
+        self.tokens.push(values);
+        self
+    }
+
     /// Appends `n` token ids below `v`.
     pub fn tokens(mut self, rng: &mut ChaCha8Rng, n: usize, v: usize) -> Self {
         // Few distinct ids, so that the embedding backward accumulates repeated tokens.

@@ -431,8 +431,14 @@ impl<F: Real> Backend for CpuBackend<F> {
     }
 
     fn adamw(&mut self, op: Checked<AdamWUpdate>) {
+        let runs = op
+            .decay_runs
+            .map(|t| self.tokens[t.buf][t.offset..t.offset + t.len].to_vec());
         let ([p, m, v], [g]) = borrow_views(&mut self.bufs, [op.params, op.m, op.v], [op.grads]);
-        ops::adamw(p, g, m, v, &op.step);
+        match runs {
+            None => ops::adamw(p, g, m, v, &op.step),
+            Some(runs) => ops::adamw_runs(p, g, m, v, &op.step, &runs),
+        }
     }
 }
 

@@ -537,8 +537,14 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             m,
             v,
             step: h,
+            decay_runs,
         } = *op;
         let n = params.len;
+        // Without runs the kernel reads none: any valid address stands in.
+        let runs = match decay_runs {
+            Some(r) if r.len > 0 => Arg::Tok(r),
+            _ => Arg::F(params),
+        };
         let args = [
             Arg::F(params),
             Arg::F(grads),
@@ -553,6 +559,9 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             Arg::S(h.step_size),
             Arg::S(h.bias_correction2_sqrt),
             Arg::S(h.grad_scale),
+            runs,
+            Arg::U(decay_runs.map_or(0, |r| r.len)),
+            Arg::U(decay_runs.is_some() as usize),
         ];
         self.launch("adamw", Self::per_element(n), &args);
     }

@@ -1,7 +1,7 @@
 //! The arguments of the element-wise ops and AdamW: equally long views.
 
 use super::{same_len, Check, OpArgs};
-use crate::backend::{AdamWStep, View};
+use crate::backend::{AdamWStep, TokenView, View};
 
 /// GELU, tanh approximation (`gelu_new`).
 #[derive(Clone, Copy, Debug)]
@@ -114,6 +114,10 @@ pub struct AdamWUpdate {
     /// `[n]`, second moments, updated in place
     pub v: View,
     pub step: AdamWStep,
+    /// `[2k]`: ascending element offsets into the views, `[s0, e0, s1, e1, ...]`: `step.weight_decay`
+    /// applies inside each `[s, e)` only (the tensors that decay), so one call updates many tensors; `None`:
+    /// everywhere.
+    pub decay_runs: Option<TokenView>,
 }
 
 impl OpArgs for AdamWUpdate {
@@ -124,5 +128,8 @@ impl OpArgs for AdamWUpdate {
         let views = [("params", self.params), ("m", self.m), ("v", self.v)];
         same_len(&k, &[views[0], ("grads", self.grads), views[1], views[2]]);
         k.disjoint(&views, &[("grads", self.grads)]);
+        if let Some(runs) = self.decay_runs {
+            k.require(runs.len % 2 == 0, "decay_runs holds (start, end) pairs");
+        }
     }
 }

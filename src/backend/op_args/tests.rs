@@ -109,6 +109,7 @@ fn elementwise_lengths_and_optional_bias() {
                 bias_correction2_sqrt: 1.0,
                 grad_scale: 1.0,
             },
+            decay_runs: None,
         }
         .checked();
     });

@@ -124,8 +124,10 @@ impl BindGroupCache {
     }
 }
 
-/// Bytes of one dispatch's uniform parameters: 16 words, the largest `Params` struct of the kernels.
-pub(super) const PARAMS_BYTES: u64 = 64;
+/// Bytes of one dispatch's uniform parameters: 20 words, room for the largest `Params` struct of the kernels
+/// (AdamW's 17). Slots are rounded up to the adapter's offset alignment (256 bytes on most), so this costs
+/// no ring memory there.
+pub(super) const PARAMS_BYTES: u64 = 80;
 
 /// One uniform buffer with a slot per dispatch of the batch being recorded. Each dispatch stages its
 /// parameters in the next slot and binds the buffer at that slot's dynamic offset; the batch's slots are
@@ -166,7 +168,7 @@ impl UniformRing {
     }
 
     /// Stages `words` in the next free slot and returns that slot's dynamic offset.
-    pub(super) fn push(&mut self, words: &[u32; 16]) -> u32 {
+    pub(super) fn push(&mut self, words: &[u32; PARAMS_BYTES as usize / 4]) -> u32 {
         assert!(!self.is_full(), "uniform ring full: the batch must be submitted first");
         let offset = self.staged.len();
         self.staged.extend_from_slice(bytemuck::cast_slice(&words[..]));

@@ -110,7 +110,7 @@ pub(super) const FAMILIES: &[Family] = &[
             ("crossentropy_backward_rows", 3),
         ],
     ),
-    ("adamw", include_str!("../../../shaders/adamw.wgsl"), &[("adamw", 4)]),
+    ("adamw", include_str!("../../../shaders/adamw.wgsl"), &[("adamw", 5)]),
     (
         "reduce",
         include_str!("../../../shaders/reduce.wgsl"),

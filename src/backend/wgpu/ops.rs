@@ -611,13 +611,18 @@ impl Backend for WgpuBackend {
             m,
             v,
             step: h,
+            decay_runs,
         } = *op;
         let len = params.len;
         let chunk = self.max_window_elems() / SUM_BLOCK * SUM_BLOCK;
         let mut start = 0;
         while start < len {
             let n = chunk.min(len - start);
-            let w = [params, grads, m, v].map(|x| self.win(x.sub(start, n)));
+            let mut w = [params, grads, m, v].map(|x| self.win(x.sub(start, n))).to_vec();
+            w.push(match decay_runs {
+                Some(runs) if runs.len > 0 => self.twin(runs),
+                _ => self.dummy_win(),
+            });
             let p = AdamWParams {
                 n: word(n),
                 p_off: w[0].off,
@@ -632,6 +637,10 @@ impl Backend for WgpuBackend {
                 step_size: h.step_size,
                 bc2_sqrt: h.bias_correction2_sqrt,
                 grad_scale: h.grad_scale,
+                base: word(start),
+                runs_off: w[4].off,
+                n_bounds: word(decay_runs.map_or(0, |r| r.len)),
+                runs_given: decay_runs.is_some() as u32,
             };
             let groups = self.grid1d(n);
             self.dispatch("adamw", &w, &p, groups);

@@ -217,6 +217,10 @@ kernel_params! {
         step_size: f32,
         bc2_sqrt: f32,
         grad_scale: f32,
+        base: u32,
+        runs_off: u32,
+        n_bounds: u32,
+        runs_given: u32,
     }
 }
 

@@ -30,3 +30,28 @@ pub fn adamw<F: Real>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], h
         }
     });
 }
+
+/// [`adamw`] with `h.weight_decay` inside the runs `[s0, e0, s1, e1, ...]` (ascending offsets) only: each
+/// stretch between two boundaries as one call, with the decay or with none.
+pub fn adamw_runs<F: Real>(params: &mut [F], grads: &[F], m: &mut [F], v: &mut [F], h: &AdamWStep, runs: &[u32]) {
+    let n = params.len();
+    let mut at = 0;
+    let bounds = runs.iter().map(|&b| (b as usize).min(n)).chain(std::iter::once(n));
+    for (k, end) in bounds.enumerate() {
+        if end > at {
+            let step = AdamWStep {
+                weight_decay: if k % 2 == 1 { h.weight_decay } else { 0.0 },
+                ..*h
+            };
+            let r = at..end;
+            adamw(
+                &mut params[r.clone()],
+                &grads[r.clone()],
+                &mut m[r.clone()],
+                &mut v[r],
+                &step,
+            );
+        }
+        at = at.max(end);
+    }
+}

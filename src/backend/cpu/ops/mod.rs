@@ -13,7 +13,7 @@ mod layernorm;
 mod matmul;
 mod reduce;
 
-pub use adamw::adamw;
+pub use adamw::{adamw, adamw_runs};
 pub use attention::{attention_backward, attention_forward};
 pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward, crossentropy_forward_backward};
 pub use elementwise::{add_inplace, gelu_backward, gelu_forward, residual_forward, scale};

@@ -61,7 +61,8 @@ fn train<B: Backend>(be: &mut B, steps: usize) -> (Vec<f64>, Vec<f32>) {
         model.zero_grads(be);
         model.backward(be, 1.0 / (b * t) as f32).unwrap();
         let coef = clip_coefficient(be.sum_squares(model.grads).unwrap().sqrt(), 1.0);
-        opt.update_range(be, &layout, model.params, model.grads, 0, layout.total, 1e-3, coef);
+        opt.update_range(be, &layout, model.params, model.grads, 0, layout.total, 1e-3, coef)
+            .unwrap();
     }
     be.synchronize().unwrap();
     (losses, model.download_params(be).unwrap())

@@ -169,6 +169,7 @@ fn forward_backward_update(be: &mut WgpuBackend, v: &StepViews) -> (Vec<f32>, f6
             m: v.m,
             v: v.v,
             step: ADAMW,
+            decay_runs: None,
         }
         .checked(),
     );

@@ -214,3 +214,75 @@ fn vec4_kernels_match_cpu_segmented() {
     check_matmuls(&mut be);
     check_elementwise(&mut be);
 }
+
+/// One AdamW dispatch over many tensors, the decay inside its runs, gives the bits of one dispatch per
+/// tensor with the decay or without it (a tensor that does not decay multiplies by exactly 1).
+#[test]
+fn adamw_over_decay_runs_matches_one_call_per_tensor_bit_for_bit() {
+    use crate::backend::{AdamWStep, AdamWUpdate};
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let n = 10_000;
+    let runs = [0u32, 1500, 1500, 4000, 7001, 9000];
+    let step = AdamWStep {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step_size: 3e-2,
+        bias_correction2_sqrt: 0.2,
+        grad_scale: 0.7,
+    };
+    let lens = [n; 4]; // params, grads, m, v
+    let once = run(&mut be, &lens, 5, 21, &|be, v| {
+        let table = be.alloc_tokens(runs.len()).unwrap(); // [runs.len()]
+        be.upload_tokens(table, &runs).unwrap();
+        let (params, grads, m, v) = (v[0], v[1], v[2], v[3]);
+        let decay_runs = Some(table);
+        be.adamw(
+            AdamWUpdate {
+                params,
+                grads,
+                m,
+                v,
+                step,
+                decay_runs,
+            }
+            .checked(),
+        );
+    });
+    // The stretches between boundaries: 0..1500 decays, 1500..4000 decays (runs that touch), then none,
+    // 7001..9000, none.
+    let stretches = [
+        (0, 1500, true),
+        (1500, 4000, true),
+        (4000, 7001, false),
+        (7001, 9000, true),
+        (9000, n, false),
+    ];
+    let per_tensor = run(&mut be, &lens, 5, 21, &|be, v| {
+        for &(s, e, decays) in &stretches {
+            let [params, grads, m, v] = [v[0], v[1], v[2], v[3]].map(|x| x.sub(s, e - s));
+            let step = AdamWStep {
+                weight_decay: if decays { step.weight_decay } else { 0.0 },
+                ..step
+            };
+            be.adamw(
+                AdamWUpdate {
+                    params,
+                    grads,
+                    m,
+                    v,
+                    step,
+                    decay_runs: None,
+                }
+                .checked(),
+            );
+        }
+    });
+    let bits = |x: &[Vec<f32>]| x.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&once) == bits(&per_tensor),
+        "one dispatch over runs differs from per-tensor dispatches"
+    );
+}
