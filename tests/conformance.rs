@@ -12,15 +12,15 @@ use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::conformance::tolerance::{
     self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL,
 };
-use ringtrain::backend::conformance::{CaseResult, Group, Operands, Runner, Settings};
+use ringtrain::backend::conformance::{attention_forward_backward, CaseResult, Group, Operands, Runner, Settings};
 use ringtrain::backend::factory::{open_kind, BackendKind};
 use ringtrain::backend::matmul_bench::MatmulBench;
 use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::wgpu::{list_adapters, AdapterSelection, WgpuBackend};
 use ringtrain::backend::{AdamWStep, AttentionSaving, AttentionShape, Backend, MatmulShape, WeightLayout};
 use ringtrain::backend::{
-    AdamWUpdate, AttentionBackward, AttentionForward, CrossEntropyBackward, CrossEntropyForward, EncoderBackward,
-    EncoderForward, EncoderShape, LogitsShape, MatmulBackward, MatmulForward,
+    AdamWUpdate, CrossEntropyBackward, CrossEntropyForward, EncoderBackward, EncoderForward, EncoderShape, LogitsShape,
+    MatmulBackward, MatmulForward,
 };
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -368,33 +368,7 @@ fn split_cases(r: &mut Runner) {
         "split b3 t300 c64 nh2",
         &case,
         TRANSCENDENTAL,
-        &|be, f, _| {
-            let saving = be.attention_saving();
-            let saved = f[2].sub(0, saving.saved_len(s));
-            be.attention_forward(
-                AttentionForward {
-                    out: f[1],
-                    saved,
-                    qkv: f[5],
-                    saving,
-                    shape: s,
-                }
-                .checked(),
-            );
-            be.attention_backward(
-                AttentionBackward {
-                    dqkv: f[0],
-                    scratch: f[3].sub(0, saving.scratch_len(s)),
-                    dout: f[4],
-                    qkv: f[5],
-                    out: f[1],
-                    saved,
-                    saving,
-                    shape: s,
-                }
-                .checked(),
-            )
-        },
+        &|be, f, _| attention_forward_backward(be, s, [f[0], f[1], f[2], f[3], f[4], f[5]]),
     );
     let len = 100_003;
     let shape = format!("split n{len}");

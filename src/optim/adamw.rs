@@ -258,8 +258,15 @@ mod tests {
         let (wte, wpe) = (&layout.specs[0], &layout.specs[1]);
         assert_eq!(runs[..2], [0, (wte.len + wpe.len) as u32], "wte and wpe make one run");
         let cut = 100..layout.total - 7;
-        let inside: usize = decay_runs(&layout, &cut).chunks(2).map(|r| (r[1] - r[0]) as usize).sum();
-        assert_eq!(inside, decaying - 100, "the cut drops 100 elements of wte; the tail decays not");
+        let inside: usize = decay_runs(&layout, &cut)
+            .chunks(2)
+            .map(|r| (r[1] - r[0]) as usize)
+            .sum();
+        assert_eq!(
+            inside,
+            decaying - 100,
+            "the cut drops 100 elements of wte; the tail decays not"
+        );
     }
 
     /// An update over the whole buffer is one AdamW call, however many tensors it crosses, and its runs

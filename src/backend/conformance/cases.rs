@@ -4,7 +4,7 @@
 use super::harness::{Operands, Runner};
 use super::tolerance::{self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL};
 use crate::backend::op_args::*;
-use crate::backend::AdamWStep;
+use crate::backend::{AdamWStep, Backend, View};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -238,33 +238,40 @@ pub(super) fn attention(r: &mut Runner) {
             .rand(&mut rng, b * t * c, 1.0)
             .rand(&mut rng, b * t * 3 * c, 2.0);
         r.check("attention_backward", &shape, &case, TRANSCENDENTAL, &|be, f, _| {
-            let saving = be.attention_saving();
-            let saved = f[2].sub(0, saving.saved_len(s));
-            be.attention_forward(
-                AttentionForward {
-                    out: f[1],
-                    saved,
-                    qkv: f[5],
-                    saving,
-                    shape: s,
-                }
-                .checked(),
-            );
-            be.attention_backward(
-                AttentionBackward {
-                    dqkv: f[0],
-                    scratch: f[3].sub(0, saving.scratch_len(s)),
-                    dout: f[4],
-                    qkv: f[5],
-                    out: f[1],
-                    saved,
-                    saving,
-                    shape: s,
-                }
-                .checked(),
-            )
+            attention_forward_backward(be, s, [f[0], f[1], f[2], f[3], f[4], f[5]])
         });
     }
+}
+
+/// Attention's forward, then its backward, on the backend's own saved state: the operands `[dqkv, out,
+/// saved room, scratch room, dout, qkv]` of a case whose rooms hold the larger saving (the probabilities).
+pub fn attention_forward_backward(be: &mut dyn Backend, s: AttentionShape, f: [View; 6]) {
+    let [dqkv, out, saved_room, scratch_room, dout, qkv] = f;
+    let saving = be.attention_saving();
+    let saved = saved_room.sub(0, saving.saved_len(s));
+    be.attention_forward(
+        AttentionForward {
+            out,
+            saved,
+            qkv,
+            saving,
+            shape: s,
+        }
+        .checked(),
+    );
+    be.attention_backward(
+        AttentionBackward {
+            dqkv,
+            scratch: scratch_room.sub(0, saving.scratch_len(s)),
+            dout,
+            qkv,
+            out,
+            saved,
+            saving,
+            shape: s,
+        }
+        .checked(),
+    )
 }
 
 pub(super) fn gelu(r: &mut Runner) {

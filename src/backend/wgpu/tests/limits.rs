@@ -18,6 +18,27 @@ fn tiny_buffer_caps_still_leave_room_for_a_reduction_block() {
     }
 }
 
+/// Records attention's forward over fresh zeroed buffers of shape `s`.
+fn record_forward(be: &mut dyn Backend, s: AttentionShape) {
+    let saving = be.attention_saving();
+    let (out, saved, qkv) = (
+        be.alloc(s.b * s.t * s.c).unwrap(),
+        be.alloc(saving.saved_len(s)).unwrap(),
+        be.alloc(s.b * s.t * 3 * s.c).unwrap(),
+    );
+    let shape = s;
+    be.attention_forward(
+        AttentionForward {
+            out,
+            saved,
+            qkv,
+            saving,
+            shape,
+        }
+        .checked(),
+    );
+}
+
 /// The flash attention kernels' loops stay under the 65535 iterations after which llvmpipe silently stops a
 /// shader's loops at GPT-2's length (their values at T = 1024 are a conformance case); on a software adapter
 /// a shape past the counted budget is refused, its error returned by the next synchronisation, instead of
@@ -33,22 +54,7 @@ fn attention_fits_the_software_loop_budget_at_gpt2_length() {
             c: 64,
             nh: 1,
         };
-        let saving = be.attention_saving();
-        let (out, saved, qkv) = (
-            be.alloc(4096 * 64).unwrap(),
-            be.alloc(saving.saved_len(long)).unwrap(),
-            be.alloc(4096 * 192).unwrap(),
-        );
-        be.attention_forward(
-            AttentionForward {
-                out,
-                saved,
-                qkv,
-                saving,
-                shape: long,
-            }
-            .checked(),
-        );
+        record_forward(&mut be, long);
         let err = be.synchronize().expect_err("T = 4096 exceeds the loop budget");
         assert!(
             matches!(err.downcast_ref(), Some(BackendError::ShapeUnsupported { op, .. }) if op == "attention"),
@@ -69,22 +75,7 @@ fn attention_refuses_heads_past_the_kernels_width() {
         c: 256,
         nh: 2,
     };
-    let saving = be.attention_saving();
-    let (out, saved, qkv) = (
-        be.alloc(8 * 256).unwrap(),
-        be.alloc(saving.saved_len(wide)).unwrap(),
-        be.alloc(8 * 768).unwrap(),
-    );
-    be.attention_forward(
-        AttentionForward {
-            out,
-            saved,
-            qkv,
-            saving,
-            shape: wide,
-        }
-        .checked(),
-    );
+    record_forward(&mut be, wide);
     let err = be.synchronize().expect_err("128-wide heads");
     assert!(format!("{err:#}").contains("heads are 128 wide"), "{err:#}");
     let step = StepShape {
