@@ -7,7 +7,7 @@ use cli::{
     args::TrainArgs, bench_allreduce, bench_kernels, eval, info, launch, plot, sample, selftest, tokenize, train,
 };
 use ringtrain::collective::shm::LinkTransport;
-use ringtrain::collective::CollectiveChoice;
+use ringtrain::collective::{CollectiveChoice, Wire};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -145,6 +145,9 @@ enum BenchCommand {
         /// its own RINGTRAIN_HOST_ID), so that a two-level ring can be measured on one machine
         #[arg(long, default_value_t = 1)]
         hosts: usize,
+        /// What the reduced values travel in (as train's --wire)
+        #[arg(long, value_enum, default_value_t = Wire::F32)]
+        wire: Wire,
     },
     /// ms/step, tokens/s and GFLOP/s of training steps (takes the train flags; --steps = timed steps)
     Step {
@@ -234,6 +237,7 @@ fn main() -> ExitCode {
             transport,
             collective,
             hosts,
+            wire,
         }) => bench_allreduce::run_bench_allreduce(&bench_allreduce::BenchAllreduce {
             nproc,
             sizes: size,
@@ -241,6 +245,7 @@ fn main() -> ExitCode {
             transport,
             collective,
             hosts,
+            wire,
         }),
         Command::Plot { metrics, output } => plot::plot_file(&metrics, &output),
         Command::Info => info::run_info(),

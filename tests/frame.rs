@@ -4,6 +4,7 @@
 use proptest::prelude::*;
 use ringtrain::collective::frame::*;
 use ringtrain::collective::ring::{Msg, Payload};
+use ringtrain::collective::Wire;
 
 fn data_header(seq: u64, phase: u32, chunk: u32, sub: u32) -> Header {
     Header {
@@ -49,6 +50,35 @@ fn round_trip() {
     let bytes = encode_msg(1, 0, 0, &b);
     let (h, p) = decode_frame(&bytes, 32).unwrap();
     assert_eq!(decode_msg(&h, p).unwrap(), b);
+    // Compact formats keep their bytes and their kind (the engine checks the length against its values).
+    for (wire, kind) in [(Wire::Bf16, Kind::Bf16), (Wire::Int8, Kind::Int8)] {
+        let c = Msg {
+            phase: 1,
+            chunk: 0,
+            sub: 2,
+            payload: Payload::Compact {
+                wire,
+                bytes: vec![7; 10],
+            },
+        };
+        let bytes = encode_msg(5, 1, 2, &c);
+        let (h, p) = decode_frame(&bytes, 10).unwrap();
+        assert_eq!(h.kind, kind);
+        assert_eq!(decode_msg(&h, p).unwrap(), c);
+    }
+}
+
+#[test]
+fn a_bf16_frame_holds_whole_values() {
+    let mut frame = Vec::new();
+    Header {
+        kind: Kind::Bf16,
+        len: 3,
+        ..data_header(0, 0, 0, 0)
+    }
+    .encode(&mut frame);
+    frame.extend_from_slice(&[0; 3]);
+    assert_eq!(decode_frame(&frame, 64), Err(FrameError::Misaligned(3)));
 }
 
 #[test]

@@ -421,6 +421,18 @@ fn frame_target() -> Target {
             },
         )],
         vec![encode_frame(control, br#"{"hello":1}"#)],
+        vec![encode_msg(
+            42,
+            3,
+            11,
+            &Msg {
+                payload: Payload::Compact {
+                    wire: ringtrain::collective::Wire::Int8,
+                    bytes: vec![0, 0, 128, 63, 1, 255],
+                },
+                ..f32_msg.clone()
+            },
+        )],
     ];
     Target {
         name: "frame_decode",
@@ -449,7 +461,7 @@ fn frame_case(bytes: &[u8]) -> Outcome {
     }
     let mut guard = SequenceGuard::new(h.job);
     guard.begin(h.seq, h.step);
-    if matches!(h.kind, Kind::F32 | Kind::Bytes) {
+    if h.kind.is_ring_data() {
         if let Err(e) = decode_msg(&h, payload) {
             return Outcome::Refused(e.to_string());
         }

@@ -133,6 +133,30 @@ fn two_hosts_of_two_ranks_train_like_one_worker_with_identical_replicas() {
     }
 }
 
+/// `--wire bf16` rounds on the cross-host ring only: the replicas stay identical and the losses stay near
+/// one worker's (tiny's losses move by well under 1e-3 over 4 steps of bf16-rounded gradients).
+#[test]
+fn a_compact_wire_on_two_levels_keeps_the_replicas_identical() {
+    let reference = one_worker(UpdateMode::Replicated);
+    let opts = TrainOptions {
+        wire: ringtrain::collective::Wire::Bf16,
+        ..options(4, UpdateMode::Replicated, true)
+    };
+    let ranks = two_hosts(&opts, STEPS, None);
+    for (rank, run) in ranks.iter().enumerate() {
+        for (step, ((loss, hash), (want, want_hash))) in run.iter().zip(&reference).enumerate() {
+            assert_eq!(hash, &ranks[0][step].1, "rank {rank}'s replica differs at step {step}");
+            assert!(
+                (loss - want).abs() <= 1e-3,
+                "step {step}: loss {loss} against one worker's {want}"
+            );
+            if step == STEPS as usize - 1 {
+                assert_ne!(hash, want_hash, "bf16 rounding changes the parameters");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_sharded_two_level_checkpoint_resumes_on_one_worker() {
     let dir = tempfile::tempdir().unwrap();

@@ -4,7 +4,7 @@
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use ringtrain::collective::shm::LinkTransport;
-use ringtrain::collective::CollectiveChoice;
+use ringtrain::collective::{CollectiveChoice, Wire};
 use ringtrain::data::{BatchSplit, TokenizerKind};
 use ringtrain::elastic::{ElasticRules, Quorum};
 use ringtrain::model::ModelConfig;
@@ -152,6 +152,10 @@ pub struct TrainArgs {
     /// With --sync outer: the outer Nesterov momentum [default: 0.9]
     #[arg(long, allow_negative_numbers = true)]
     pub outer_momentum: Option<f64>,
+    /// How reduced gradients travel between ranks: f32, bf16 (half the bytes) or int8 (blockwise-scaled, a
+    /// little over a quarter); rounded at fixed points so replicas stay bit-identical [default: f32]
+    #[arg(long, value_enum)]
+    pub wire: Option<Wire>,
     /// Warn when a step's loss exceeds this many times the running average of the earlier losses; only
     /// logged, 0 turns it off [default: 3]
     #[arg(long, allow_negative_numbers = true)]
@@ -395,9 +399,11 @@ impl TrainArgs {
             }),
             Some(other) => bail!("--sync {other:?}: expected every-step or outer"),
         };
+        let wire = self.wire.unwrap_or_default();
         let opts = TrainOptions {
             elastic,
             sync,
+            wire,
             batch_size,
             seq_len,
             grad_accum,

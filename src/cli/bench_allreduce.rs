@@ -1,5 +1,5 @@
 //! `ringtrain bench allreduce --nproc N [--size 1MiB,16MiB,64MiB] [--iters K] [--transport auto|shm|quic]
-//! [--collective flat|hierarchical|auto] [--hosts H]`: N local processes that all-reduce over shared memory
+//! [--collective flat|hierarchical|auto] [--hosts H] [--wire f32|bf16|int8]`: N local processes that all-reduce over shared memory
 //! or QUIC on loopback (spread over H emulated hosts); rank 0 prints an nccl-tests style table (size, time,
 //! algbw, busbw) titled with the links and the ring that ran.
 //!
@@ -11,7 +11,7 @@ use anyhow::{ensure, Context, Result};
 use ringtrain::collective::bench::{format_table, parse_sizes, run_rank};
 use ringtrain::collective::quic::QuicConfig;
 use ringtrain::collective::shm::LinkTransport;
-use ringtrain::collective::CollectiveChoice;
+use ringtrain::collective::{CollectiveChoice, Wire};
 use ringtrain::dist::env::HOST_ID_VAR;
 use ringtrain::dist::generate_secret;
 use std::net::{IpAddr, SocketAddr};
@@ -30,6 +30,8 @@ pub struct BenchAllreduce {
     pub collective: CollectiveChoice,
     /// Emulated hosts the processes are spread over (`--hosts`).
     pub hosts: usize,
+    /// What the reduced values travel in (`--wire`).
+    pub wire: Wire,
 }
 
 pub fn run_bench_allreduce(b: &BenchAllreduce) -> Result<()> {
@@ -62,7 +64,7 @@ pub fn run_bench_allreduce(b: &BenchAllreduce) -> Result<()> {
         child
             .args(["bench", "allreduce", "--nproc", &nproc.to_string(), "--size", &b.sizes])
             .args(["--iters", &b.iters.to_string(), "--transport", &b.transport.to_string()])
-            .args(["--collective", b.collective.as_str()])
+            .args(["--collective", b.collective.as_str(), "--wire", b.wire.as_str()])
             .env(RANK_VAR, rank.to_string())
             .env("MASTER_PORT", port.to_string())
             .env("RINGTRAIN_SECRET", &secret);
@@ -91,7 +93,7 @@ fn run_as_rank(rank: usize, b: &BenchAllreduce, sizes: &[usize]) -> Result<()> {
     cfg.transport = b.transport;
     cfg.collective = b.collective;
     cfg.host_id = std::env::var(HOST_ID_VAR).ok();
-    let (rows, what) = run_rank(cfg, sizes, b.iters).map_err(|e| anyhow::anyhow!("rank {rank}: {e}"))?;
+    let (rows, what) = run_rank(cfg, sizes, b.iters, b.wire).map_err(|e| anyhow::anyhow!("rank {rank}: {e}"))?;
     if rank == 0 {
         let path = format!("{what}, one process per rank");
         print!("{}", format_table(b.nproc, &path, &rows));

@@ -298,7 +298,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             observer.comm.summary(
                 trainer.world(),
                 trainer.param_count(),
-                trainer.options().sync.outer().is_some()
+                trainer.options().sync.outer().is_some() || trainer.options().wire.is_compact()
             ),
             shares_note(trainer.batch_plan(), &trainer.options().batch_split)
         ));
@@ -447,9 +447,10 @@ impl CommTotals {
 
     /// `, communication 12.3 ms/step, 3.1 ms/step of it exposed (4% of the step), sent 1.2 MB/step`; empty
     /// for one rank. The exposed part is the time the step waited within its collectives, so it never
-    /// exceeds them. Under `--sync outer` it adds what every-step sync would have sent at f32 (a ring
-    /// all-reduce of the `params` floats: 2 (N − 1) / N × 4 bytes each per step, frame headers left out).
-    fn summary(&self, world: usize, params: usize, outer: bool) -> String {
+    /// exceeds them. With `saving` (`--sync outer`, or a compact `--wire`) it adds what every-step sync
+    /// would have sent at f32 (a ring all-reduce of the `params` floats: 2 (N − 1) / N × 4 bytes each per
+    /// step, frame headers left out).
+    fn summary(&self, world: usize, params: usize, saving: bool) -> String {
         if world < 2 || self.steps == 0 {
             return String::new();
         }
@@ -461,9 +462,9 @@ impl CommTotals {
         };
         let sent = self.sent_bytes as f64 / steps;
         let every_step = 2.0 * (world - 1) as f64 / world as f64 * 4.0 * params as f64;
-        let saved = match outer && sent > 0.0 {
+        let saved = match saving && sent > 0.0 {
             true => format!(
-                " ({:.0}x less than every-step sync at f32, {})",
+                " ({:.1}x less than every-step sync at f32, {})",
                 every_step / sent,
                 format_bytes(every_step)
             ),
@@ -634,7 +635,7 @@ mod tests {
         // Every-step sync over 2 ranks sends 4 bytes per parameter per step: 4 MB against 1.5.
         assert!(totals
             .summary(2, 1_000_000, true)
-            .ends_with("sent 1.5 MB/step (3x less than every-step sync at f32, 4.0 MB)"));
+            .ends_with("sent 1.5 MB/step (2.7x less than every-step sync at f32, 4.0 MB)"));
         assert_eq!(totals.summary(1, 1_000_000, false), "");
     }
 }

@@ -3,6 +3,9 @@
 //! bandwidth `busbw = algbw × 2(N−1)/N`, which is what each link carries in a ring and is comparable across
 //! world sizes.
 //!
+//! With a compact `--wire` the sizes and bandwidths stay those of the f32 buffer reduced (what a trainer
+//! hands over), so a row compares directly with the f32 row of the same size.
+//!
 //! `ringtrain bench allreduce` spawns one process per rank, each calling [`run_rank`], and rank 0 prints
 //! [`format_table`]. [`run_allreduce_bench`] does the same with threads in one process.
 
@@ -10,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::quic::{QuicCollective, QuicConfig};
 use super::shm::LinkTransport;
-use super::{Collective, CollectiveError};
+use super::{Collective, CollectiveError, Wire};
 
 /// One row of the table.
 #[derive(Clone, Debug, PartialEq)]
@@ -109,20 +112,27 @@ pub fn run_rank(
     mut cfg: QuicConfig,
     sizes: &[usize],
     iters: usize,
+    wire: Wire,
 ) -> Result<(Vec<BenchRow>, String), CollectiveError> {
     cfg.timeout = Duration::from_secs(120);
     cfg.rendezvous_timeout = Duration::from_secs(60);
     let mut q = QuicCollective::connect(cfg)?;
+    q.set_wire(wire);
     let rows = bench_collective(&mut q, sizes, iters)?;
     Ok((rows, what_ran(&q)))
 }
 
-/// The links a rank's data took and, on a two-level ring, its shape: the title of its table.
+/// The links a rank's data took, on a two-level ring its shape, and a compact wire format: the title of
+/// its table.
 fn what_ran(q: &QuicCollective) -> String {
     let links = path_name(q.data_links());
-    match q.layout() {
+    let shape = match q.layout() {
         Some(t) => format!("{links}, {t}"),
         None => links.to_string(),
+    };
+    match q.wire() {
+        Wire::F32 => shape,
+        wire => format!("{shape}, values sent as {wire}"),
     }
 }
 

@@ -25,13 +25,15 @@
 use std::collections::HashSet;
 
 use super::ring::{Msg, Payload};
+use super::wire::Wire;
 
 pub const MAGIC: [u8; 4] = *b"RTRF";
 /// Version 2: ring welcomes carry certificate fingerprints, every endpoint presents a client certificate,
 /// and a hello may carry the address the rank asks the others to dial. Version 3: hellos and welcomes carry
 /// each rank's host identity and shared-memory endpoint, and a peer hello says whether the link's data goes
-/// through shared memory.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// through shared memory. Version 4: hellos carry the host and `--collective`. Version 5: the elastic join's
+/// `Admitted` message. Version 6: the compact data kinds [`Kind::Bf16`] and [`Kind::Int8`].
+pub const PROTOCOL_VERSION: u16 = 6;
 pub const HEADER_LEN: usize = 48;
 /// Hard ceiling on any payload, whatever the caller allows (64 MiB).
 pub const ABSOLUTE_MAX_PAYLOAD: usize = 64 << 20;
@@ -50,9 +52,28 @@ pub enum Kind {
     Auth = 4,
     /// Abort notice, UTF-8 reason; `chunk` carries the failing rank.
     Abort = 5,
+    /// Ring data of a reducing collective sent as bf16 (`--wire bf16`), little-endian.
+    Bf16 = 6,
+    /// Ring data of a reducing collective sent as blockwise-scaled int8 (`--wire int8`): the blocks'
+    /// f32 scales, then one byte per value ([`crate::collective::wire`]).
+    Int8 = 7,
 }
 
 impl Kind {
+    /// The kind of a reducing collective's data frame sent in `wire`.
+    pub fn of_wire(wire: Wire) -> Kind {
+        match wire {
+            Wire::F32 => Kind::F32,
+            Wire::Bf16 => Kind::Bf16,
+            Wire::Int8 => Kind::Int8,
+        }
+    }
+
+    /// Whether frames of this kind carry ring data (sequenced, checked by [`SequenceGuard`]).
+    pub fn is_ring_data(self) -> bool {
+        matches!(self, Kind::F32 | Kind::Bytes | Kind::Bf16 | Kind::Int8)
+    }
+
     pub fn from_u8(b: u8) -> Option<Kind> {
         Some(match b {
             1 => Kind::F32,
@@ -60,6 +81,8 @@ impl Kind {
             3 => Kind::Control,
             4 => Kind::Auth,
             5 => Kind::Abort,
+            6 => Kind::Bf16,
+            7 => Kind::Int8,
             _ => return None,
         })
     }
@@ -91,7 +114,7 @@ pub enum FrameError {
     Flags(u8),
     #[error("payload of {len} bytes exceeds the {max} allowed here")]
     TooLong { len: usize, max: usize },
-    #[error("f32 payload of {0} bytes is not a multiple of 4")]
+    #[error("f32 or bf16 payload of {0} bytes is not a whole number of values")]
     Misaligned(usize),
     #[error("{0} trailing bytes after the frame")]
     Trailing(usize),
@@ -114,6 +137,7 @@ impl Header {
             Payload::F32(v) => (Kind::F32, v.len() * 4),
             Payload::F32Le(p) => (Kind::F32, p.len_bytes()),
             Payload::Bytes(v) => (Kind::Bytes, v.len()),
+            Payload::Compact { wire, bytes } => (Kind::of_wire(*wire), bytes.len()),
         };
         Header {
             kind,
@@ -187,7 +211,7 @@ impl Header {
         if len as usize > max {
             return Err(FrameError::TooLong { len: len as usize, max });
         }
-        if kind == Kind::F32 && len % 4 != 0 {
+        if (kind == Kind::F32 && len % 4 != 0) || (kind == Kind::Bf16 && len % 2 != 0) {
             return Err(FrameError::Misaligned(len as usize));
         }
         Ok(Header {
@@ -240,7 +264,7 @@ pub fn encode_msg(job: u64, step: u64, seq: u64, msg: &Msg) -> Vec<u8> {
             }
         }
         Payload::F32Le(p) => p.pieces.iter().for_each(|b| out.extend_from_slice(b)),
-        Payload::Bytes(v) => out.extend_from_slice(v),
+        Payload::Bytes(v) | Payload::Compact { bytes: v, .. } => out.extend_from_slice(v),
     }
     out
 }
@@ -265,6 +289,15 @@ pub fn decode_msg(h: &Header, payload: &[u8]) -> Result<Msg, FrameError> {
             Payload::F32(v)
         }
         Kind::Bytes => Payload::Bytes(payload.to_vec()),
+        // The engine checks the length against the values it expects.
+        Kind::Bf16 => Payload::Compact {
+            wire: Wire::Bf16,
+            bytes: payload.to_vec(),
+        },
+        Kind::Int8 => Payload::Compact {
+            wire: Wire::Int8,
+            bytes: payload.to_vec(),
+        },
         other => {
             return Err(FrameError::WrongKind {
                 got: other,
@@ -308,7 +341,7 @@ impl SequenceGuard {
 
     /// Accepts a data frame header or says why not.
     pub fn check(&mut self, h: &Header) -> Result<(), FrameError> {
-        if !matches!(h.kind, Kind::F32 | Kind::Bytes) {
+        if !h.kind.is_ring_data() {
             return Err(FrameError::WrongKind {
                 got: h.kind,
                 want: "ring data",

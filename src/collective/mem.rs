@@ -87,6 +87,7 @@ pub struct MemCollective {
     sent_bytes: super::SentBytes,
     in_collective: bool,
     failed: Option<CollectiveError>,
+    wire: super::Wire,
 }
 
 /// Builds `world` connected ranks.
@@ -121,6 +122,7 @@ pub fn mem_cluster(world: usize, opts: MemOptions) -> Vec<MemCollective> {
             sent_bytes: Default::default(),
             in_collective: false,
             failed: None,
+            wire: Default::default(),
         })
         .collect()
 }
@@ -167,7 +169,7 @@ impl MemCollective {
         let bytes = match &msg.payload {
             Payload::F32(v) => le_bytes(v),
             Payload::F32Le(p) => le_bytes(&p.to_f32()),
-            Payload::Bytes(_) => return msg,
+            Payload::Bytes(_) | Payload::Compact { .. } => return msg,
         };
         let mut pieces = Vec::new();
         let mut at = 0;
@@ -330,6 +332,14 @@ impl Collective for MemCollective {
 
     fn world(&self) -> usize {
         self.world
+    }
+
+    fn wire(&self) -> super::Wire {
+        self.wire
+    }
+
+    fn set_wire(&mut self, wire: super::Wire) {
+        self.wire = wire;
     }
 
     fn run_f32(&mut self, op: RingOp, buf: &mut [f32]) -> Result<()> {

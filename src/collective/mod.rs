@@ -25,6 +25,7 @@ pub mod rank_runtime;
 pub mod ring;
 pub mod shm;
 pub mod two_level;
+pub mod wire;
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +33,7 @@ use std::sync::Arc;
 
 pub use ring::{chunk_range, Engine, GatherEngine, Reduce, RingEngine, RingError, RingOp};
 pub use two_level::{CollectiveChoice, Owner, SubRing, TwoLevel};
+pub use wire::Wire;
 
 /// Why a collective failed. Every variant that involves a peer names its rank.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -145,6 +147,13 @@ pub trait Collective: Send {
 
     /// Records the training step, stamped into frames (and checked) by transports that have frames.
     fn set_step(&mut self, _step: u64) {}
+
+    /// The format reducing collectives send their values in ([`Wire`]; f32 unless set).
+    fn wire(&self) -> Wire;
+
+    /// Sends the values of every later reducing collective in `wire` (gathers, broadcasts and shifts stay
+    /// f32). Every rank of the job must set the same (`--wire` is in the job hash).
+    fn set_wire(&mut self, wire: Wire);
 
     /// Runs one f32 ring collective. How the buffer is cut into messages and where their storage comes from
     /// are the transport's own business: [`run_ring`] runs it with the defaults.
@@ -270,7 +279,9 @@ pub fn run_ring(comm: &mut (impl Collective + ?Sized), op: RingOp, buf: &mut [f3
         return two_level::run_two_level(comm, &t, op, buf, sub_chunk);
     }
     let (rank, world) = (comm.rank(), comm.world());
-    let mut e = RingEngine::new(op, rank, world, buf, sub_chunk).map_err(|e| CollectiveError::Local(e.to_string()))?;
+    let mut e = RingEngine::new(op, rank, world, buf, sub_chunk)
+        .map_err(|e| CollectiveError::Local(e.to_string()))?
+        .with_wire(comm.wire());
     comm.run_engine(&mut e)
 }
 

@@ -31,8 +31,20 @@
 //! `0..N-1`, then all-gather phases `N-1..2N-2`). In reduce-scatter phase `p` rank `r` sends chunk
 //! `r-1-p`; in all-gather phase `q` it sends chunk `r-q`. A sub-chunk moves to the next phase as soon as
 //! it has arrived, independently of the other sub-chunks.
+//!
+//! # Compact wire formats
+//! A reducing collective may send its values rounded to a compact [`Wire`] format (bf16, blockwise int8;
+//! [`RingEngine::with_wire`]). Sums stay f32: a received partial is decoded, this rank's f32 contribution
+//! added, and the result rounded again only to be sent, so a partial is re-rounded at each of the `N-1`
+//! hops. The owner's finished sum (divided, for a mean) is the reduce-scatter's result as it is, in f32;
+//! in an all-reduce the owner rounds it once more, **keeps exactly the decoded rounded value**, and sends
+//! those bytes, which the all-gather forwards untouched: every rank, the owner too, ends with the same
+//! bits. Rounding is a pure function of the values, so the order of the module's fold still decides
+//! every bit. Non-reducing collectives (gathers, broadcasts, shifts) always send f32. The error bound is
+//! stated in [`super::wire`].
 
 use super::le_pieces::LePieces;
+use super::wire::Wire;
 use std::fmt;
 
 /// Default sub-chunk size in f32 elements (256 KiB per message).
@@ -81,6 +93,11 @@ pub enum Payload {
     /// f32 values as a transport received them (see [`LePieces`]); engines take them like `F32`.
     F32Le(LePieces),
     Bytes(Vec<u8>),
+    /// f32 values rounded to a compact format ([`Wire`]) by a reducing collective that uses one.
+    Compact {
+        wire: Wire,
+        bytes: Vec<u8>,
+    },
 }
 
 impl Payload {
@@ -89,6 +106,7 @@ impl Payload {
             Payload::F32(v) => v.len() * 4,
             Payload::F32Le(p) => p.len_bytes(),
             Payload::Bytes(v) => v.len(),
+            Payload::Compact { bytes, .. } => bytes.len(),
         }
     }
 }
@@ -263,6 +281,8 @@ pub struct RingEngine<'a> {
     /// What `Reduce::Mean` divides the finished sum by: `world`, unless this ring is one level of a larger
     /// collective ([`RingEngine::mean_over`]).
     mean_divisor: usize,
+    /// What this engine's messages carry: f32, unless a reducing collective was given a compact format.
+    wire: Wire,
 }
 
 /// A message waiting to be sent.
@@ -312,6 +332,7 @@ impl<'a> RingEngine<'a> {
             remaining: 0,
             outbox: Default::default(),
             mean_divisor: world,
+            wire: Wire::F32,
         };
         let phases = e.num_phases();
         e.seen = (0..phases).map(|p| vec![false; e.subs_of(e.recv_chunk(p))]).collect();
@@ -324,6 +345,15 @@ impl<'a> RingEngine<'a> {
     /// first, so its second ring's finished sums hold every rank's contribution.
     pub fn mean_over(mut self, ranks: usize) -> Self {
         self.mean_divisor = ranks.max(1);
+        self
+    }
+
+    /// Sends the values of a reducing collective in `wire` (module docs, "Compact wire formats"); other
+    /// collectives keep f32 whatever is asked, so a transport can pass its one setting to every engine.
+    pub fn with_wire(mut self, wire: Wire) -> Self {
+        if self.reduce_mode().is_some() {
+            self.wire = wire;
+        }
         self
     }
 
@@ -418,7 +448,7 @@ impl<'a> RingEngine<'a> {
 
     fn msg(&self, phase: usize, sub: usize, payload: Payload) -> Msg {
         let c = self.send_chunk(phase);
-        debug_assert_eq!(payload.len_bytes(), 4 * self.sub_range(c, sub).len());
+        debug_assert_eq!(payload.len_bytes(), self.wire.encoded_len(self.sub_range(c, sub).len()));
         Msg {
             phase: phase as u32,
             chunk: c as u32,
@@ -458,6 +488,9 @@ impl<'a> RingEngine<'a> {
 
 impl Engine for RingEngine<'_> {
     fn peek_in_buffer(&self) -> Option<InBuffer<'_>> {
+        if self.wire.is_compact() {
+            return None; // The buffer holds f32; what is sent must be encoded first.
+        }
         match self.outbox.front()? {
             Outgoing::FromBuffer { phase, sub } => {
                 let c = self.send_chunk(*phase);
@@ -480,6 +513,12 @@ impl Engine for RingEngine<'_> {
     fn poll_transmit(&mut self, storage: &dyn PayloadStorage) -> Option<Msg> {
         match self.outbox.pop_front()? {
             Outgoing::Ready(m) => Some(m),
+            Outgoing::FromBuffer { phase, sub } if self.wire.is_compact() => {
+                let mut bytes = Vec::new();
+                self.wire
+                    .encode(&self.buf[self.sub_range(self.send_chunk(phase), sub)], &mut bytes);
+                Some(self.msg(phase, sub, Payload::Compact { wire: self.wire, bytes }))
+            }
             Outgoing::FromBuffer { phase, sub } => {
                 let src = &self.buf[self.sub_range(self.send_chunk(phase), sub)];
                 let mut data = storage.take(src.len());
@@ -510,13 +549,27 @@ impl Engine for RingEngine<'_> {
         if sub >= self.seen[phase].len() {
             return Err(bad(format!("chunk has {} sub-chunks", self.seen[phase].len())));
         }
+        let range = self.sub_range(chunk, sub);
+        // A compact payload is decoded here; its bytes are kept for an all-gather to forward untouched.
+        let mut compact = None;
         let incoming = match msg.payload {
+            Payload::F32(_) | Payload::F32Le(_) if self.wire.is_compact() => {
+                return Err(bad(format!("f32 payload in a collective sent as {}", self.wire)))
+            }
             Payload::F32(d) => Incoming::Owned(d),
             Payload::F32Le(p) if p.len_bytes() % 4 == 0 => Incoming::Pieces(p),
             Payload::F32Le(p) => return Err(bad(format!("{} bytes is not a whole number of f32", p.len_bytes()))),
             Payload::Bytes(_) => return Err(bad("byte payload in an f32 collective".into())),
+            Payload::Compact { wire, .. } if wire != self.wire => {
+                return Err(bad(format!("{wire} payload in a collective sent as {}", self.wire)))
+            }
+            Payload::Compact { wire, bytes } => {
+                let mut values = vec![0.0; range.len()];
+                wire.decode(&bytes, &mut values).map_err(|e| bad(e.to_string()))?;
+                compact = Some(bytes);
+                Incoming::Owned(values)
+            }
         };
-        let range = self.sub_range(chunk, sub);
         if incoming.len() != range.len() {
             return Err(bad(format!(
                 "payload has {} elements, expected {}",
@@ -539,6 +592,7 @@ impl Engine for RingEngine<'_> {
         let mean = self.reduce_mode() == Some(Reduce::Mean);
         let next = phase + 1;
         let forward = next < self.num_phases();
+        let wire = self.wire;
         let dst = &mut self.buf[range];
         if let RingOp::Broadcast { root } = self.op {
             incoming.store_into(dst);
@@ -552,7 +606,10 @@ impl Engine for RingEngine<'_> {
             incoming.store_into(dst);
             if forward {
                 debug_assert_eq!(self.send_chunk(next), chunk);
-                self.queue_forward(next, sub, incoming);
+                match compact {
+                    Some(bytes) => self.queue_payload(next, sub, Payload::Compact { wire, bytes }),
+                    None => self.queue_forward(next, sub, incoming),
+                }
             }
             return Ok(());
         }
@@ -567,15 +624,27 @@ impl Engine for RingEngine<'_> {
         let last_rs = phase == n - 2;
         if last_rs || !matches!(self.op, RingOp::AllReduce(_)) {
             incoming.finish_in_place(dst, (last_rs && mean).then_some(self.mean_divisor as f32));
+            // The all-reduce's finished sum in a compact format: the owner keeps the rounded value it sends.
+            let rounded = (last_rs && forward && wire.is_compact()).then(|| wire.round_in_place(dst));
             if forward {
                 debug_assert_eq!(self.send_chunk(next), chunk);
-                self.outbox.push_back(Outgoing::FromBuffer { phase: next, sub });
+                match rounded {
+                    Some(bytes) => self.queue_payload(next, sub, Payload::Compact { wire, bytes }),
+                    None => self.outbox.push_back(Outgoing::FromBuffer { phase: next, sub }),
+                }
             }
         } else {
             let data = incoming.plus(dst);
             if forward {
                 debug_assert_eq!(self.send_chunk(next), chunk);
-                self.queue_owned(next, sub, data);
+                match wire {
+                    Wire::F32 => self.queue_owned(next, sub, data),
+                    wire => {
+                        let mut bytes = Vec::new();
+                        wire.encode(&data, &mut bytes);
+                        self.queue_payload(next, sub, Payload::Compact { wire, bytes });
+                    }
+                }
             }
         }
         Ok(())
@@ -594,7 +663,7 @@ impl Engine for RingEngine<'_> {
             RingOp::Broadcast { .. } => self.buf.len(),
             _ => self.buf.len().div_ceil(self.world),
         };
-        self.sub_chunk.min(max_chunk) * 4
+        self.wire.encoded_len(self.sub_chunk.min(max_chunk))
     }
 }
 
@@ -668,7 +737,9 @@ impl Engine for GatherEngine {
         }
         let data = match msg.payload {
             Payload::Bytes(d) => d,
-            Payload::F32(_) | Payload::F32Le(_) => return Err(bad("f32 payload in a byte gather".into())),
+            Payload::F32(_) | Payload::F32Le(_) | Payload::Compact { .. } => {
+                return Err(bad("f32 payload in a byte gather".into()))
+            }
         };
         if data.len() != self.blob_len {
             return Err(bad(format!(
@@ -901,7 +972,7 @@ mod tests {
                 let values = match &m.payload {
                     Payload::F32(v) => v.clone(),
                     Payload::F32Le(p) => p.to_f32(),
-                    Payload::Bytes(_) => unreachable!(),
+                    Payload::Bytes(_) | Payload::Compact { .. } => unreachable!("an f32 collective"),
                 };
                 m.payload = Payload::F32Le(LePieces {
                     lent,
@@ -1043,5 +1114,56 @@ mod tests {
             payload: Payload::F32Le(ragged),
         };
         e.handle(right).unwrap();
+    }
+
+    /// A compact collective takes only its own format, at the length its values need, and an f32
+    /// collective takes no compact payload.
+    #[test]
+    fn compact_payloads_must_match_the_format_and_the_values() {
+        let mut a = vec![1.0f32; 10];
+        let mut e = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 1, 3, &mut a, 2)
+            .unwrap()
+            .with_wire(Wire::Int8);
+        // Phase 0 brings chunk 2's sub 0: two values, one int8 block (a 4-byte scale, then 2 bytes).
+        let at = |payload| Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 0,
+            payload,
+        };
+        let compact = |wire, bytes| Payload::Compact { wire, bytes };
+        assert!(
+            e.handle(at(Payload::F32(vec![1.0, 1.0]))).is_err(),
+            "f32 in an int8 collective"
+        );
+        assert!(
+            e.handle(at(compact(Wire::Bf16, vec![0; 4]))).is_err(),
+            "bf16 in an int8 collective"
+        );
+        assert!(e.handle(at(compact(Wire::Int8, vec![0; 5]))).is_err(), "one byte short");
+        assert!(e.handle(at(compact(Wire::Int8, vec![0; 7]))).is_err(), "one byte over");
+        e.handle(at(compact(Wire::Int8, vec![0; 6]))).unwrap();
+        assert!(matches!(
+            e.handle(at(compact(Wire::Int8, vec![0; 6]))),
+            Err(RingError::Duplicate { .. })
+        ));
+        let mut b = vec![1.0f32; 10];
+        let mut plain = RingEngine::new(RingOp::AllReduce(Reduce::Sum), 1, 3, &mut b, 2).unwrap();
+        let bf16 = Msg {
+            phase: 0,
+            chunk: 2,
+            sub: 0,
+            payload: compact(Wire::Bf16, vec![0; 4]),
+        };
+        assert!(plain.handle(bf16).is_err(), "bf16 in an f32 collective");
+        // A gather ignores the wire: it sends f32.
+        let mut c = vec![1.0f32; 10];
+        let mut gather = RingEngine::new(RingOp::AllGather, 0, 3, &mut c, 4)
+            .unwrap()
+            .with_wire(Wire::Bf16);
+        assert!(matches!(
+            gather.poll_transmit(&Allocate).unwrap().payload,
+            Payload::F32(_)
+        ));
     }
 }

@@ -17,12 +17,15 @@
 //!
 //! The ZeRO-1 owner of an element is the rank that ends a reduce-scatter with it: host chunk `l`, then
 //! cross chunk `h` of that ([`TwoLevel::owned_range`]).
+//!
+//! A compact `--wire` format ([`super::wire`]) applies to the cross ring only: the host ring's sums and
+//! gathers stay f32 (shared memory is not the slow link), so a value is rounded at `H` points, not `N`.
 
 use std::fmt;
 use std::ops::Range;
 
 use super::ring::{chunk_range, Reduce, RingEngine, RingOp};
-use super::{Collective, CollectiveError, Result};
+use super::{Collective, CollectiveError, Result, Wire};
 
 /// Which reduction schedule a job asks for (`--collective`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
@@ -300,9 +303,14 @@ fn run_on(
         Some((members, pos)) => (pos, members.len()),
         None => (comm.rank(), comm.world()),
     };
+    let wire = match ring {
+        SubRing::Cross => comm.wire(),
+        SubRing::Host | SubRing::All => Wire::F32,
+    };
     let mut e = RingEngine::new(op, rank, world, buf, sub_chunk)
         .map_err(|e| CollectiveError::Local(e.to_string()))?
-        .mean_over(t.world);
+        .mean_over(t.world)
+        .with_wire(wire);
     comm.run_engine_on(ring, &mut e)
 }
 

@@ -65,7 +65,7 @@ impl<B: Backend> Trainer<B> {
     /// batch plan reduces. The shard checksum was of the old chunk; it starts again with the next update.
     fn install_group(&mut self, comm: Box<dyn Collective>, owner: Owner) -> Result<()> {
         (self.world, self.rank) = (comm.world(), comm.rank());
-        self.comm = CommThread::spawn(comm).context("starting the communication thread")?;
+        self.comm = super::comm_thread(comm, self.opts.wire)?;
         self.sent_mark = 0;
         let reduction = Reduction::of(&self.batch, self.opts.seq_len);
         self.sync

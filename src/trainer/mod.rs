@@ -207,6 +207,12 @@ pub struct Trainer<B: Backend> {
 
 /// The shares a checkpoint of a `world`-rank run recorded (`batch_shares`), when they split this run's
 /// global batch; `None` when it recorded none or split another global batch.
+/// `comm` on its own thread, its reducing collectives sending in `wire` (`--wire`).
+fn comm_thread(mut comm: Box<dyn Collective>, wire: crate::collective::Wire) -> Result<CommThread> {
+    comm.set_wire(wire);
+    CommThread::spawn(comm).context("starting the communication thread")
+}
+
 fn resumed_shares(
     extra: &std::collections::BTreeMap<String, String>,
     global: usize,
@@ -413,6 +419,7 @@ impl<B: Backend> Trainer<B> {
         let layout = buddy::StateLayout::first(world, owner.clone());
         let spikes = LossSpikeDetector::new(opts.loss_spike);
         let guard = ShardGuard::for_run(&opts, world);
+        let wire = opts.wire;
         let mut trainer = Trainer {
             be,
             model,
@@ -430,7 +437,7 @@ impl<B: Backend> Trainer<B> {
             world,
             rank,
             owner,
-            comm: CommThread::spawn(comm).context("starting the communication thread")?,
+            comm: comm_thread(comm, wire)?,
             plan,
             sync,
             inputs: vec![0; n],

@@ -2,7 +2,7 @@
 //! digest of what every rank of a job must agree on.
 
 use super::loss_spike::DEFAULT_LOSS_SPIKE;
-use crate::collective::CollectiveChoice;
+use crate::collective::{CollectiveChoice, Wire};
 use crate::data::{BatchPlan, BatchSplit};
 use crate::elastic::ElasticRules;
 use crate::model::ModelConfig;
@@ -195,6 +195,9 @@ pub struct TrainOptions {
     pub elastic: Option<ElasticRules>,
     /// `--sync`: every step (the gradient all-reduced) or a periodic outer step ([`super::outer_sync`]).
     pub sync: SyncMode,
+    /// `--wire`: the format the reduced values (gradients, outer pseudo-gradients) travel in between ranks;
+    /// parameters always travel in f32.
+    pub wire: Wire,
     /// The settings the run was asked for, as JSON (the command line stores its flags), kept in checkpoints
     /// for inspection; empty when the options were built in code.
     pub args_json: String,
@@ -243,6 +246,7 @@ impl TrainOptions {
             overlap: true,
             elastic: None,
             sync: SyncMode::EveryStep,
+            wire: Wire::F32,
             args_json: String::new(),
         }
     }
@@ -413,13 +417,14 @@ impl TrainOptions {
             None => format!("split{}", self.batch_split),
         };
         // The sync mode and the outer cadence decide when the ranks communicate; --elastic adds the joiner
-        // agreement after every step (and the buddy shifts under the sharded update).
+        // agreement after every step (and the buddy shifts under the sharded update); --wire decides the
+        // frames' kind and every rounded bit.
         let sync = match self.sync.outer() {
             Some(o) => format!("outer{}/{:x}/{:x}", o.every, o.lr.to_bits(), o.momentum.to_bits()),
             None => "every-step".to_string(),
         };
         let text = format!(
-            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}|{}|{sync}|elastic{}",
+            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}|{}|{sync}|elastic{}|wire{}",
             model.hash_hex(),
             self.global_batch_for(world),
             self.seq_len,
@@ -431,7 +436,8 @@ impl TrainOptions {
             self.save.is_some(),
             self.save_every,
             self.collective,
-            self.elastic.is_some()
+            self.elastic.is_some(),
+            self.wire
         );
         let digest = blake3::hash(text.as_bytes());
         u64::from_le_bytes(digest.as_bytes()[..8].try_into().expect("8 bytes"))

@@ -147,7 +147,7 @@ pub(super) fn data_frame_chunks(job: u64, step: u64, seq: u64, m: Msg, pool: &Ar
     let payload = match m.payload {
         Payload::F32(v) => vec![bytes::Bytes::from_owner(PooledLeF32::new(v, pool.clone()))],
         Payload::F32Le(p) => p.pieces,
-        Payload::Bytes(v) => vec![bytes::Bytes::from(v)],
+        Payload::Bytes(v) | Payload::Compact { bytes: v, .. } => vec![bytes::Bytes::from(v)],
     };
     let mut hb = Vec::with_capacity(HEADER_LEN);
     h.encode(&mut hb);

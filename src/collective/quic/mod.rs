@@ -276,6 +276,8 @@ pub struct QuicCollective {
     lefts: BTreeMap<usize, LeftLink>,
     /// This rank's place in the two-level layout rank 0 chose, or `None` for the flat ring.
     two_level: Option<TwoLevel>,
+    /// What reducing collectives send their values in ([`Collective::set_wire`]).
+    wire: crate::collective::Wire,
     control: ControlPlane,
     guard: SequenceGuard,
     seq: u64,
@@ -339,6 +341,7 @@ impl QuicCollective {
             rights: s.links.rights,
             lefts: s.links.lefts,
             two_level: s.two_level,
+            wire: Default::default(),
             control: s.control,
             seq: 0,
             step: 0,
@@ -654,6 +657,14 @@ impl Collective for QuicCollective {
 
     fn world(&self) -> usize {
         self.cfg.world
+    }
+
+    fn wire(&self) -> crate::collective::Wire {
+        self.wire
+    }
+
+    fn set_wire(&mut self, wire: crate::collective::Wire) {
+        self.wire = wire;
     }
 
     /// In sub-chunks of `QuicConfig::sub_chunk` (one frame each); the driver hands the engine the pool that
