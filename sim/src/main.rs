@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use ringtrain::backend::factory::BackendChoice;
-use ringtrain::collective::CollectiveChoice;
+use ringtrain::collective::{CollectiveChoice, Wire};
 use ringtrain::data::BatchSplit;
 use ringtrain::elastic::{ElasticRules, Quorum};
 use ringtrain::metrics::read_metrics;
@@ -96,6 +96,9 @@ struct Cli {
     /// With --sync outer: the outer Nesterov momentum
     #[arg(long, default_value_t = DEFAULT_OUTER_MOMENTUM)]
     outer_momentum: f64,
+    /// What the reduced gradients travel in (as train's --wire)
+    #[arg(long, value_enum, default_value_t = Wire::F32)]
+    wire: Wire,
     #[arg(long, default_value_t = 1337)]
     seed: u64,
     /// Per-collective deadline, seconds
@@ -225,6 +228,7 @@ fn real_main() -> Result<ExitCode> {
     };
     let options = TrainOptions {
         sync,
+        wire: cli.wire,
         batch_size: cli.batch_size,
         seq_len: cli.seq_len,
         grad_accum: cli.grad_accum,

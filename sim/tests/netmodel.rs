@@ -2,6 +2,7 @@
 //! sub-chunk pipelining; bucket overlap against a hand-built schedule; a 1024-rank gpt2 prediction.
 
 use ringtrain::collective::ring::{run_local_with, Reduce, RingEngine, RingOp};
+use ringtrain::collective::Wire;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{TrainOptions, UpdateMode};
 use ringtrain_sim::netmodel::network::{Link, Network};
@@ -44,6 +45,7 @@ fn ring_time_matches_alpha_beta_gamma() {
                     kind,
                     elems,
                     elem_bytes: 4,
+                    wire: Wire::F32,
                     sub_chunk: elems, // one sub-chunk per chunk
                 };
                 let per_hop = alpha + s / n as f64 * (1.0 / beta + gamma);
@@ -83,6 +85,7 @@ fn sub_chunk_pipelining_matches_the_pipelined_formula() {
                     kind: RingKind::AllReduce,
                     elems,
                     elem_bytes: 4,
+                    wire: Wire::F32,
                     sub_chunk: sub,
                 };
                 let p = 2.0 * (n - 1) as f64;
@@ -129,6 +132,7 @@ fn two_tier_ring_lies_between_its_chain_and_the_all_slow_ring() {
         kind: RingKind::AllGather,
         elems,
         elem_bytes: 4,
+        wire: Wire::F32,
         sub_chunk: elems,
     };
     let done = simulate(&net, &shape, &vec![0.0; n]);
@@ -467,12 +471,12 @@ fn timing_only_command_prints_a_prediction_for_1024_workers() {
 
 /// Every message each rank's real ring engine hands out, in order, run to completion in one thread with
 /// FIFO delivery (`collective::ring::run_local_with`): (phase, chunk, sub, bytes) per rank.
-fn engine_sends(op: RingOp, world: usize, elems: usize, sub_chunk: usize) -> Vec<Vec<ModelSend>> {
+fn engine_sends(op: RingOp, world: usize, elems: usize, sub_chunk: usize, wire: Wire) -> Vec<Vec<ModelSend>> {
     let mut bufs: Vec<Vec<f32>> = (0..world).map(|r| vec![r as f32; elems]).collect();
     let mut engines: Vec<RingEngine> = bufs
         .iter_mut()
         .enumerate()
-        .map(|(r, b)| RingEngine::new(op, r, world, b, sub_chunk).unwrap())
+        .map(|(r, b)| RingEngine::new(op, r, world, b, sub_chunk).unwrap().with_wire(wire))
         .collect();
     let mut sent = vec![Vec::new(); world];
     run_local_with(&mut engines, |r, m| {
@@ -499,20 +503,24 @@ fn the_model_times_the_messages_the_real_ring_sends() {
     ];
     for (kind, op) in kinds {
         for world in 2..=5 {
-            for (elems, sub_chunk) in [(1usize, 1usize), (10, 3), (97, 8), (1000, 1000), (4099, 64)] {
-                let shape = RingShape {
-                    kind,
-                    elems,
-                    elem_bytes: 4,
-                    sub_chunk,
-                };
-                let engine = engine_sends(op, world, elems, sub_chunk);
-                for (rank, got) in engine.iter().enumerate() {
-                    assert_eq!(
-                        *got,
-                        shape.sends(world, rank),
-                        "{kind:?}, {world} ranks, {elems} elements in sub-chunks of {sub_chunk}: rank {rank}"
-                    );
+            for (elems, sub_chunk) in [(1usize, 1usize), (10, 3), (97, 8), (1000, 1000), (4099, 64), (300, 200)] {
+                for wire in [Wire::F32, Wire::Bf16, Wire::Int8] {
+                    let shape = RingShape {
+                        kind,
+                        elems,
+                        elem_bytes: 4,
+                        wire,
+                        sub_chunk,
+                    };
+                    let engine = engine_sends(op, world, elems, sub_chunk, wire);
+                    for (rank, got) in engine.iter().enumerate() {
+                        assert_eq!(
+                            *got,
+                            shape.sends(world, rank),
+                            "{kind:?} in {wire}, {world} ranks, {elems} elements in sub-chunks of {sub_chunk}: \
+                             rank {rank}"
+                        );
+                    }
                 }
             }
         }
@@ -542,6 +550,7 @@ fn presets_price_ringtrains_own_path_not_nvlink() {
         8,
         124_439_808,
         ringtrain::collective::ring::DEFAULT_SUB_CHUNK,
+        Wire::F32,
     );
     assert!(secs > 0.15, "dgx all-reduce of gpt2 predicted in {:.1} ms", secs * 1e3);
     let with_intra = Network::parse(
@@ -569,8 +578,8 @@ fn the_two_level_ring_spares_the_network_as_its_byte_count_says() {
     let two = Layout::resolve(CollectiveChoice::Auto, &net, 8).unwrap();
     assert_eq!(two, Layout::TwoLevel { per_host: 4 });
     let elems = 16 << 20;
-    let flat_s = predict_all_reduce(&net, Layout::Flat, 8, elems, DEFAULT_SUB_CHUNK);
-    let two_s = predict_all_reduce(&net, two, 8, elems, DEFAULT_SUB_CHUNK);
+    let flat_s = predict_all_reduce(&net, Layout::Flat, 8, elems, DEFAULT_SUB_CHUNK, Wire::F32);
+    let two_s = predict_all_reduce(&net, two, 8, elems, DEFAULT_SUB_CHUNK, Wire::F32);
     let wire_s = (elems * 4) as f64 / 125e6;
     assert!(
         (flat_s / wire_s - 1.75).abs() < 0.05,
@@ -580,6 +589,20 @@ fn the_two_level_ring_spares_the_network_as_its_byte_count_says() {
         (two_s / wire_s - 1.0).abs() < 0.05,
         "two-level {two_s} s, wire {wire_s} s"
     );
+    // A compact wire format shrinks what crosses the network by its ratio: on two levels only the cross
+    // ring rounds, and the host rings (1000x faster here) keep f32.
+    for (wire, ratio) in [(Wire::Bf16, 0.5), (Wire::Int8, 68.0 / 256.0)] {
+        let flat = predict_all_reduce(&net, Layout::Flat, 8, elems, DEFAULT_SUB_CHUNK, wire);
+        let two = predict_all_reduce(&net, two, 8, elems, DEFAULT_SUB_CHUNK, wire);
+        assert!(
+            (flat / flat_s - ratio).abs() < 0.02,
+            "{wire} flat: {flat} s against f32's {flat_s} s"
+        );
+        assert!(
+            (two / two_s - ratio).abs() < 0.02,
+            "{wire} two-level: {two} s against f32's {two_s} s"
+        );
+    }
     // What rank 0 of the trainer would refuse, the model refuses; auto falls back to the flat ring.
     for (net, world) in [
         (net.clone(), 4),

@@ -5,6 +5,7 @@ use super::Cli;
 use anyhow::{bail, Context, Result};
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::ring::DEFAULT_SUB_CHUNK;
+use ringtrain::collective::Wire;
 use ringtrain::data::BatchSplit;
 use ringtrain::model::ModelConfig;
 use ringtrain::trainer::{bucket_elems, TrainOptions};
@@ -13,20 +14,21 @@ use ringtrain_sim::netmodel::{
 };
 use std::process::ExitCode;
 
-/// `--allreduce-size`: one predicted f32 all-reduce per size, in `bench allreduce`'s units.
-fn predict_all_reduces(net: &Network, layout: Layout, workers: usize, sizes: &str) -> Result<ExitCode> {
+/// `--allreduce-size`: one predicted all-reduce of f32 values sent in `wire` per size, in `bench
+/// allreduce`'s units.
+fn predict_all_reduces(net: &Network, layout: Layout, workers: usize, sizes: &str, wire: Wire) -> Result<ExitCode> {
     let sizes = ringtrain::collective::bench::parse_sizes(sizes).map_err(anyhow::Error::msg)?;
     let ring = match layout {
         Layout::Flat => "flat ring".to_string(),
         Layout::TwoLevel { per_host } => format!("two-level ring ({} hosts x {per_host} ranks)", workers / per_host),
     };
     println!(
-        "network {} | {workers} ranks, {ring} | all-reduce (f32), predicted",
+        "network {} | {workers} ranks, {ring} | all-reduce (f32 sent as {wire}), predicted",
         net.name
     );
     println!("{:>12} {:>12} {:>12}", "bytes", "time(us)", "busbw(GB/s)");
     for bytes in sizes {
-        let secs = predict_all_reduce(net, layout, workers, bytes / 4, DEFAULT_SUB_CHUNK);
+        let secs = predict_all_reduce(net, layout, workers, bytes / 4, DEFAULT_SUB_CHUNK, wire);
         let busbw = match workers {
             1 => 0.0,
             n => (bytes / 4 * 4) as f64 / secs / 1e9 * 2.0 * (n - 1) as f64 / n as f64,
@@ -58,7 +60,7 @@ pub fn run(
     let net = Network::parse(spec)?;
     if let Some(sizes) = &cli.allreduce_size {
         let layout = Layout::resolve(options.collective, &net, cli.workers).map_err(anyhow::Error::msg)?;
-        return predict_all_reduces(&net, layout, cli.workers, sizes);
+        return predict_all_reduces(&net, layout, cli.workers, sizes, options.wire);
     }
     let mut options = options.clone();
     if let Some(mb) = cli.bucket_mb {
@@ -182,7 +184,7 @@ fn predict_outer(
     let layout = Layout::resolve(options.collective, net, workers).map_err(anyhow::Error::msg)?;
     let exchange_s = match workers {
         1 => 0.0,
-        _ => predict_all_reduce(net, layout, workers, params, DEFAULT_SUB_CHUNK),
+        _ => predict_all_reduce(net, layout, workers, params, DEFAULT_SUB_CHUNK, options.wire),
     };
     let inner_s = every_step.compute_s;
     let mean_step_s = inner_s + exchange_s / every as f64;

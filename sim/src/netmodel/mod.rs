@@ -19,6 +19,7 @@ use anyhow::{bail, Result};
 pub use network::Network;
 pub use profile::ComputeProfile;
 pub use ring::Layout;
+use ringtrain::collective::Wire;
 use ringtrain::data::BatchPlan;
 use ringtrain::model::{ModelConfig, ParamLayout};
 use ringtrain::trainer::auto_split::best_split;
@@ -26,15 +27,23 @@ use ringtrain::trainer::buckets::BucketPlan;
 use ringtrain::trainer::TrainOptions;
 pub use schedule::StepPrediction;
 
-/// Seconds one f32 all-reduce of `elems` values takes over `world` ranks arranged as `layout` that all
-/// start it together, as `ringtrain bench allreduce` times it: the rings' messages in virtual time, and
-/// with `shared-cores` no sooner than the machine's CPU work (every rank's CPU per byte sent) over its
-/// cores.
-pub fn predict_all_reduce(net: &Network, layout: Layout, world: usize, elems: usize, sub_chunk: usize) -> f64 {
+/// Seconds one all-reduce of `elems` f32 values sent in `wire` takes over `world` ranks arranged as
+/// `layout` that all start it together, as `ringtrain bench allreduce` times it: the rings' messages in
+/// virtual time, and with `shared-cores` no sooner than the machine's CPU work (every rank's CPU per byte
+/// sent) over its cores.
+pub fn predict_all_reduce(
+    net: &Network,
+    layout: Layout,
+    world: usize,
+    elems: usize,
+    sub_chunk: usize,
+    wire: Wire,
+) -> f64 {
     let shape = ring::RingShape {
         kind: ring::RingKind::AllReduce,
         elems,
         elem_bytes: 4,
+        wire,
         sub_chunk,
     };
     let done = ring::simulate_layout(net, layout, &shape, &vec![0.0; world]);
@@ -120,6 +129,7 @@ pub fn predict_split(
         sub_chunk,
         tokens_per_step: batch.global * options.seq_len,
         layout: Layout::resolve(options.collective, net, workers).map_err(anyhow::Error::msg)?,
+        wire: options.wire,
     };
     Ok(schedule::predict(net, &plan, profile))
 }

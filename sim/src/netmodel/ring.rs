@@ -23,7 +23,7 @@
 //! `2·N² + 2·S/sub_chunk`: 2 M steps for N = 1024.
 
 use super::network::{Link, Network};
-use ringtrain::collective::{chunk_range, CollectiveChoice};
+use ringtrain::collective::{chunk_range, CollectiveChoice, Wire};
 
 /// Which collective.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +41,9 @@ pub struct RingShape {
     pub elems: usize,
     /// Bytes per element (4 for f32 gradients).
     pub elem_bytes: usize,
+    /// The format a reduce-scatter or all-reduce sends its values in (`--wire`); a gather sends
+    /// `elem_bytes` per element.
+    pub wire: Wire,
     /// Largest sub-chunk in elements (the transport's `sub_chunk`).
     pub sub_chunk: usize,
 }
@@ -73,7 +76,15 @@ impl RingShape {
     fn sub_bytes(&self, world: usize, chunk: usize, sub: usize) -> f64 {
         let len = chunk_range(self.elems, world, chunk).len();
         let sub_len = (len - sub * self.sub_chunk).min(self.sub_chunk);
-        (sub_len * self.elem_bytes) as f64
+        self.bytes_of(sub_len)
+    }
+
+    /// Bytes that `n` elements take in one message (an int8 sub-chunk carries its blocks' scales).
+    pub fn bytes_of(&self, n: usize) -> f64 {
+        match self.kind {
+            RingKind::ReduceScatter | RingKind::AllReduce if self.wire.is_compact() => self.wire.encoded_len(n) as f64,
+            _ => (n * self.elem_bytes) as f64,
+        }
     }
 
     fn subs(&self, world: usize, chunk: usize) -> usize {
@@ -198,7 +209,7 @@ impl Layout {
     /// for all of them; on two levels the host rings' bytes at the intra-host link's price and the cross
     /// ring's at the inter-host link's.
     pub fn send_cpu_s(&self, shape: &RingShape, world: usize, net: &Network) -> f64 {
-        let bytes = (shape.elems * shape.elem_bytes) as f64;
+        let bytes = shape.bytes_of(shape.elems);
         let ring = |n: usize, bytes: f64| shape.phases(n) as f64 * bytes / n as f64;
         match *self {
             Layout::Flat => {
@@ -213,8 +224,10 @@ impl Layout {
                     net.link_cpu_per_byte(intra, true),
                     net.link_cpu_per_byte(net.inter, false),
                 );
-                // An all-reduce's host reduce-scatter and all-gather together send what a host all-reduce does.
-                ring(per_host, bytes) * intra_price + ring(hosts, bytes / per_host as f64) * inter_price
+                // An all-reduce's host reduce-scatter and all-gather together send what a host all-reduce does;
+                // only the cross ring sends in a compact wire format.
+                let host_bytes = (shape.elems * shape.elem_bytes) as f64;
+                ring(per_host, host_bytes) * intra_price + ring(hosts, bytes / per_host as f64) * inter_price
             }
         }
     }
@@ -245,8 +258,10 @@ fn simulate_two_level(net: &Network, per_host: usize, shape: &RingShape, start: 
         },
     );
     let mut t = start.to_vec();
-    // One level: the rings of `members(g)` for every group g, each over `elems(g)` elements.
+    // One level: the rings of `members(g)` for every group g, each over `elems(g)` elements; only the cross
+    // rings send in a compact wire format, as `collective::two_level` does.
     let mut level = |net: &Network,
+                     wire: Wire,
                      kind: RingKind,
                      groups: usize,
                      members: &dyn Fn(usize) -> Vec<usize>,
@@ -257,6 +272,7 @@ fn simulate_two_level(net: &Network, per_host: usize, shape: &RingShape, start: 
             let sub = RingShape {
                 kind,
                 elems: elems(g),
+                wire,
                 ..*shape
             };
             for (r, done) in ranks.iter().zip(simulate(net, &sub, &begin)) {
@@ -270,17 +286,17 @@ fn simulate_two_level(net: &Network, per_host: usize, shape: &RingShape, start: 
     let part = |l: usize| chunk_range(shape.elems, per_host, l).len();
     match shape.kind {
         RingKind::AllReduce => {
-            level(&host_net, RingKind::ReduceScatter, hosts, &host, &whole);
-            level(&cross_net, RingKind::AllReduce, per_host, &cross, &part);
-            level(&host_net, RingKind::AllGather, hosts, &host, &whole);
+            level(&host_net, Wire::F32, RingKind::ReduceScatter, hosts, &host, &whole);
+            level(&cross_net, shape.wire, RingKind::AllReduce, per_host, &cross, &part);
+            level(&host_net, Wire::F32, RingKind::AllGather, hosts, &host, &whole);
         }
         RingKind::ReduceScatter => {
-            level(&host_net, RingKind::ReduceScatter, hosts, &host, &whole);
-            level(&cross_net, RingKind::ReduceScatter, per_host, &cross, &part);
+            level(&host_net, Wire::F32, RingKind::ReduceScatter, hosts, &host, &whole);
+            level(&cross_net, shape.wire, RingKind::ReduceScatter, per_host, &cross, &part);
         }
         RingKind::AllGather => {
-            level(&cross_net, RingKind::AllGather, per_host, &cross, &part);
-            level(&host_net, RingKind::AllGather, hosts, &host, &whole);
+            level(&cross_net, shape.wire, RingKind::AllGather, per_host, &cross, &part);
+            level(&host_net, Wire::F32, RingKind::AllGather, hosts, &host, &whole);
         }
     }
     t
@@ -307,6 +323,7 @@ mod tests {
             kind: RingKind::AllReduce,
             elems: 12,
             elem_bytes: 4,
+            wire: Wire::F32,
             sub_chunk: 1,
         };
         // Reduce-scatter ends with rank r holding chunk r: its last reduce phase received chunk r.
@@ -324,6 +341,7 @@ mod tests {
             kind: RingKind::AllReduce,
             elems: 1 << 20,
             elem_bytes: 4,
+            wire: Wire::F32,
             sub_chunk: 1 << 16,
         };
         let on_time = simulate(&net, &shape, &[0.0; 4]);

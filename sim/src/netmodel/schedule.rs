@@ -26,6 +26,7 @@
 use super::network::Network;
 use super::profile::ComputeProfile;
 use super::ring::{simulate_layout, Layout, RingKind, RingShape};
+use ringtrain::collective::Wire;
 use ringtrain::trainer::UpdateMode;
 use std::ops::Range;
 
@@ -46,6 +47,8 @@ pub struct StepPlan {
     pub tokens_per_step: usize,
     /// The flat ring or the two-level one.
     pub layout: Layout,
+    /// What the gradients' reductions send (`--wire`); parameter gathers send f32.
+    pub wire: Wire,
 }
 
 impl StepPlan {
@@ -67,6 +70,7 @@ impl StepPlan {
             sub_chunk,
             tokens_per_step: world * grad_accum.max(1) * tokens_per_micro_batch,
             layout: Layout::Flat,
+            wire: Wire::F32,
         }
     }
 }
@@ -141,6 +145,7 @@ impl Cluster {
             kind,
             elems,
             elem_bytes,
+            wire: plan.wire,
             sub_chunk: plan.sub_chunk,
         };
         let world = ready.len();
