@@ -381,6 +381,7 @@ mod tests {
             kind: super::super::ring::RingKind::AllReduce,
             elems,
             elem_bytes: 4,
+            wire: ringtrain::collective::Wire::F32,
             sub_chunk: 1 << 14,
         };
         let sent_per_rank = 2.0 * 3.0 / 4.0 * (elems * 4) as f64;
