@@ -826,4 +826,9 @@ fn launch_trains_with_periodic_outer_synchronisation() {
         &with(&SMALL, &["--sync", "outer", "--outer-lr", "0", "--steps", "50"]),
         "--outer-lr 0 must be a positive number",
     );
+    fails_with(&with(&SMALL, &["--outer-overlap", "on"]), "apply to --sync outer only");
+    fails_with(
+        &with(&SMALL, &["--sync", "outer", "--outer-overlap", "later", "--steps", "50"]),
+        "--outer-overlap \"later\": expected on or off",
+    );
 }

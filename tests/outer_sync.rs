@@ -22,6 +22,7 @@ fn options(every: u64, steps: u64) -> TrainOptions {
             every,
             lr: 0.7,
             momentum: 0.9,
+            overlap: false,
         }),
         ..common::tiny_options(steps)
     }
@@ -148,6 +149,7 @@ fn one_rank_with_outer_lr_1_and_no_momentum_trains_as_plain_training() {
             every: 2,
             lr: 1.0,
             momentum: 0.0,
+            overlap: false,
         }),
         ..options(2, 6)
     };
@@ -259,6 +261,7 @@ fn what_outer_sync_cannot_combine_with_is_refused() {
                     every: 4,
                     lr: 0.7,
                     momentum: 1.0,
+                    overlap: false,
                 }),
                 ..base.clone()
             },
@@ -435,5 +438,143 @@ fn a_rank_that_skipped_a_step_resumes_with_its_own_optimizer_step() {
     let resumed = on_each_rank(2, &opts, || ModelSource::Resume(ck.clone()), body(6, None));
     for (r, s) in resumed.iter().zip(&straight) {
         assert_eq!((&r.0, r.1), (&s.0, s.1));
+    }
+}
+
+fn overlapped(every: u64, steps: u64) -> TrainOptions {
+    let opts = options(every, steps);
+    let Some(outer) = opts.sync.outer() else { unreachable!() };
+    TrainOptions {
+        sync: SyncMode::Outer(OuterOptions { overlap: true, ..outer }),
+        ..opts
+    }
+}
+
+/// `--outer-overlap on`: the ranks still hold the same bits after every outer step, under both update
+/// modes (which agree), and a rerun gives the same bits.
+#[test]
+fn overlapped_outer_steps_keep_the_replicas_identical_and_the_run_deterministic() {
+    let finals: Vec<String> = [UpdateMode::Sharded, UpdateMode::Replicated]
+        .into_iter()
+        .map(|update| {
+            let opts = TrainOptions {
+                update,
+                ..overlapped(2, 6)
+            };
+            let ranks = run(3, &opts);
+            for step in [1, 3, 5] {
+                assert!(
+                    ranks.iter().all(|r| r[step].1 == ranks[0][step].1),
+                    "{update:?}, step {}",
+                    step + 1
+                );
+            }
+            assert_ne!(ranks[0][2].1, ranks[1][2].1, "between outer steps the ranks differ");
+            // The first outer step has no earlier one to apply; each later one reports the round before.
+            let reported: Vec<bool> = ranks[0].iter().map(|(m, _)| m.outer.is_some()).collect();
+            assert_eq!(reported, [false, false, false, true, false, true], "{update:?}");
+            assert_eq!(run(3, &opts)[0][5].1, ranks[0][5].1, "{update:?}: a rerun");
+            ranks[0][5].1.clone()
+        })
+        .collect();
+    assert_eq!(finals[0], finals[1]);
+    let plain = run(3, &options(2, 6));
+    assert_ne!(plain[0][5].1, finals[0], "the delayed outer step is another trajectory");
+}
+
+/// One rank: the first outer step puts the run's start back (it has no earlier step to apply), the second
+/// applies the first round's Nesterov step to it, one round late, and the run's last step puts its own
+/// outer step on the device.
+#[test]
+fn an_overlapped_outer_step_is_applied_one_round_late() {
+    let (every, steps) = (2, 6);
+    let opts = overlapped(every, steps);
+    let plain = TrainOptions {
+        sync: SyncMode::EveryStep,
+        ..opts.clone()
+    };
+    let mut t = trainer(&plain, single_rank());
+    let start = t.params().unwrap();
+    while t.step() < every {
+        t.train_step().unwrap();
+    }
+    let first_round = t.params().unwrap();
+    let mut t = trainer(&opts, single_rank());
+    let mut after = Vec::new();
+    while t.step() < steps {
+        t.train_step().unwrap();
+        after.push(t.params().unwrap());
+    }
+    assert_eq!(after[1], start, "the second round starts from the run's start");
+    let (lr, mu) = (0.7f32, 0.9f32);
+    for i in 0..start.len() {
+        let delta = start[i] - first_round[i];
+        let expected = start[i] - lr * (delta + mu * delta);
+        assert_eq!(after[3][i].to_bits(), expected.to_bits(), "element {i}");
+    }
+    assert_ne!(after[5], after[3], "the last outer step is on the device at the end");
+}
+
+/// A checkpoint of `--outer-overlap on` holds the outer step still to apply: resumed at an outer step, in
+/// a round, and from the end of a shorter run (whose model files hold its last outer step, applied early),
+/// the run ends with the bits of one that never stopped. A run without overlap refuses it.
+#[test]
+fn an_overlapped_run_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
+        let opts = TrainOptions {
+            update,
+            ..overlapped(2, 6)
+        };
+        let straight = train_to(3, &opts, fresh, 6, None);
+        for saved_at in [4, 3] {
+            train_to(3, &opts, fresh, saved_at, Some(&ck));
+            let resumed = train_to(3, &opts, || ModelSource::Resume(ck.clone()), 6, None);
+            for (r, s) in resumed.iter().zip(&straight) {
+                assert_eq!((&r.0, &r.1), (&s.0, &s.1), "{update:?}, saved at step {saved_at}");
+            }
+        }
+        // A run told to end at step 4 (same schedule) puts its last outer step on the device and in its model
+        // files; resumed to step 6 it goes on from the anchor, as the longer run did.
+        let shorter = TrainOptions {
+            steps: 4,
+            ..opts.clone()
+        };
+        let ended = train_to(3, &shorter, fresh, 4, Some(&ck));
+        assert_ne!(
+            ended[0].0,
+            run(3, &opts)[0][3].1,
+            "{update:?}: the end applies its outer step"
+        );
+        let read = ModelSource::Resume(ck.clone()).read(0).unwrap();
+        assert_eq!(ringtrain::trainer::hash_f32(&read.params), ended[0].0, "{update:?}");
+        let resumed = train_to(3, &opts, || ModelSource::Resume(ck.clone()), 6, None);
+        for (r, s) in resumed.iter().zip(&straight) {
+            assert_eq!((&r.0, &r.1), (&s.0, &s.1), "{update:?}, resumed from a run's end");
+        }
+    }
+    // Every rank refuses it alike, before any collective.
+    let without = options(2, 6);
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = mem_cluster(3, MemOptions::default())
+            .into_iter()
+            .map(|comm| {
+                let (without, ck) = (&without, &ck);
+                s.spawn(move || {
+                    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
+                    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
+                    let source = ModelSource::Resume(ck.clone());
+                    match Trainer::new(be, source, data, without.clone(), Box::new(comm)) {
+                        Ok(mut t) => format!("{:#}", t.train_step().unwrap_err()),
+                        Err(e) => format!("{e:#}"),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for err in errors {
+        assert!(err.contains("--outer-overlap on"), "{err}");
     }
 }

@@ -305,6 +305,7 @@ fn outer_steps_in_a_compact_format_end_with_identical_replicas() {
             every: 2,
             lr: 0.7,
             momentum: 0.9,
+            overlap: false,
         }),
         wire: Wire::Int8,
         ..common::tiny_options(4)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # --sync outer against every-step sync across emulated hosts (one rank per host, links shaped to RATE):
 # tokens/s of each, beside N x the tokens/s of one rank alone on host 0 (the same per-rank batch), and the
-# validation loss each reaches after STEPS steps. Needs root (see bench/hosts/README.md).
+# validation loss each reaches after STEPS steps; every-step sync also with the gradients sent as bf16 and
+# int8 (`--wire`). Needs root (see bench/hosts/README.md).
 #
 #   bench/outer/hosts.sh [HOSTS] [RATE] [STEPS] [H]     defaults: 2 hosts, 50mbit, 200 steps, H = 50
 #
 # tokens/s is the median of the steps' own figures after the first tenth (outer mode: whole rounds of H
-# steps, so its outer steps count at their share). RINGTRAIN_BIN overrides the binary.
+# steps, so its outer steps count at their share). RINGTRAIN_BIN overrides the binary; WIRES (default
+# "bf16 int8") the compact formats run.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -39,12 +41,18 @@ hosts_exec 0 "$RT" "${TRAIN[@]}" --metrics "$WORK/single.jsonl" > "$WORK/single.
   { cat "$WORK/single.log" >&2; hosts_die "the single rank failed"; }
 echo "== every-step sync on $N hosts at $RATE"
 job every
+WIRES=${WIRES-bf16 int8}
+for wire in $WIRES; do
+  echo "== every-step sync with --wire $wire on $N hosts at $RATE"
+  job "every-$wire" --wire "$wire"
+done
 echo "== --sync outer --outer-every $H on $N hosts at $RATE"
 job outer --sync outer --outer-every "$H"
 
-python3 - "$WORK" "$N" "$RATE" "$STEPS" "$H" << 'PY'
+python3 - "$WORK" "$N" "$RATE" "$STEPS" "$H" $WIRES << 'PY'
 import json, statistics, sys
 work, n, rate, steps, h = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+wires = sys.argv[6:]
 
 def read(name):
     rows = [json.loads(line) for line in open(f"{work}/{name}.jsonl")]
@@ -60,7 +68,8 @@ def read(name):
 single, _, single_val, _ = read("single")
 print(f"{n} hosts at {rate}, small 8 x 128 per rank, {steps} steps; one rank alone {single:,.0f} tokens/s, "
       f"so N x single = {n * single:,.0f}")
-for name, label in [("every", "every-step"), ("outer", f"outer H={h}")]:
+runs = [("every", "every-step")] + [(f"every-{w}", f"every {w}") for w in wires] + [("outer", f"outer H={h}")]
+for name, label in runs:
     median, mean, val, sent = read(name)
     print(f"{label:12s} {mean:,.0f} tokens/s over the steps ({mean / (n * single):.2f}x N x single; median step "
           f"{median:,.0f}), val loss {val:.4f}, sent {sent / 1e6:.3f} MB/step per rank")

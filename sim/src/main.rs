@@ -96,6 +96,9 @@ struct Cli {
     /// With --sync outer: the outer Nesterov momentum
     #[arg(long, default_value_t = DEFAULT_OUTER_MOMENTUM)]
     outer_momentum: f64,
+    /// With --sync outer: on (each outer step runs while the next round trains, applied one round late) or off
+    #[arg(long, default_value = "off")]
+    outer_overlap: String,
     /// What the reduced gradients travel in (as train's --wire)
     #[arg(long, value_enum, default_value_t = Wire::F32)]
     wire: Wire,
@@ -223,6 +226,11 @@ fn real_main() -> Result<ExitCode> {
             every: cli.outer_every,
             lr: cli.outer_lr,
             momentum: cli.outer_momentum,
+            overlap: match cli.outer_overlap.as_str() {
+                "on" => true,
+                "off" => false,
+                other => bail!("--outer-overlap {other:?}: expected on or off"),
+            },
         }),
         other => bail!("--sync {other:?}: expected every-step or outer"),
     };

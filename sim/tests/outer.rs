@@ -10,6 +10,7 @@ fn workers_agree_after_every_outer_step_under_both_update_modes() {
         every: 3,
         lr: 0.7,
         momentum: 0.9,
+        overlap: false,
     };
     let mut finals = Vec::new();
     for update in [UpdateMode::Sharded, UpdateMode::Replicated] {

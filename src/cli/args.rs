@@ -152,6 +152,10 @@ pub struct TrainArgs {
     /// With --sync outer: the outer Nesterov momentum [default: 0.9]
     #[arg(long, allow_negative_numbers = true)]
     pub outer_momentum: Option<f64>,
+    /// With --sync outer: run each outer step on the communication thread while the next round trains, and
+    /// apply it one round late (on), or at the end of its round, exposed (off) [default: off]
+    #[arg(long)]
+    pub outer_overlap: Option<String>,
     /// How reduced gradients travel between ranks: f32, bf16 (half the bytes) or int8 (blockwise-scaled, a
     /// little over a quarter); rounded at fixed points so replicas stay bit-identical [default: f32]
     #[arg(long, value_enum)]
@@ -386,16 +390,24 @@ impl TrainArgs {
             }
             false => None,
         };
-        let outer_flags = self.outer_every.is_some() || self.outer_lr.is_some() || self.outer_momentum.is_some();
+        let outer_flags = self.outer_every.is_some()
+            || self.outer_lr.is_some()
+            || self.outer_momentum.is_some()
+            || self.outer_overlap.is_some();
         let sync = match self.sync.as_deref() {
             None | Some("every-step") if outer_flags => {
-                bail!("--outer-every, --outer-lr and --outer-momentum apply to --sync outer only")
+                bail!("--outer-every, --outer-lr, --outer-momentum and --outer-overlap apply to --sync outer only")
             }
             None | Some("every-step") => SyncMode::EveryStep,
             Some("outer") => SyncMode::Outer(OuterOptions {
                 every: self.outer_every.unwrap_or(DEFAULT_OUTER_EVERY),
                 lr: self.outer_lr.unwrap_or(DEFAULT_OUTER_LR),
                 momentum: self.outer_momentum.unwrap_or(DEFAULT_OUTER_MOMENTUM),
+                overlap: match self.outer_overlap.as_deref() {
+                    None | Some("off") => false,
+                    Some("on") => true,
+                    Some(other) => bail!("--outer-overlap {other:?}: expected on or off"),
+                },
             }),
             Some(other) => bail!("--sync {other:?}: expected every-step or outer"),
         };

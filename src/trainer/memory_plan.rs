@@ -490,6 +490,7 @@ mod tests {
             every: 10,
             lr: 0.7,
             momentum: 0.9,
+            overlap: false,
         });
         let sharded = cpu_plan(&cfg, &opts, (4, 0));
         assert_eq!(sharded.staging, (2 * p + p.div_ceil(4)) * F32);

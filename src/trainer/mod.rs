@@ -409,7 +409,12 @@ impl<B: Backend> Trainer<B> {
         let n = opts.batch_size * opts.seq_len;
         let reduction = Reduction::of(&batch, opts.seq_len);
         let sync: Box<dyn GradientSync<B>> = match opts.sync.outer() {
-            Some(outer) => Box::new(outer_sync::OuterSync::new(outer, opts.update, owner.clone())),
+            Some(outer) => Box::new(outer_sync::OuterSync::new(
+                outer,
+                opts.update,
+                owner.clone(),
+                opts.steps,
+            )),
             None => Box::new(
                 BucketedSync::new(plan.clone(), opts.update, opts.overlap, owner.clone())
                     .reducing(reduction)

@@ -105,6 +105,9 @@ pub struct OuterOptions {
     pub lr: f64,
     /// `--outer-momentum`: Nesterov momentum.
     pub momentum: f64,
+    /// `--outer-overlap on`: each outer step runs on the communication thread while the next round trains,
+    /// and its result is applied one round late ([`super::outer_sync`]).
+    pub overlap: bool,
 }
 
 impl SyncMode {
@@ -420,7 +423,13 @@ impl TrainOptions {
         // agreement after every step (and the buddy shifts under the sharded update); --wire decides the
         // frames' kind and every rounded bit.
         let sync = match self.sync.outer() {
-            Some(o) => format!("outer{}/{:x}/{:x}", o.every, o.lr.to_bits(), o.momentum.to_bits()),
+            Some(o) => format!(
+                "outer{}/{:x}/{:x}/overlap{}",
+                o.every,
+                o.lr.to_bits(),
+                o.momentum.to_bits(),
+                o.overlap
+            ),
             None => "every-step".to_string(),
         };
         let text = format!(
@@ -482,6 +491,7 @@ mod tests {
                 every,
                 lr: DEFAULT_OUTER_LR,
                 momentum: DEFAULT_OUTER_MOMENTUM,
+                overlap: false,
             }),
             ..base.clone()
         };

@@ -15,20 +15,37 @@
 //! step's record ([`OuterRound`]) carries the mean over ranks and the round's inner steps, agreed with the
 //! outer step's collectives, and the norm of the averaged Δ.
 //!
+//! The whole outer step (reduction, outer optimizer, gather, the round's scalars) runs as one job on the
+//! communication thread. By default the step waits for it, at the end of the round: exposed.
+//!
+//! `--outer-overlap on` runs it while the next round trains and applies it one round late (the "delayed"
+//! outer gradient of the local-SGD literature): at the end of round k each rank takes Δ_k against the
+//! parameters round k started from, applies the outer step of round k−1 (waited for only now) to get the
+//! next round's start, and starts round k's outer step from that start on the communication thread. So
+//! every round but the first starts from the shared parameters of the outer step before it, every rank
+//! holds the same bits at every outer step, and the bits depend on no timing. The price is staleness: Δ_k
+//! was measured from parameters one outer step older than those it is applied to, and the second round
+//! starts from the run's start again. At the run's last step its outer step is waited for and put on the
+//! device, so the final model holds every round; the anchor stays the last round's start, so a resumed
+//! run continues exactly (a resume at a round's start puts the anchor back on the device).
+//!
 //! State: the anchor `[P]` on every rank (host memory; the same bits everywhere) and the outer momentum of
-//! this rank's chunk `[≈P/N]`. A checkpoint (taken at an outer step, where the options put every save)
-//! carries both, full, as `sync.outer_anchor` and `sync.outer_momentum`.
+//! this rank's chunk `[≈P/N]`. A checkpoint carries both, full, as `sync.outer_anchor` and
+//! `sync.outer_momentum`; with `--outer-overlap on`, after waiting for the outer step in flight, also its
+//! parameters (`sync.outer_next`) and round record (`sync.outer_next_round`), the momentum then being the
+//! one after it.
 
 use super::checkpointing::{u64_as_f32_pair, u64_from_f32_pair};
 use super::comm_ledger::{CommLedger, CommTime};
 use super::sync::{AgreedStep, GradientSync, LocalStep, SyncState};
 use super::{grad_sync::Reduction, BucketPlan, OuterOptions, UpdateMode};
 use crate::backend::{Backend, View};
-use crate::collective::comm_thread::CommThread;
-use crate::collective::Owner;
+use crate::collective::comm_thread::{CommThread, Pending};
+use crate::collective::{Collective, CollectiveError, Owner};
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
+use std::sync::Arc;
 
 /// What an outer step agreed on, for its step's metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -52,35 +69,125 @@ pub struct OuterSync {
     owner: Owner,
     /// The 0-based index of the step under way.
     step: u64,
-    /// `[P]`: the parameters at the last outer step (the run's start before the first), the same on every
-    /// rank. Empty until the first forward reads the parameters.
-    anchor: Vec<f32>,
-    /// `[owned elements]`: the outer Nesterov momentum of this rank's part of the flat parameters.
+    /// The run's last step (exclusive): with `--outer-overlap on` the last outer step is waited for and its
+    /// parameters put on the device, so that the run's final model holds every round.
+    steps: u64,
+    /// `[P]`: the parameters the round under way started from (the run's start before the first outer
+    /// step), the same on every rank. Empty until the first forward reads the parameters. Shared with the
+    /// outer step in flight, which applies its Δ to them.
+    anchor: Arc<Vec<f32>>,
+    /// `[owned elements]`: the outer Nesterov momentum of this rank's part of the flat parameters (empty
+    /// while an outer step that updates it is in flight).
     momentum: Vec<f32>,
     /// Inner losses summed since the last outer step, and how many.
     round_loss: f64,
     round_steps: u64,
     /// The last outer step's record, until the step's metrics take it.
     finished_round: Option<OuterRound>,
+    /// `--outer-overlap on`: the outer step running on the communication thread during this round.
+    in_flight: Option<Pending<OuterResult>>,
+    /// `--outer-overlap on`: an outer step finished but not yet applied (waited for by a checkpoint, or the
+    /// run's last, or read from a checkpoint).
+    ready: Option<OuterResult>,
     ledger: CommLedger,
     /// A checkpoint's state, waiting for the first forward (which sizes the anchor).
     restored: Option<SyncState>,
 }
 
+/// What one outer step computes.
+pub(super) struct OuterResult {
+    /// `[P]`: the new shared parameters.
+    params: Vec<f32>,
+    /// `[owned elements]`: this rank's part of the outer momentum after the step.
+    momentum: Vec<f32>,
+    round: OuterRound,
+}
+
+/// An outer step's inputs, moved to the communication thread, which runs all of it: the reduction of Δ,
+/// the outer optimizer on this rank's part, the gather of the new parameters and the round's scalars.
+struct OuterStep {
+    /// `[P]`: Δ = anchor − θ_local, or θ_local itself when `averaging`.
+    buf: Vec<f32>,
+    /// `[P]`: the parameters Δ is applied to.
+    anchor: Arc<Vec<f32>>,
+    /// `[owned elements]`
+    momentum: Vec<f32>,
+    owned: Range<usize>,
+    sharded: bool,
+    /// `--outer-lr 1 --outer-momentum 0` without overlap: θ = the mean of the ranks' θ, computed as that
+    /// mean (so one rank keeps its own bits).
+    averaging: bool,
+    outer: OuterOptions,
+    /// Whether this rank adds its squared norm of Δ̄ to the sum (replicated ranks all compute the whole).
+    counts_norm: bool,
+    /// This rank's mean inner loss over the round, and the round's inner steps.
+    round_loss: f64,
+    inner_steps: u64,
+    world: usize,
+}
+
+impl OuterStep {
+    fn run(mut self, c: &mut dyn Collective) -> crate::collective::Result<OuterResult> {
+        let reduced = match self.sharded {
+            true => c.reduce_scatter_mean(&mut self.buf)?,
+            false => {
+                c.all_reduce_mean(&mut self.buf)?;
+                0..self.buf.len()
+            }
+        };
+        let owned = self.owned.clone();
+        if reduced != owned {
+            return Err(CollectiveError::Local(format!(
+                "the reduction left this rank elements {reduced:?}, its part is {owned:?}"
+            )));
+        }
+        let anchor = &self.anchor[owned.clone()];
+        let delta_sq = match self.averaging {
+            // Δ̄ = anchor − mean θ, kept as the momentum buffer torch's SGD would hold.
+            true => {
+                let mut sq = 0f64;
+                for ((m, a), mean) in self.momentum.iter_mut().zip(anchor).zip(&self.buf[owned.clone()]) {
+                    *m = *a - *mean;
+                    sq += f64::from(*m) * f64::from(*m);
+                }
+                sq
+            }
+            false => outer_update(anchor, &mut self.buf[owned], &mut self.momentum, self.outer),
+        };
+        if self.sharded {
+            c.all_gather(&mut self.buf)?;
+        }
+        let mut sums = [self.round_loss, if self.counts_norm { delta_sq } else { 0.0 }];
+        c.all_reduce_scalars(&mut sums)?;
+        Ok(OuterResult {
+            params: self.buf,
+            momentum: self.momentum,
+            round: OuterRound {
+                loss: sums[0] / self.world as f64,
+                delta_norm: sums[1].sqrt(),
+                inner_steps: self.inner_steps,
+            },
+        })
+    }
+}
+
 impl OuterSync {
-    /// The outer sync of the rank whose collective has the ownership map `owner`.
-    pub fn new(outer: OuterOptions, update: UpdateMode, owner: Owner) -> Self {
+    /// The outer sync of the rank whose collective has the ownership map `owner`, in a run of `steps` steps.
+    pub fn new(outer: OuterOptions, update: UpdateMode, owner: Owner, steps: u64) -> Self {
         OuterSync {
             outer,
             update,
             world: owner.world(),
             owner,
             step: 0,
-            anchor: Vec::new(),
+            steps,
+            anchor: Arc::default(),
             momentum: Vec::new(),
             round_loss: 0.0,
             round_steps: 0,
             finished_round: None,
+            in_flight: None,
+            ready: None,
             ledger: CommLedger::default(),
             restored: None,
         }
@@ -124,94 +231,137 @@ impl OuterSync {
                     momentum.len(),
                     params.len
                 );
-                self.anchor = anchor;
+                self.anchor = Arc::new(anchor);
                 self.momentum = momentum[self.owned()].to_vec();
+                self.ready = restore_next(&mut state, params.len, &self.momentum)?;
+                if self.outer.overlap && self.round_steps == 0 {
+                    // The next round starts from the anchor; the model files of a run's end hold the
+                    // parameters of the outer step still to be applied.
+                    be.upload(params, &self.anchor)?;
+                }
             }
             None => {
-                self.anchor = vec![0.0; params.len];
-                be.download(params, &mut self.anchor)?;
+                let mut anchor = vec![0.0; params.len];
+                be.download(params, &mut anchor)?;
+                self.anchor = Arc::new(anchor);
                 self.momentum = vec![0.0; self.owned().len()];
             }
         }
         Ok(())
     }
 
-    /// The outer step: averages Δ over the ranks, applies the outer optimizer (to this rank's chunk when
-    /// sharded, to everything when replicated), gathers the new parameters everywhere when sharded, and
-    /// makes them the anchor and the device's parameters. With `--outer-lr 1 --outer-momentum 0` the
-    /// step is plain averaging, θ = mean of the ranks' θ, computed as that mean (so one rank keeps its
-    /// own bits).
-    fn outer_step<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
-        let averaging = self.outer.lr == 1.0 && self.outer.momentum == 0.0;
-        // `[P]`: the local parameters, or Δ = anchor − local; after the reduction their mean (on this rank's
-        // chunk when sharded); then the new parameters there.
+    /// The outer step of the round just ended, ready to run: Δ from this rank's parameters, the anchor it
+    /// applies to, and the momentum it updates (taken: it comes back with the result).
+    fn prepare<B: Backend>(&mut self, be: &mut B, params: View, averaging: bool) -> Result<OuterStep> {
         let mut buf = vec![0f32; params.len];
         be.download(params, &mut buf)?;
         if !averaging {
-            for (d, a) in buf.iter_mut().zip(&self.anchor) {
+            for (d, a) in buf.iter_mut().zip(self.anchor.iter()) {
                 *d = *a - *d;
             }
         }
         let sharded = self.update == UpdateMode::Sharded;
-        let (mut buf, reduced) = self
-            .ledger
-            .wait(comm.submit(move |c| {
-                let reduced = match sharded {
-                    true => c.reduce_scatter_mean(&mut buf)?,
-                    false => {
-                        c.all_reduce_mean(&mut buf)?;
-                        0..buf.len()
-                    }
-                };
-                Ok((buf, reduced))
-            }))?
-            .0;
-        let owned = self.owned();
-        ensure!(
-            reduced == owned,
-            "the reduction left this rank elements {reduced:?}, its part is {owned:?}"
-        );
-        let anchor = &self.anchor[owned.clone()];
-        let delta_sq = match averaging {
-            // Δ̄ = anchor − mean θ, kept as the momentum buffer torch's SGD would hold.
-            true => {
-                let mut sq = 0f64;
-                for ((m, a), mean) in self.momentum.iter_mut().zip(anchor).zip(&buf[owned.clone()]) {
-                    *m = *a - *mean;
-                    sq += f64::from(*m) * f64::from(*m);
-                }
-                sq
-            }
-            false => outer_update(anchor, &mut buf[owned], &mut self.momentum, self.outer),
-        };
-        // Replicated ranks each computed the whole norm: rank 0's alone is summed.
-        let delta_sq = if sharded || self.owner.rank() == 0 {
-            delta_sq
-        } else {
-            0.0
-        };
-        let (round_loss, round_steps) = (self.round_loss, self.round_steps.max(1));
-        let (gathered, sums) = self
-            .ledger
-            .wait(comm.submit(move |c| {
-                if sharded {
-                    c.all_gather(&mut buf)?;
-                }
-                let mut sums = [round_loss / round_steps as f64, delta_sq];
-                c.all_reduce_scalars(&mut sums)?;
-                Ok((buf, sums))
-            }))?
-            .0;
-        be.upload(params, &gathered)?;
-        self.anchor = gathered;
-        self.finished_round = Some(OuterRound {
-            loss: sums[0] / self.world as f64,
-            delta_norm: sums[1].sqrt(),
+        let step = OuterStep {
+            buf,
+            anchor: self.anchor.clone(),
+            momentum: std::mem::take(&mut self.momentum),
+            owned: self.owned(),
+            sharded,
+            averaging,
+            outer: self.outer,
+            counts_norm: sharded || self.owner.rank() == 0,
+            round_loss: self.round_loss / self.round_steps.max(1) as f64,
             inner_steps: self.round_steps,
-        });
+            world: self.world,
+        };
         (self.round_loss, self.round_steps) = (0.0, 0);
+        Ok(step)
+    }
+
+    /// Makes an outer step's parameters the anchor and the device's parameters.
+    fn apply<B: Backend>(&mut self, be: &mut B, params: View, result: OuterResult) -> Result<()> {
+        be.upload(params, &result.params)?;
+        self.anchor = Arc::new(result.params);
+        self.momentum = result.momentum;
+        self.finished_round = Some(result.round);
         Ok(())
     }
+
+    /// The outer step, at the end of its round: averages Δ over the ranks, applies the outer optimizer (to
+    /// this rank's chunk when sharded, to everything when replicated), gathers the new parameters everywhere
+    /// when sharded, and makes them the anchor and the device's parameters. With `--outer-lr 1
+    /// --outer-momentum 0` the step is plain averaging, θ = mean of the ranks' θ, computed as that mean (so
+    /// one rank keeps its own bits).
+    fn outer_step<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
+        let averaging = self.outer.lr == 1.0 && self.outer.momentum == 0.0;
+        let step = self.prepare(be, params, averaging)?;
+        let result = self.ledger.wait(comm.submit(move |c| step.run(c)))?.0;
+        self.apply(be, params, result)
+    }
+
+    /// `--outer-overlap on`: Δ of the round just ended is taken against the anchor it started from; the
+    /// previous outer step (run during this round) is then applied, and this round's starts on the
+    /// communication thread from its result, to be applied at the end of the next round. The next round
+    /// starts from the applied parameters, the same on every rank. The first round's outer step has nothing
+    /// to follow: the second round starts from the run's start again. At the run's last step the outer step
+    /// is waited for and its parameters put on the device (the anchor stays, so a resume continues the
+    /// same run).
+    fn overlapped_outer_step<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
+        let mut step = self.prepare(be, params, false)?;
+        self.drain()?;
+        match self.ready.take() {
+            Some(previous) => {
+                self.apply(be, params, previous)?;
+                step.anchor = self.anchor.clone();
+                step.momentum = std::mem::take(&mut self.momentum);
+            }
+            // The first outer step: `prepare` took the momentum it starts from.
+            None => be.upload(params, &self.anchor)?,
+        }
+        let pending = comm.submit(move |c| step.run(c));
+        if self.step + 1 >= self.steps {
+            // The run's end: its final model holds every round, and its metrics the last round's record.
+            let last = self.ledger.wait(pending)?.0;
+            be.upload(params, &last.params)?;
+            self.finished_round = Some(last.round);
+            self.ready = Some(last);
+        } else {
+            self.in_flight = Some(pending);
+        }
+        Ok(())
+    }
+
+    /// Waits for the outer step in flight, keeping its result to apply later.
+    fn drain(&mut self) -> Result<()> {
+        if let Some(pending) = self.in_flight.take() {
+            self.ready = Some(self.ledger.wait(pending)?.0);
+        }
+        Ok(())
+    }
+}
+
+/// The finished outer step a checkpoint of `--outer-overlap on` carries, if any: its parameters and its
+/// round record; its momentum is the checkpoint's (`momentum`, this rank's part).
+fn restore_next(state: &mut SyncState, len: usize, momentum: &[f32]) -> Result<Option<OuterResult>> {
+    let (Some(params), Some(round)) = (state.remove(NEXT), state.remove(NEXT_ROUND)) else {
+        return Ok(None);
+    };
+    ensure!(
+        params.len() == len && round.len() == 6,
+        "the checkpoint's pending outer step has {} and {} values, the model {len} and 6",
+        params.len(),
+        round.len()
+    );
+    let f64_at = |i: usize| f64::from_bits(u64_from_f32_pair([round[i], round[i + 1]]));
+    Ok(Some(OuterResult {
+        params,
+        momentum: momentum.to_vec(),
+        round: OuterRound {
+            loss: f64_at(0),
+            delta_norm: f64_at(2),
+            inner_steps: u64_from_f32_pair([round[4], round[5]]),
+        },
+    }))
 }
 
 /// The outer optimizer over one chunk: torch's `SGD(nesterov=True)` with the averaged Δ as its gradient
@@ -234,6 +384,11 @@ fn outer_update(anchor: &[f32], delta: &mut [f32], momentum: &mut [f32], outer: 
 pub(super) const ANCHOR: &str = "outer_anchor";
 const MOMENTUM: &str = "outer_momentum";
 pub(super) const ROUND: &str = "outer_round";
+/// `--outer-overlap on`: the outer step finished and not yet applied: its parameters and its round record
+/// (loss and Δ norm as f64 bit pairs, then the inner steps as a pair); `MOMENTUM` is then the momentum after
+/// it.
+const NEXT: &str = "outer_next";
+const NEXT_ROUND: &str = "outer_next_round";
 
 impl<B: Backend> GradientSync<B> for OuterSync {
     /// Each rank's gradient is the mean over its own tokens: nothing is reduced between outer steps.
@@ -276,7 +431,10 @@ impl<B: Backend> GradientSync<B> for OuterSync {
     fn end_of_step(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
         if (self.step + 1) % self.outer.every == 0 {
             self.start(be, params)?;
-            self.outer_step(be, comm, params)?;
+            match self.outer.overlap {
+                true => self.overlapped_outer_step(be, comm, params)?,
+                false => self.outer_step(be, comm, params)?,
+            }
         }
         Ok(())
     }
@@ -293,8 +451,9 @@ impl<B: Backend> GradientSync<B> for OuterSync {
         self.ledger.clear();
     }
 
-    /// The anchor (the same on every rank) and the outer momentum, gathered from every chunk when sharded.
-    /// Collective.
+    /// The anchor (the same on every rank) and the outer momentum, gathered from every chunk when sharded;
+    /// with `--outer-overlap on`, the outer step not yet applied too (waited for: it is the same on every
+    /// rank). Collective.
     fn checkpoint_state(&mut self, _be: &mut B, comm: &CommThread) -> Result<SyncState> {
         if self.anchor.is_empty() {
             // Saved before the first step: the state is the checkpoint's, or the start's (zero momentum).
@@ -303,34 +462,58 @@ impl<B: Backend> GradientSync<B> for OuterSync {
             }
             bail!("the outer sync has no state before the run's first forward");
         }
+        self.drain()?;
+        let owned = match &self.ready {
+            Some(next) => next.momentum.clone(),
+            None => self.momentum.clone(),
+        };
         let momentum = match self.update {
-            UpdateMode::Replicated => self.momentum.clone(),
+            UpdateMode::Replicated => owned,
             UpdateMode::Sharded => {
                 let mut momentum = vec![0f32; self.anchor.len()];
-                momentum[self.owned()].copy_from_slice(&self.momentum);
+                momentum[self.owned()].copy_from_slice(&owned);
                 comm.run(move |c| c.all_gather(&mut momentum).map(|()| momentum))?
             }
         };
         let [lo, hi] = u64_as_f32_pair(self.round_loss.to_bits());
         let round = vec![lo, hi, self.round_steps as f32];
-        Ok(SyncState::from([
-            (ANCHOR.to_string(), self.anchor.clone()),
+        let mut state = SyncState::from([
+            (ANCHOR.to_string(), self.anchor.to_vec()),
             (MOMENTUM.to_string(), momentum),
             (ROUND.to_string(), round),
-        ]))
+        ]);
+        if let Some(next) = &self.ready {
+            let r = next.round;
+            let record = [r.loss.to_bits(), r.delta_norm.to_bits(), r.inner_steps];
+            state.insert(NEXT.to_string(), next.params.clone());
+            state.insert(
+                NEXT_ROUND.to_string(),
+                record.into_iter().flat_map(u64_as_f32_pair).collect(),
+            );
+        }
+        Ok(state)
     }
 
-    /// Takes a checkpoint's outer state; refuses one of `--sync every-step`, which has none.
+    /// Takes a checkpoint's outer state; refuses one of `--sync every-step`, which has none, and one with
+    /// an outer step still to apply (`--outer-overlap on`) when this run applies its steps at once.
     fn restore_state(&mut self, _be: &mut B, state: SyncState) -> Result<()> {
         let expected = [ANCHOR, MOMENTUM, ROUND];
         let names: Vec<&str> = state.keys().map(|k| k.as_str()).collect();
+        let pending = state.contains_key(NEXT) && state.contains_key(NEXT_ROUND);
+        let extra = if pending { 2 } else { 0 };
         ensure!(
-            names == expected,
+            expected.iter().all(|k| state.contains_key(*k)) && names.len() == expected.len() + extra,
             "the checkpoint holds the synchronisation state {names:?}, not --sync outer's {expected:?}: it was \
              written by a run of another --sync mode; resume it with that mode"
         );
+        ensure!(
+            !pending || self.outer.overlap,
+            "the checkpoint holds an outer step still to be applied: it was written with --outer-overlap on; \
+             resume it with --outer-overlap on"
+        );
         self.restored = Some(state);
-        self.anchor.clear();
+        self.anchor = Arc::default();
+        (self.in_flight, self.ready) = (None, None);
         Ok(())
     }
 
@@ -367,6 +550,7 @@ mod tests {
             every: 1,
             lr: 0.7,
             momentum: 0.9,
+            overlap: false,
         };
         let (lr, mu) = (0.7f32, 0.9f32);
         let grads = [

@@ -172,7 +172,7 @@ struct OuterPrediction {
 }
 
 /// `--sync outer` every `every` steps: inner steps of `every_step`'s compute, and one exchange of the
-/// `params` parameters per round.
+/// `params` parameters per round, exposed, or beside the next round with `--outer-overlap on`.
 fn predict_outer(
     net: &Network,
     options: &TrainOptions,
@@ -187,7 +187,13 @@ fn predict_outer(
         _ => predict_all_reduce(net, layout, workers, params, DEFAULT_SUB_CHUNK, options.wire),
     };
     let inner_s = every_step.compute_s;
-    let mean_step_s = inner_s + exchange_s / every as f64;
+    // With --outer-overlap on, a round's exchange runs beside the next round's inner steps: a round takes
+    // the longer of the two.
+    let round_s = match options.sync.outer().is_some_and(|o| o.overlap) {
+        true => (inner_s * every as f64).max(exchange_s),
+        false => inner_s * every as f64 + exchange_s,
+    };
+    let mean_step_s = round_s / every as f64;
     let tokens = every_step.tokens_per_s * every_step.step_s;
     Ok(OuterPrediction {
         inner_s,
@@ -258,5 +264,19 @@ mod tests {
                 .exchange_s,
             0.0
         );
+        // Overlapped, the exchange hides behind a round long enough to hold it, and bounds a shorter one.
+        let overlapped = TrainOptions {
+            sync: ringtrain::trainer::SyncMode::Outer(ringtrain::trainer::OuterOptions {
+                every: 50,
+                lr: 0.7,
+                momentum: 0.9,
+                overlap: true,
+            }),
+            ..options.clone()
+        };
+        let hidden = predict_outer(&net, &overlapped, 2, params, 50, &every_step).unwrap();
+        assert!((hidden.mean_step_s - 0.1).abs() < 1e-12);
+        let bound = predict_outer(&net, &overlapped, 2, params, 1, &every_step).unwrap();
+        assert!((bound.mean_step_s - bound.exchange_s).abs() < 1e-12);
     }
 }
