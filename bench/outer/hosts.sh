@@ -2,7 +2,7 @@
 # --sync outer against every-step sync across emulated hosts (one rank per host, links shaped to RATE):
 # tokens/s of each, beside N x the tokens/s of one rank alone on host 0 (the same per-rank batch), and the
 # validation loss each reaches after STEPS steps; every-step sync also with the gradients sent as bf16 and
-# int8 (`--wire`). Needs root (see bench/hosts/README.md).
+# int8 (`--wire`), and outer mode also with `--outer-overlap on`. Needs root (see bench/hosts/README.md).
 #
 #   bench/outer/hosts.sh [HOSTS] [RATE] [STEPS] [H]     defaults: 2 hosts, 50mbit, 200 steps, H = 50
 #
@@ -48,6 +48,8 @@ for wire in $WIRES; do
 done
 echo "== --sync outer --outer-every $H on $N hosts at $RATE"
 job outer --sync outer --outer-every "$H"
+echo "== --sync outer --outer-every $H --outer-overlap on on $N hosts at $RATE"
+job outer-overlap --sync outer --outer-every "$H" --outer-overlap on
 
 python3 - "$WORK" "$N" "$RATE" "$STEPS" "$H" $WIRES << 'PY'
 import json, statistics, sys
@@ -68,7 +70,8 @@ def read(name):
 single, _, single_val, _ = read("single")
 print(f"{n} hosts at {rate}, small 8 x 128 per rank, {steps} steps; one rank alone {single:,.0f} tokens/s, "
       f"so N x single = {n * single:,.0f}")
-runs = [("every", "every-step")] + [(f"every-{w}", f"every {w}") for w in wires] + [("outer", f"outer H={h}")]
+runs = [("every", "every-step")] + [(f"every-{w}", f"every {w}") for w in wires]
+runs += [("outer", f"outer H={h}"), ("outer-overlap", f"overlap H={h}")]
 for name, label in runs:
     median, mean, val, sent = read(name)
     print(f"{label:12s} {mean:,.0f} tokens/s over the steps ({mean / (n * single):.2f}x N x single; median step "

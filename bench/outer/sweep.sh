@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # --sync outer against every-step on `small`: the validation loss after the same number of steps, for a
-# range of --outer-every (and outer learning rates), 2 ranks on loopback. Prints one line per run.
+# range of --outer-every (OUTER_EVERY), outer learning rates (OUTER_LRS) and --outer-overlap (OVERLAPS, default
+# off), 2 ranks on loopback. Prints one line per run.
 #   bench/outer/sweep.sh [STEPS] [RANKS]     (build first: cargo build --release)
 set -euo pipefail
 steps=${1:-1000}
@@ -27,6 +28,9 @@ PY
 run "every-step"
 for h in ${OUTER_EVERY:-10 50 100 500}; do
   for lr in ${OUTER_LRS:-0.7}; do
-    run "outer H=$h lr=$lr mu=0.9" --sync outer --outer-every "$h" --outer-lr "$lr" --outer-momentum 0.9
+    for overlap in ${OVERLAPS:-off}; do
+      run "outer H=$h lr=$lr mu=0.9 overlap $overlap" --sync outer --outer-every "$h" --outer-lr "$lr" \
+        --outer-momentum 0.9 --outer-overlap "$overlap"
+    done
   done
 done
