@@ -828,7 +828,10 @@ fn launch_trains_with_periodic_outer_synchronisation() {
     );
     fails_with(&with(&SMALL, &["--outer-overlap", "on"]), "apply to --sync outer only");
     fails_with(
-        &with(&SMALL, &["--sync", "outer", "--outer-overlap", "later", "--steps", "50"]),
+        &with(
+            &SMALL,
+            &["--sync", "outer", "--outer-overlap", "later", "--steps", "50"],
+        ),
         "--outer-overlap \"later\": expected on or off",
     );
 }

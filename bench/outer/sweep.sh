@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # --sync outer against every-step on `small`: the validation loss after the same number of steps, for a
-# range of --outer-every (OUTER_EVERY), outer learning rates (OUTER_LRS) and --outer-overlap (OVERLAPS, default
-# off), 2 ranks on loopback. Prints one line per run.
+# range of --outer-every (OUTER_EVERY), outer learning rates (OUTER_LRS), momenta (OUTER_MOMENTA, default 0.9)
+# and --outer-overlap (OVERLAPS, default off), 2 ranks on loopback, evaluating every EVAL_EVERY (500) steps.
+# Prints one line per run.
 #   bench/outer/sweep.sh [STEPS] [RANKS]     (build first: cargo build --release)
 set -euo pipefail
 steps=${1:-1000}
@@ -9,7 +10,7 @@ ranks=${2:-2}
 bin=${RINGTRAIN_BIN:-target/release/ringtrain}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-common=(--model small --batch-size 8 --seq-len 128 --steps "$steps" --eval-every 500 --eval-batches 16
+common=(--model small --batch-size 8 --seq-len 128 --steps "$steps" --eval-every "${EVAL_EVERY:-500}" --eval-batches 16
   --update replicated --threads 1)
 run() {
   local name=$1; shift
@@ -28,9 +29,11 @@ PY
 run "every-step"
 for h in ${OUTER_EVERY:-10 50 100 500}; do
   for lr in ${OUTER_LRS:-0.7}; do
-    for overlap in ${OVERLAPS:-off}; do
-      run "outer H=$h lr=$lr mu=0.9 overlap $overlap" --sync outer --outer-every "$h" --outer-lr "$lr" \
-        --outer-momentum 0.9 --outer-overlap "$overlap"
+    for mu in ${OUTER_MOMENTA:-0.9}; do
+      for overlap in ${OVERLAPS:-off}; do
+        run "outer H=$h lr=$lr mu=$mu overlap $overlap" --sync outer --outer-every "$h" --outer-lr "$lr" \
+          --outer-momentum "$mu" --outer-overlap "$overlap"
+      done
     done
   done
 done
