@@ -230,17 +230,13 @@ fn quic_ranks_end_with_the_bits_of_the_reference_ring() {
     }
 }
 
-fn train(world: usize, wire: Wire, update: UpdateMode) -> Vec<Vec<(f32, u64, String)>> {
-    let opts = TrainOptions {
-        update,
-        wire,
-        ..common::tiny_options(4)
-    };
+/// `world` in-memory ranks train `opts` to its last step: per rank and step, the loss, the bytes sent and
+/// the replica's fingerprint.
+fn train_ranks(world: usize, opts: &TrainOptions) -> Vec<Vec<(f32, u64, String)>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = mem_cluster(world, MemOptions::default())
             .into_iter()
             .map(|comm| {
-                let opts = opts.clone();
                 s.spawn(move || {
                     let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
                     let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
@@ -257,6 +253,15 @@ fn train(world: usize, wire: Wire, update: UpdateMode) -> Vec<Vec<(f32, u64, Str
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+fn train(world: usize, wire: Wire, update: UpdateMode) -> Vec<Vec<(f32, u64, String)>> {
+    let opts = TrainOptions {
+        update,
+        wire,
+        ..common::tiny_options(4)
+    };
+    train_ranks(world, &opts)
 }
 
 #[test]
@@ -310,27 +315,10 @@ fn outer_steps_in_a_compact_format_end_with_identical_replicas() {
         wire: Wire::Int8,
         ..common::tiny_options(4)
     };
-    let ranks: Vec<Vec<String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = mem_cluster(3, MemOptions::default())
-            .into_iter()
-            .map(|comm| {
-                let opts = opts.clone();
-                s.spawn(move || {
-                    let data = load_splits("synthetic", None, TokenizerKind::Byte).unwrap();
-                    let (be, _) = factory::open(BackendChoice::Cpu, 0).unwrap();
-                    let source = ModelSource::Fresh(ModelConfig::tiny());
-                    let mut t = Trainer::new(be, source, data, opts.clone(), Box::new(comm)).unwrap();
-                    let mut hashes = Vec::new();
-                    while t.step() < opts.steps {
-                        t.train_step().unwrap();
-                        hashes.push(t.param_hash().unwrap());
-                    }
-                    hashes
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let ranks: Vec<Vec<String>> = train_ranks(3, &opts)
+        .into_iter()
+        .map(|steps| steps.into_iter().map(|(_, _, hash)| hash).collect())
+        .collect();
     for outer_step in [1, 3] {
         assert!(
             ranks.iter().all(|r| r[outer_step] == ranks[0][outer_step]),
