@@ -318,23 +318,7 @@ impl WgpuBackend {
             | (g.bias.is_some() as u32) << 1
             | ((g.a.cs == 1) as u32) << 2
             | ((g.b.cs == 1) as u32) << 3;
-        let mut p = TiledMatmulParams {
-            m: word(g.m),
-            n: word(g.n),
-            k: word(g.k),
-            c_off: wc.off,
-            c_rs: word(g.c.rs),
-            a_off: wa.off,
-            a_rs: word(g.a.rs),
-            a_cs: word(g.a.cs),
-            b_off: wb.off,
-            b_rs: word(g.b.rs),
-            b_cs: word(g.b.cs),
-            bias_off: wbias.off,
-            flags,
-            k_split: word(g.k),
-            splits: 1,
-        };
+        let mut p = TiledMatmulParams::unsplit(strided_params(g, &wins), flags);
         if !self.require_loop_budget("matmul", tiled_iterations(g.k)) {
             return;
         }
@@ -422,24 +406,30 @@ impl WgpuBackend {
                 return;
             }
         }
-        let p = MatmulParams {
-            m: word(g.m),
-            n: word(g.n),
-            k: word(g.k),
-            c_off: wc.off,
-            c_rs: word(g.c.rs),
-            a_off: wa.off,
-            a_rs: word(g.a.rs),
-            a_cs: word(g.a.cs),
-            b_off: wb.off,
-            b_rs: word(g.b.rs),
-            b_cs: word(g.b.cs),
-            bias_off: wbias.off,
-            flags,
-        };
+        let p = strided_params(g, &wins);
         let groups = (ceil_div(g.n, MATMUL_TILE_N) as u32, ceil_div(g.m, MATMUL_TILE_M) as u32);
         if self.require_loop_budget("matmul", matmul_iterations(g.k, false)) {
             self.dispatch("matmul", &wins, &p, groups);
         }
+    }
+}
+
+/// The strided kernels' parameters of `g` over its windows `[C, A, B, bias]`, offsets and strides in floats.
+fn strided_params(g: &Gemm, wins: &[Win; 4]) -> MatmulParams {
+    let [wc, wa, wb, wbias] = wins;
+    MatmulParams {
+        m: word(g.m),
+        n: word(g.n),
+        k: word(g.k),
+        c_off: wc.off,
+        c_rs: word(g.c.rs),
+        a_off: wa.off,
+        a_rs: word(g.a.rs),
+        a_cs: word(g.a.cs),
+        b_off: wb.off,
+        b_rs: word(g.b.rs),
+        b_cs: word(g.b.cs),
+        bias_off: wbias.off,
+        flags: g.accumulate as u32 | (g.bias.is_some() as u32) << 1,
     }
 }

@@ -126,6 +126,44 @@ kernel_params! {
     }
 }
 
+impl TiledMatmulParams {
+    /// `strided`'s operands and `flags`, unsplit (k_split = k, one slice).
+    pub fn unsplit(strided: MatmulParams, flags: u32) -> Self {
+        let MatmulParams {
+            m,
+            n,
+            k,
+            c_off,
+            c_rs,
+            a_off,
+            a_rs,
+            a_cs,
+            b_off,
+            b_rs,
+            b_cs,
+            bias_off,
+            flags: _,
+        } = strided;
+        TiledMatmulParams {
+            m,
+            n,
+            k,
+            c_off,
+            c_rs,
+            a_off,
+            a_rs,
+            a_cs,
+            b_off,
+            b_rs,
+            b_cs,
+            bias_off,
+            flags,
+            k_split: k,
+            splits: 1,
+        }
+    }
+}
+
 kernel_params! {
     /// `matmul_tiled.wgsl`: [`MatmulParams`] and the split-K range.
     TiledMatmulParams for ["matmul_tiled"] {
