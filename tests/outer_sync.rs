@@ -578,3 +578,29 @@ fn an_overlapped_run_resumes_exactly() {
         assert!(err.contains("--outer-overlap on"), "{err}");
     }
 }
+
+/// `--verify-every` at the outer steps compares the parameters and the outer sync's shared state (the
+/// anchor, and the momentum where every rank holds all of it): the ranks agree on all of it, with and
+/// without overlap, so the check passes and reports its fingerprint.
+#[test]
+fn the_replica_check_at_outer_steps_covers_the_outer_state_and_passes() {
+    for overlap in [false, true] {
+        for update in [UpdateMode::Replicated, UpdateMode::Sharded] {
+            let base = if overlap { overlapped(2, 4) } else { options(2, 4) };
+            let opts = TrainOptions {
+                update,
+                verify_every: 2,
+                ..base
+            };
+            let ranks = run(3, &opts);
+            for r in &ranks {
+                let checked: Vec<bool> = r.iter().map(|(m, _)| m.param_hash.is_some()).collect();
+                assert_eq!(checked, [false, true, false, true], "overlap {overlap}, {update:?}");
+            }
+            let fingerprints: Vec<&Option<String>> = ranks.iter().map(|r| &r[1].0.param_hash).collect();
+            assert!(fingerprints.iter().all(|f| *f == fingerprints[0]));
+            // The fingerprint covers more than the parameters: the anchor at least.
+            assert_ne!(fingerprints[0].as_deref(), Some(ranks[0][1].1.as_str()));
+        }
+    }
+}

@@ -534,11 +534,45 @@ impl<B: Backend> GradientSync<B> for OuterSync {
     fn take_round(&mut self) -> Option<OuterRound> {
         self.finished_round.take()
     }
+
+    /// The anchor, and the outer momentum when replicated (a sharded rank's chunk is its own); with
+    /// `--outer-overlap on` the momentum travels with the outer step in flight and is not compared.
+    fn replicated_state(&mut self) -> Vec<&mut [f32]> {
+        let mut state = Vec::new();
+        if !self.anchor.is_empty() {
+            state.push(Arc::make_mut(&mut self.anchor).as_mut_slice());
+        }
+        if self.update == UpdateMode::Replicated && !self.momentum.is_empty() {
+            state.push(self.momentum.as_mut_slice());
+        }
+        state
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the replica check compares: the anchor, and the momentum only where every rank holds all of it.
+    #[test]
+    fn the_replicated_state_is_the_anchor_and_a_replicated_momentum() {
+        let outer = OuterOptions {
+            every: 2,
+            lr: 0.7,
+            momentum: 0.9,
+            overlap: false,
+        };
+        let owner = Owner::flat(2, 1);
+        for (update, parts) in [(UpdateMode::Replicated, 2), (UpdateMode::Sharded, 1)] {
+            let mut sync = OuterSync::new(outer, update, owner.clone(), 4);
+            assert!(GradientSync::<crate::backend::cpu::CpuBackend>::replicated_state(&mut sync).is_empty());
+            sync.anchor = Arc::new(vec![1.0; 6]);
+            sync.momentum = vec![0.5; sync.owned().len()];
+            let state = GradientSync::<crate::backend::cpu::CpuBackend>::replicated_state(&mut sync);
+            assert_eq!(state.len(), parts, "{update:?}");
+            assert_eq!(state[0], &[1.0; 6][..]);
+        }
+    }
 
     /// torch's `SGD([p], lr, momentum, nesterov=True)` (torch/optim/sgd.py: `buf = momentum * buf + grad`,
     /// the first step's buffer being the gradient itself; `grad = grad + momentum * buf`; `p -= lr * grad`),

@@ -53,6 +53,9 @@ impl<B: Backend> Trainer<B> {
             self.be.download(view, &mut host)?;
             hash_into(&mut hasher, &host);
         }
+        for values in self.sync.replicated_state() {
+            hash_into(&mut hasher, values);
+        }
         Ok(*hasher.finalize().as_bytes())
     }
 
@@ -71,11 +74,17 @@ impl<B: Backend> Trainer<B> {
             let host = self.comm.run(move |c| c.broadcast(&mut host, root).map(|()| host))?;
             self.be.upload(view, &host)?;
         }
+        for values in self.sync.replicated_state() {
+            let mut host = values.to_vec();
+            let host = self.comm.run(move |c| c.broadcast(&mut host, root).map(|()| host))?;
+            values.copy_from_slice(&host);
+        }
         Ok(())
     }
 
     /// Compares replica fingerprints (parameters; plus moments in replicated mode, where each rank keeps
-    /// the whole optimizer state), after the step's update has counted it. On a mismatch: abort naming the ranks, or resync from rank 0.
+    /// the whole optimizer state; plus the sync's replicated state, such as `--sync outer`'s anchor and
+    /// momentum), after the step's update has counted it. On a mismatch: abort naming the ranks, or resync from rank 0.
     pub(super) fn verify_replicas(&mut self) -> Result<String> {
         // With --sync outer each rank's inner moments are its own by design: only the parameters agree.
         let with_moments = self.opts.update == UpdateMode::Replicated && self.opts.sync.outer().is_none();

@@ -87,6 +87,13 @@ pub trait GradientSync<B: Backend>: Send {
         Ok(())
     }
 
+    /// The sync's own state that every replica must hold bit for bit (a periodic sync's parameters at its
+    /// last outer step, and its momentum where every rank keeps all of it), for the replica check to
+    /// compare and a resync to copy. The default keeps none.
+    fn replicated_state(&mut self) -> Vec<&mut [f32]> {
+        Vec::new()
+    }
+
     /// What a periodic sync's outer step of this step agreed on, for the step's metrics.
     fn take_round(&mut self) -> Option<super::outer_sync::OuterRound> {
         None
