@@ -70,6 +70,9 @@ struct PlanShape {
     rebuilds: bool,
     /// `--sync outer`: the anchor and the outer step's buffer on the host instead of the gradient staging.
     outer: bool,
+    /// `--outer-overlap on`: at an outer step, the finished step's parameters arrive while the round's Δ and
+    /// the anchor are still held.
+    outer_overlap: bool,
     /// `--update sharded`.
     sharded: bool,
     /// `--global-batch` given: a smaller micro-batch keeps the global batch by itself (more micro-batches
@@ -105,6 +108,7 @@ impl MemoryPlan {
             resume,
             rebuilds: opts.elastic.is_some() && opts.update == UpdateMode::Sharded,
             outer: opts.sync.outer().is_some(),
+            outer_overlap: opts.sync.outer().is_some_and(|o| o.overlap),
             sharded: opts.update == UpdateMode::Sharded,
             global_batch: opts.global_batch.is_some(),
             attention,
@@ -124,7 +128,7 @@ impl MemoryPlan {
             (true, _) => 3 * p * F32,
             (false, true) => 2 * p * F32,
             (false, false) => 0,
-        };
+        } + u64::from(shape.outer_overlap) * p * F32;
         let init_copy = if shape.resume { 3 * p * F32 } else { p * F32 };
         // Both full moments and the gathered pieces (at most two chunks per rank over every rank).
         let init_copy = if shape.rebuilds {
@@ -499,6 +503,11 @@ mod tests {
         assert_eq!(cpu_plan(&cfg, &opts, (1, 0)).staging, 3 * p * F32);
         opts.update = UpdateMode::Replicated;
         assert_eq!(cpu_plan(&cfg, &opts, (4, 0)).staging, 3 * p * F32);
+        // Overlapped, the finished outer step's parameters arrive beside Δ and the anchor.
+        if let SyncMode::Outer(o) = &mut opts.sync {
+            o.overlap = true;
+        }
+        assert_eq!(cpu_plan(&cfg, &opts, (4, 0)).staging, 4 * p * F32);
     }
 
     /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.
