@@ -553,6 +553,26 @@ fn bench_allreduce_prints_an_nccl_tests_table() {
     let rows: Vec<&str> = stdout.lines().filter(|l| l.contains("KiB")).collect();
     assert_eq!(rows.len(), 2, "{stdout}");
     fails_with(&["bench", "allreduce", "--nproc", "2", "--size", "3B"], "multiple of 4");
+    // Every rank process gets the wire format, and the title says what ran.
+    let out = ringtrain(&[
+        "bench",
+        "allreduce",
+        "--nproc",
+        "2",
+        "--size",
+        "64KiB",
+        "--iters",
+        "1",
+        "--wire",
+        "int8",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("values sent as int8"), "{stdout}");
+    fails_with(
+        &["bench", "allreduce", "--nproc", "2", "--wire", "fp8"],
+        "possible values: f32, bf16, int8",
+    );
 }
 
 /// Backend errors reach the user with the flag that avoids them: a shape past llvmpipe's loop budget names
