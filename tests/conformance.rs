@@ -12,14 +12,16 @@ use rand_chacha::ChaCha8Rng;
 use ringtrain::backend::conformance::tolerance::{
     self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL,
 };
-use ringtrain::backend::conformance::{attention_forward_backward, CaseResult, Group, Operands, Runner, Settings};
+use ringtrain::backend::conformance::{
+    adamw_on, attention_forward_backward, CaseResult, Group, Operands, Runner, Settings,
+};
 use ringtrain::backend::factory::{open_kind, BackendKind};
 use ringtrain::backend::matmul_bench::MatmulBench;
 use ringtrain::backend::testing::{open_or_skip, Device};
 use ringtrain::backend::wgpu::{list_adapters, AdapterSelection, WgpuBackend};
 use ringtrain::backend::{AdamWStep, AttentionSaving, AttentionShape, Backend, MatmulShape, WeightLayout};
 use ringtrain::backend::{
-    AdamWUpdate, CrossEntropyBackward, CrossEntropyForward, EncoderBackward, EncoderForward, EncoderShape, LogitsShape,
+    CrossEntropyBackward, CrossEntropyForward, EncoderBackward, EncoderForward, EncoderShape, LogitsShape,
     MatmulBackward, MatmulForward,
 };
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -390,17 +392,7 @@ fn split_cases(r: &mut Runner) {
         grad_scale: 1.0,
     };
     r.check("adamw", &shape, &case, EXACTISH, &|be, f, t| {
-        be.adamw(
-            AdamWUpdate {
-                params: f[0],
-                grads: f[1],
-                m: f[2],
-                v: f[3],
-                step,
-                decay_runs: Some(t[0]),
-            }
-            .checked(),
-        )
+        adamw_on(be, f, step, Some(t[0]))
     });
     r.check("scale", &shape, &case, EXACTISH, &|be, f, _| be.scale(f[0], 3.0));
     let x: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0..1.0f32)).collect(); // [len]

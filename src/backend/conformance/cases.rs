@@ -4,7 +4,7 @@
 use super::harness::{Operands, Runner};
 use super::tolerance::{self, CROSSENTROPY_GRAD, CROSSENTROPY_LOSS, EXACTISH, TRANSCENDENTAL};
 use crate::backend::op_args::*;
-use crate::backend::{AdamWStep, Backend, View};
+use crate::backend::{AdamWStep, Backend, TokenView, View};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -243,6 +243,22 @@ pub(super) fn attention(r: &mut Runner) {
     }
 }
 
+/// AdamW with `step` over the operands `[params, grads, m, v]` of a case, the weight decay inside
+/// `decay_runs` only when given (else on every element).
+pub fn adamw_on(be: &mut dyn Backend, f: &[View], step: AdamWStep, decay_runs: Option<TokenView>) {
+    be.adamw(
+        AdamWUpdate {
+            params: f[0],
+            grads: f[1],
+            m: f[2],
+            v: f[3],
+            step,
+            decay_runs,
+        }
+        .checked(),
+    )
+}
+
 /// Attention's forward, then its backward, on the backend's own saved state: the operands `[dqkv, out,
 /// saved room, scratch room, dout, qkv]` of a case whose rooms hold the larger saving (the probabilities).
 pub fn attention_forward_backward(be: &mut dyn Backend, s: AttentionShape, f: [View; 6]) {
@@ -428,32 +444,12 @@ pub(super) fn sum_squares_and_adamw(r: &mut Runner) {
             grad_scale: 0.5,
         };
         r.check("adamw", &shape, &case, EXACTISH, &|be, f, _| {
-            be.adamw(
-                AdamWUpdate {
-                    params: f[0],
-                    grads: f[1],
-                    m: f[2],
-                    v: f[3],
-                    step,
-                    decay_runs: None,
-                }
-                .checked(),
-            )
+            adamw_on(be, f, step, None)
         });
         // One call over several tensors, the decay inside its runs only (a token operand).
         let case = case.token_values(adamw_runs(n));
         r.check("adamw with decay runs", &shape, &case, EXACTISH, &|be, f, t| {
-            be.adamw(
-                AdamWUpdate {
-                    params: f[0],
-                    grads: f[1],
-                    m: f[2],
-                    v: f[3],
-                    step,
-                    decay_runs: Some(t[0]),
-                }
-                .checked(),
-            )
+            adamw_on(be, f, step, Some(t[0]))
         });
     }
     r.check_sum_squares_propagates_nan();

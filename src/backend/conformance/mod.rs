@@ -30,7 +30,7 @@ mod cases;
 mod harness;
 pub mod tolerance;
 
-pub use cases::attention_forward_backward;
+pub use cases::{adamw_on, attention_forward_backward};
 pub use harness::{placement, Op, Operands, Runner, GAP};
 pub use tolerance::Tolerance;
 
