@@ -111,6 +111,13 @@ impl Payload {
     }
 }
 
+/// `values` encoded in the compact format `wire`, as a message payload.
+fn compact_payload(wire: Wire, values: &[f32]) -> Payload {
+    let mut bytes = Vec::new();
+    wire.encode(values, &mut bytes);
+    Payload::Compact { wire, bytes }
+}
+
 /// A received f32 payload, owned or in pieces.
 enum Incoming {
     Owned(Vec<f32>),
@@ -514,10 +521,8 @@ impl Engine for RingEngine<'_> {
         match self.outbox.pop_front()? {
             Outgoing::Ready(m) => Some(m),
             Outgoing::FromBuffer { phase, sub } if self.wire.is_compact() => {
-                let mut bytes = Vec::new();
-                self.wire
-                    .encode(&self.buf[self.sub_range(self.send_chunk(phase), sub)], &mut bytes);
-                Some(self.msg(phase, sub, Payload::Compact { wire: self.wire, bytes }))
+                let payload = compact_payload(self.wire, &self.buf[self.sub_range(self.send_chunk(phase), sub)]);
+                Some(self.msg(phase, sub, payload))
             }
             Outgoing::FromBuffer { phase, sub } => {
                 let src = &self.buf[self.sub_range(self.send_chunk(phase), sub)];
@@ -639,11 +644,7 @@ impl Engine for RingEngine<'_> {
                 debug_assert_eq!(self.send_chunk(next), chunk);
                 match wire {
                     Wire::F32 => self.queue_owned(next, sub, data),
-                    wire => {
-                        let mut bytes = Vec::new();
-                        wire.encode(&data, &mut bytes);
-                        self.queue_payload(next, sub, Payload::Compact { wire, bytes });
-                    }
+                    wire => self.queue_payload(next, sub, compact_payload(wire, &data)),
                 }
             }
         }
