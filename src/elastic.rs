@@ -106,6 +106,9 @@ pub enum Cause {
     Dead,
     /// Alive as far as anyone knows, but silent for the detection time.
     Frozen,
+    /// Did not reach the rendezvous of a re-form in time (dead or cut off on the way), or could not host
+    /// it: the others formed the group without it.
+    Absent,
 }
 
 impl fmt::Display for Cause {
@@ -113,6 +116,7 @@ impl fmt::Display for Cause {
         f.write_str(match self {
             Cause::Dead => "dead",
             Cause::Frozen => "frozen",
+            Cause::Absent => "absent",
         })
     }
 }
@@ -164,6 +168,34 @@ pub fn next_membership(
         epoch: last.epoch + 1,
         members,
     })
+}
+
+/// The membership to try after `attempted` did not form because `absent` (its members) did not reach its
+/// rendezvous: the rest, in their order, one epoch after the attempt. The quorum and `--min-ranks` are
+/// judged against `formed`, the last membership that did form (never against an attempt, so that a chain
+/// of failed re-forms cannot shrink the group past a majority of what ran). Members of the attempt that
+/// were joining (not in `formed`) stay in it unless absent, after the others.
+pub fn retry_membership(
+    formed: &Membership,
+    attempted: &Membership,
+    absent: &[MemberId],
+    rules: &ElasticRules,
+) -> Result<Membership, ElasticStop> {
+    let present = |m: &MemberId| !absent.contains(m);
+    let old: Vec<MemberId> = attempted
+        .members
+        .iter()
+        .copied()
+        .filter(|&m| present(&m) && formed.rank_of(m).is_some())
+        .collect();
+    let mut next = next_membership(formed, &old, rules)?;
+    let joining = attempted
+        .members
+        .iter()
+        .filter(|&&m| present(&m) && formed.rank_of(m).is_none());
+    next.members.extend(joining);
+    next.epoch = attempted.epoch + 1;
+    Ok(next)
 }
 
 /// A membership change, as the metrics record it on the first step the new membership completes.
@@ -253,6 +285,27 @@ mod tests {
                 min_ranks: 3
             }
         );
+    }
+
+    #[test]
+    fn a_failed_re_form_is_retried_without_the_absent_and_judged_against_what_formed() {
+        let formed = Membership::initial(5);
+        let rules = ElasticRules::default();
+        let attempt = next_membership(&formed, &[0, 1, 2, 3], &rules).unwrap();
+        let retry = retry_membership(&formed, &attempt, &[0], &rules).unwrap();
+        assert_eq!((retry.epoch, retry.members.clone()), (2, vec![1, 2, 3]));
+        // Another loss in that attempt: 2 of the 5 that formed is no majority, whatever the attempts were.
+        let stop = retry_membership(&formed, &retry, &[3], &rules).unwrap_err();
+        assert_eq!(stop, ElasticStop::NoQuorum { survivors: 2, last: 5 });
+        // A joiner that does not arrive is dropped; one that does stays last.
+        let joining = Membership {
+            epoch: 1,
+            members: vec![0, 1, 2, 3, 4, 7],
+        };
+        let retry = retry_membership(&formed, &joining, &[7], &rules).unwrap();
+        assert_eq!((retry.epoch, retry.members), (2, vec![0, 1, 2, 3, 4]));
+        let retry = retry_membership(&formed, &joining, &[2], &rules).unwrap();
+        assert_eq!(retry.members, vec![0, 1, 3, 4, 7]);
     }
 
     #[test]

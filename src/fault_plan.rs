@@ -32,6 +32,10 @@ Inject a fault (repeatable, each kind at most once). RANK counts from 0, STEP fr
                     (with --elastic the others go on without it)
   join=STEP         [mem, --elastic] a new worker joins before STEP: the workers re-form with it, and it
                     takes the parameters, moments and step from them
+  regroup=RANK:EPOCH
+                    [train --elastic] RANK (its first rank) dies as it sets out for the rendezvous of
+                    membership epoch EPOCH (from 1), a loss during a re-form: the others try again
+                    without it, or without the new rank 0 when that is RANK
   compute=RANK:MS   [any] RANK computes MS ms longer per micro-batch (a slow worker): bit-identical
   speed=RANK:PCT[:STEP]
                     [any] from STEP (default 1) RANK computes at PCT% of its speed (1-100): each
@@ -110,6 +114,8 @@ pub enum Fault {
     Kill { rank: usize, step: u64 },
     /// A new worker joins an elastic run before `step` (the sim's).
     Join { step: u64 },
+    /// `rank` (its first rank) dies as it sets out to re-form into membership `epoch` (QUIC processes).
+    Regroup { rank: usize, epoch: u64 },
     /// `rank` computes this much longer per micro-batch.
     SlowCompute { rank: usize, delay: Duration },
     /// From `step` (1-based) `rank` computes at `percent`% of its speed.
@@ -140,6 +146,7 @@ impl Fault {
             Fault::Drop { .. } => "drop",
             Fault::Kill { .. } => "kill",
             Fault::Join { .. } => "join",
+            Fault::Regroup { .. } => "regroup",
             Fault::SlowCompute { .. } => "compute",
             Fault::Speed { .. } => "speed",
             Fault::Freeze { .. } => "freeze",
@@ -167,6 +174,7 @@ impl Fault {
             | Fault::Duplicate { rank, .. }
             | Fault::Drop { rank, .. }
             | Fault::Kill { rank, .. }
+            | Fault::Regroup { rank, .. }
             | Fault::SlowCompute { rank, .. }
             | Fault::Speed { rank, .. }
             | Fault::Freeze { rank, .. }
@@ -208,6 +216,7 @@ impl Fault {
                 | Fault::Drop { .. }
                 | Fault::Kill { .. }
                 | Fault::Join { .. }
+                | Fault::Regroup { .. }
         )
     }
 
@@ -255,6 +264,17 @@ impl Fault {
                 Fault::Kill {
                     rank: rank as usize,
                     step: from_one(kind, value, step)?,
+                }
+            }
+            "regroup" => {
+                let [rank, epoch] = numbers(kind, value, "RANK:EPOCH")?;
+                ensure!(
+                    epoch >= 1,
+                    "fault {kind}={value}: EPOCH counts from 1 (epoch 0 is the job's start)"
+                );
+                Fault::Regroup {
+                    rank: rank as usize,
+                    epoch,
                 }
             }
             "join" => Fault::Join {
@@ -342,6 +362,7 @@ impl fmt::Display for Fault {
             Fault::Duplicate { rank, msg: n } | Fault::Drop { rank, msgs: n } => write!(f, "{kind}={rank}:{n}"),
             Fault::Kill { rank, step } | Fault::NonFinite { rank, step, .. } => write!(f, "{kind}={rank}:{step}"),
             Fault::Join { step } => write!(f, "{kind}={step}"),
+            Fault::Regroup { rank, epoch } => write!(f, "{kind}={rank}:{epoch}"),
             Fault::Freeze { rank, step, duration } => write!(f, "{kind}={rank}:{step}:{}", duration.as_millis()),
             Fault::Speed { rank, percent, step } => write!(f, "{kind}={rank}:{percent}:{step}"),
             Fault::Flip {
@@ -568,6 +589,13 @@ impl FaultPlan {
         })
     }
 
+    /// Whether member `member` (its first rank) dies as it sets out to re-form into membership `epoch`.
+    pub fn dies_entering_epoch(&self, member: usize, epoch: u64) -> bool {
+        self.faults
+            .iter()
+            .any(|f| matches!(*f, Fault::Regroup { rank, epoch: e } if rank == member && e == epoch))
+    }
+
     /// How much longer `rank` computes per micro-batch.
     pub fn compute_delay(&self, rank: usize) -> Option<Duration> {
         self.find(|f| match *f {
@@ -647,6 +675,7 @@ mod tests {
             "duplicate=1:4",
             "drop=2:20",
             "kill=1:3",
+            "regroup=2:1",
             "compute=0:15",
             "speed=0:50:3",
             "speed=2:25:1",
@@ -659,6 +688,7 @@ mod tests {
         assert_eq!(plan.message_delay(), Some(Duration::from_millis(2)));
         assert_eq!(plan.dies_at_step_index(1), Some(2));
         assert_eq!(plan.dies_after_messages(2), Some(20));
+        assert!(plan.dies_entering_epoch(2, 1) && !plan.dies_entering_epoch(2, 2) && !plan.dies_entering_epoch(1, 1));
         assert_eq!(plan.duplicated_message(1), Some(4));
         assert_eq!(plan.compute_delay(0), Some(Duration::from_millis(15)));
         assert_eq!(
@@ -692,6 +722,7 @@ mod tests {
             ("nan", "expected KIND=VALUE"),
             ("kill=1", "expected kill=RANK:STEP"),
             ("kill=1:0", "STEP counts from 1"),
+            ("regroup=1:0", "EPOCH counts from 1"),
             ("slow=x:3", "\"x\" is not a number"),
             ("flip=1:2:weights", "neither param nor moment"),
             ("melt=1", "unknown fault kind"),

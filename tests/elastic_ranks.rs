@@ -604,3 +604,82 @@ fn sharded_a_crashed_rank_restarted_by_launch_rejoins() {
     let history = replay_history_in(UpdateMode::Sharded, steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
     assert_eq!(saved_hash(dir.path()), history);
 }
+
+/// A 4-rank job under `--quorum any` that loses member 3 at step 3 and then `also` (a `regroup` fault) as
+/// the survivors set out to re-form: the attempt of epoch 1 does not form, the rest try again without
+/// the absent member and finish. Returns the change member `reporter` recorded.
+fn lost_during_the_re_form(update: UpdateMode, also: &str, reporter: usize) -> (MembershipChange, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 6;
+    let fault = format!("kill=3:3,{also}");
+    let out = launch_in(update, 4, steps, dir.path(), &[])
+        .args(["--quorum", "any"])
+        .env("RINGTRAIN_INJECT_FAULT", &fault)
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{fault}: {stderr}");
+    let m = metrics_of(dir.path(), reporter);
+    assert_eq!(
+        m.iter().map(|m| m.step).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4, 5, 6],
+        "{fault}"
+    );
+    let change = first_change(dir.path(), reporter);
+    let history = replay_history_in(update, steps, &[(4, 2), (2, steps)]);
+    (change, saved_hash(dir.path()), history)
+}
+
+/// A survivor that dies on its way to the re-form's rendezvous: rank 0 of the attempt tells the others it
+/// is missing when its rendezvous times out, and the rest form the ring of the next epoch.
+#[test]
+fn a_survivor_lost_on_its_way_to_the_re_form_is_left_out_and_the_job_finishes() {
+    let _one = one_job();
+    let (change, saved, history) = lost_during_the_re_form(UpdateMode::Replicated, "regroup=2:1", 0);
+    use ringtrain::elastic::Cause;
+    assert_eq!(change.lost, vec![(3, Cause::Dead), (2, Cause::Absent)]);
+    assert_eq!(
+        (change.epoch, change.members.clone(), change.resumed_from_step),
+        (2, vec![0, 1], 2)
+    );
+    assert_eq!(saved, history);
+}
+
+/// The re-form's rank 0 itself dies before hosting the rendezvous: the others find nobody at its address,
+/// leave it out, and the next lowest hosts the next attempt.
+#[test]
+fn a_re_form_whose_rank_0_is_lost_is_hosted_by_the_next_lowest() {
+    let _one = one_job();
+    let (change, saved, history) = lost_during_the_re_form(UpdateMode::Replicated, "regroup=0:1", 1);
+    use ringtrain::elastic::Cause;
+    assert_eq!(change.lost, vec![(3, Cause::Dead), (0, Cause::Absent)]);
+    assert_eq!((change.epoch, change.members.clone()), (2, vec![1, 2]));
+    assert_eq!(saved, history);
+}
+
+/// Sharded: the chunks of both lost members come from their buddies (member 3's from member 0, member
+/// 1's from member 2) in the attempt that forms.
+#[test]
+fn sharded_a_survivor_lost_on_its_way_to_the_re_form_is_left_out() {
+    let _one = one_job();
+    let (change, saved, history) = lost_during_the_re_form(UpdateMode::Sharded, "regroup=1:1", 0);
+    assert_eq!((change.epoch, change.members.clone()), (2, vec![0, 2]));
+    assert_eq!(saved, history);
+}
+
+/// The `regroup` fault acts on an elastic re-form: a job without `--elastic` refuses it before starting.
+#[test]
+fn a_regroup_fault_without_elastic_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags: Vec<String> = train_flags(4).into_iter().filter(|f| f != "--elastic").collect();
+    let out = Command::new(env!("CARGO_BIN_EXE_ringtrain"))
+        .args(["launch", "--nproc", "2", "--"])
+        .args(flags)
+        .current_dir(dir.path())
+        .env("RINGTRAIN_INJECT_FAULT", "regroup=1:1")
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("fault regroup=1:1 acts on an elastic re-form"), "{stderr}");
+}

@@ -42,6 +42,12 @@ pub fn validate(
             flip_offset(rank, target, element, layout.total, &owned).map_err(|e| anyhow::anyhow!("--fault {e:#}"))?;
         }
     }
+    if let Some(f) = plan.faults().iter().find(|f| matches!(f, Fault::Regroup { .. })) {
+        bail!(
+            "--fault {f} acts on the rendezvous of a real process's re-form (train --elastic over QUIC); the sim's \
+             workers re-form through an in-process board (a worker lost during a re-form: kill or drop)"
+        );
+    }
     if let Some(step) = plan.join_before() {
         ensure!(
             opts.elastic.is_some(),
@@ -105,6 +111,11 @@ mod tests {
         assert!(check(&["duplicate=1:3"], Transport::Mem)
             .unwrap_err()
             .contains("--transport quic only"));
+        for transport in [Transport::Mem, Transport::Quic] {
+            assert!(check(&["regroup=1:1"], transport)
+                .unwrap_err()
+                .contains("train --elastic"));
+        }
         assert!(check(
             &["drop=1:20", "kill=2:3", "compute=0:5", "freeze=1:2:50"],
             Transport::Quic

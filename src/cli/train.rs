@@ -20,7 +20,7 @@ use ringtrain::dist::{
     ThreadBudget,
 };
 use ringtrain::elastic::Membership;
-use ringtrain::fault_plan::{FaultPlan, INJECT_FAULT_VAR};
+use ringtrain::fault_plan::{Fault, FaultPlan, INJECT_FAULT_VAR};
 use ringtrain::metrics::{rank_metrics_path, set_aside_earlier_run, MetricsWriter, StepMetrics};
 use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, RunObserver, TrainOptions, Trainer};
 use std::time::Duration;
@@ -108,6 +108,12 @@ fn setup(args: TrainArgs) -> Result<RunSetup> {
     let job_hash = opts.job_hash(&model, launch.world_size);
     let resume = source.is_resume();
     let faults = fault_plan_from_env(launch.world_size, opts.steps)?;
+    if let Some(f) = faults.faults().iter().find(|f| matches!(f, Fault::Regroup { .. })) {
+        anyhow::ensure!(
+            opts.elastic.is_some(),
+            "{INJECT_FAULT_VAR}: fault {f} acts on an elastic re-form, and this job has no --elastic"
+        );
+    }
     Ok(RunSetup {
         source,
         data,

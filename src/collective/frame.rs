@@ -32,8 +32,9 @@ pub const MAGIC: [u8; 4] = *b"RTRF";
 /// and a hello may carry the address the rank asks the others to dial. Version 3: hellos and welcomes carry
 /// each rank's host identity and shared-memory endpoint, and a peer hello says whether the link's data goes
 /// through shared memory. Version 4: hellos carry the host and `--collective`. Version 5: the elastic join's
-/// `Admitted` message. Version 6: the compact data kinds [`Kind::Bf16`] and [`Kind::Int8`].
-pub const PROTOCOL_VERSION: u16 = 6;
+/// `Admitted` message. Version 6: the compact data kinds [`Kind::Bf16`] and [`Kind::Int8`]. Version 7: an elastic
+/// re-form's `Unformed` verdict.
+pub const PROTOCOL_VERSION: u16 = 7;
 pub const HEADER_LEN: usize = 48;
 /// Hard ceiling on any payload, whatever the caller allows (64 MiB).
 pub const ABSOLUTE_MAX_PAYLOAD: usize = 64 << 20;

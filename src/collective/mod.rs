@@ -53,6 +53,11 @@ pub enum CollectiveError {
     /// Local failure (configuration, I/O setup, earlier abort).
     #[error("{0}")]
     Local(String),
+    /// An elastic re-form's ring did not form: these ranks of the membership it was forming did not reach
+    /// its rendezvous in time (rank 0: could not be reached). Every rank that took part hears the same list
+    /// from rank 0, so the survivors agree on whom to leave out of the next attempt.
+    #[error("the re-formed ring did not form: rank(s) {missing:?} did not reach its rendezvous")]
+    Unformed { missing: Vec<usize> },
 }
 
 impl CollectiveError {
@@ -63,7 +68,7 @@ impl CollectiveError {
             | CollectiveError::Aborted { rank, .. }
             | CollectiveError::Protocol { rank, .. } => Some(*rank),
             CollectiveError::Timeout { waiting_on, .. } => Some(*waiting_on),
-            CollectiveError::Local(_) => None,
+            CollectiveError::Local(_) | CollectiveError::Unformed { .. } => None,
         }
     }
 }

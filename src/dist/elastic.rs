@@ -12,8 +12,8 @@
 use super::{join_on, join_with, quic_config, JoinOptions, LaunchEnv, NetworkEnv};
 use crate::collective::mem::single_rank;
 use crate::collective::quic::ask_to_join;
-use crate::collective::Collective;
-use crate::elastic::{next_membership, ElasticRules, MemberId, Membership};
+use crate::collective::{Collective, CollectiveError};
+use crate::elastic::{next_membership, retry_membership, Cause, ElasticRules, ElasticStop, MemberId, Membership};
 use crate::trainer::{MembershipEvent, Regroup, Regrouped};
 use anyhow::{ensure, Context, Result};
 use std::net::{SocketAddr, UdpSocket};
@@ -74,6 +74,12 @@ impl QuicRegroup {
     /// Joins membership `next` as `rank`, with rank 0 at `master`: the new rank 0 rebinds that address
     /// (where the last ring knew it) and hosts the epoch's rendezvous.
     fn join_epoch(&mut self, next: &Membership, rank: usize, master: SocketAddr) -> Result<Box<dyn Collective>> {
+        ensure!(
+            !self.opts.faults.dies_entering_epoch(self.member as usize, next.epoch),
+            "member {}: injected fault: dying as it sets out for the rendezvous of epoch {}",
+            self.member,
+            next.epoch
+        );
         if next.world() == 1 {
             return Ok(single_rank());
         }
@@ -105,15 +111,19 @@ impl QuicRegroup {
 
 impl Regroup for QuicRegroup {
     fn regroup(&mut self, last: &Membership, event: MembershipEvent, committed: u64) -> Result<Regrouped> {
-        let (next, lost, joined) = match event {
-            MembershipEvent::Lost(lost, cause) => {
-                let survivors: Vec<MemberId> = last.members.iter().copied().filter(|&m| m != lost).collect();
-                let next = next_membership(last, &survivors, &self.rules).map_err(|stop| {
-                    anyhow::anyhow!(
-                        "the job stops after losing member {lost} ({cause}) at committed step {committed}: {stop}"
-                    )
-                })?;
-                (next, vec![(lost, cause)], Vec::new())
+        let stopped = |lost: &[(MemberId, Cause)], stop: ElasticStop| {
+            let lost: Vec<String> = lost.iter().map(|(m, cause)| format!("member {m} ({cause})")).collect();
+            anyhow::anyhow!(
+                "the job stops after losing {} at committed step {committed}: {stop}",
+                lost.join(", ")
+            )
+        };
+        let (mut next, mut lost, joined) = match event {
+            MembershipEvent::Lost(member, cause) => {
+                let survivors: Vec<MemberId> = last.members.iter().copied().filter(|&m| m != member).collect();
+                let lost = vec![(member, cause)];
+                let next = next_membership(last, &survivors, &self.rules).map_err(|stop| stopped(&lost, stop))?;
+                (next, lost, Vec::new())
             }
             MembershipEvent::Joins(member) => {
                 let mut members = last.members.clone();
@@ -125,26 +135,62 @@ impl Regroup for QuicRegroup {
                 (next, Vec::new(), vec![member])
             }
         };
-        let rank = next
-            .rank_of(self.member)
-            .context("this member is not part of the next membership")?;
-        let master = self.addrs[last
-            .rank_of(next.members[0])
-            .expect("rank 0 comes from the last membership")];
-        tracing::warn!(
-            "member {}: {event:?}; re-forming as rank {rank} of {} (epoch {}) with rank 0 at {master}",
-            self.member,
-            next.world(),
-            next.epoch
-        );
-        let comm = self.join_epoch(&next, rank, master)?;
-        Ok(Regrouped {
-            comm,
-            membership: next,
-            lost,
-            joined,
-        })
+        // Each attempt that does not form names the members it missed, the same on every survivor that took
+        // part; the next attempt goes without them, judged against `last`, the membership that ran.
+        loop {
+            let rank = next
+                .rank_of(self.member)
+                .context("this member is not part of the next membership")?;
+            let master = self.addrs[last
+                .rank_of(next.members[0])
+                .expect("rank 0 comes from the last membership")];
+            tracing::warn!(
+                "member {}: {event:?}; re-forming as rank {rank} of {} (epoch {}) with rank 0 at {master}",
+                self.member,
+                next.world(),
+                next.epoch
+            );
+            let error = match self.join_epoch(&next, rank, master) {
+                Ok(comm) => {
+                    let joined = joined.into_iter().filter(|m| next.rank_of(*m).is_some()).collect();
+                    return Ok(Regrouped {
+                        comm,
+                        membership: next,
+                        lost,
+                        joined,
+                    });
+                }
+                Err(e) => e,
+            };
+            let Some(absent) = absent_from_attempt(&error, &next) else {
+                return Err(error);
+            };
+            tracing::warn!(
+                "member {}: the ring of epoch {} did not form ({error:#}); trying again without {absent:?}",
+                self.member,
+                next.epoch
+            );
+            lost.extend(absent.iter().filter(|(m, _)| last.rank_of(*m).is_some()));
+            let gone: Vec<MemberId> = absent.iter().map(|&(m, _)| m).collect();
+            next = retry_membership(last, &next, &gone, &self.rules).map_err(|stop| stopped(&lost, stop))?;
+        }
     }
+}
+
+/// The members of the attempted membership `attempt` that a failed join (`error`) leaves out of the next
+/// attempt, and why: those its rendezvous missed (absent), or a peer the new ring's control plane named
+/// lost while the links were set up. `None`: the failure is not about who is there, and the job stops.
+fn absent_from_attempt(error: &anyhow::Error, attempt: &Membership) -> Option<Vec<(MemberId, Cause)>> {
+    let ranks: Vec<(usize, Cause)> = error.chain().find_map(|e| match e.downcast_ref::<CollectiveError>()? {
+        CollectiveError::Unformed { missing } => Some(missing.iter().map(|&r| (r, Cause::Absent)).collect()),
+        CollectiveError::PeerDead { rank, .. } => Some(vec![(*rank, Cause::Dead)]),
+        CollectiveError::Timeout { waiting_on, .. } => Some(vec![(*waiting_on, Cause::Frozen)]),
+        _ => None,
+    })?;
+    ranks
+        .into_iter()
+        .map(|(rank, cause)| Some((*attempt.members.get(rank)?, cause)))
+        .collect()
 }
 
 /// A member (a restarted rank, `launch` under `--max-restarts`) asking to join the running elastic job

@@ -169,6 +169,10 @@ pub enum Control {
         world: usize,
         members: Vec<u32>,
     },
+    /// Rank 0 of an elastic re-form → the ranks that joined its rendezvous, when others did not join before
+    /// its deadline: the ring of this membership will not form, and `missing` (ranks of it) are left out of
+    /// the next attempt (protocol version 7).
+    Unformed { missing: Vec<usize> },
 }
 
 #[cfg(test)]

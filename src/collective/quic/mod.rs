@@ -180,6 +180,12 @@ impl QuicConfig {
             elastic_first: None,
         }
     }
+
+    /// Whether this join re-forms a running elastic job (an epoch after the first): its rendezvous then
+    /// ends with a verdict on who is missing instead of failing the job.
+    pub(crate) fn re_forming(&self) -> bool {
+        self.elastic_first.is_some_and(|(first, _)| first != self.job_id)
+    }
 }
 
 /// QUIC application close codes, as a peer reads them: a goodbye after a clean run, and a goodbye after a

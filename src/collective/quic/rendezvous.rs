@@ -19,7 +19,7 @@ use super::{local, QuicConfig};
 use crate::collective::frame::PROTOCOL_VERSION;
 use crate::collective::shm::host_identity;
 use crate::collective::two_level;
-use crate::collective::Result;
+use crate::collective::{CollectiveError, Result};
 
 /// How a rank whose setup is over answers a rendezvous hello.
 pub(super) const RENDEZVOUS_CLOSED: &str = "the rendezvous is closed";
@@ -136,6 +136,9 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
             }
             _ = tokio::time::sleep_until(deadline) => {
                 let missing: Vec<usize> = (1..n).filter(|&r| slots[r].is_none()).collect();
+                if cfg.re_forming() {
+                    return Err(unformed(cfg, slots, missing).await);
+                }
                 let mut reason = format!("rendezvous timed out after {:?}: ranks {missing:?} did not join",
                     cfg.rendezvous_timeout);
                 reason.push_str(&auth_failures(&listener.refusals.wrong_secret(), "meanwhile "));
@@ -181,6 +184,31 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
         }
     }
     Ok(slots)
+}
+
+/// Rank 0 of an elastic re-form whose rendezvous passed its deadline without `missing`: tells the ranks that
+/// did join (`slots`) whom the next attempt leaves out, so that all of them, and rank 0, agree on it.
+async fn unformed(cfg: &QuicConfig, slots: Vec<Option<Joined>>, missing: Vec<usize>) -> CollectiveError {
+    tracing::warn!(
+        "rank 0: the re-form's rendezvous timed out after {:?} without ranks {missing:?}",
+        cfg.rendezvous_timeout
+    );
+    let verdict = control_frame(
+        cfg.job_id,
+        &Control::Unformed {
+            missing: missing.clone(),
+        },
+    );
+    let mut joined: Vec<Joined> = slots.into_iter().flatten().collect();
+    for j in &mut joined {
+        // A rank that cannot be told sees its link to rank 0 fail, and leaves rank 0 out instead: the next
+        // attempt then lacks it, and the quorum rule decides whether that one can go on.
+        let _ = j.send.write_all(&verdict).await;
+        let _ = j.send.finish();
+    }
+    // Long enough for the verdict to leave before the endpoint closes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    CollectiveError::Unformed { missing }
 }
 
 /// How long the rendezvous waits quietly before saying what it is waiting for, and then how often it looks
@@ -270,10 +298,18 @@ pub(super) async fn join(
         ))
         .await
         .map_err(|e| local(format!("rendezvous: {e}")))?;
+        // Rank 0 of a re-form answers by its own deadline, which it set before this rank reached it: wait
+        // that long from now, with a margin for the answer's way, so that its verdict arrives.
+        let verdict_by = match cfg.re_forming() {
+            true => deadline.max(Instant::now() + cfg.rendezvous_timeout + VERDICT_MARGIN),
+            false => deadline,
+        };
         let reply = loop {
-            let reply = tokio::time::timeout_at(deadline, read_control(&mut recv, None))
-                .await
-                .map_err(|_| local("rendezvous timed out waiting for the other ranks"))?;
+            let reply = match tokio::time::timeout_at(verdict_by, read_control(&mut recv, None)).await {
+                Ok(reply) => reply,
+                Err(_) if cfg.re_forming() => return Err(host_absent(cfg, "did not answer")),
+                Err(_) => return Err(local("rendezvous timed out waiting for the other ranks")),
+            };
             match reply {
                 Ok(Control::Waiting { note }) => tracing::warn!("rank {}: rendezvous: {note}", cfg.rank),
                 other => break other,
@@ -286,6 +322,9 @@ pub(super) async fn join(
             Ok(_) => false,
             Err(e) => e.contains("closed"),
         };
+        if let (Err(e), false, true) = (&reply, old_ring, cfg.re_forming()) {
+            return Err(host_absent(cfg, e));
+        }
         let reply = reply.map_err(|e| local(format!("rendezvous with rank 0: {e}")));
         if old_ring && cfg.elastic_first.is_some() && Instant::now() + Duration::from_millis(200) < deadline {
             conn.close(0u32.into(), b"again");
@@ -298,6 +337,15 @@ pub(super) async fn join(
     // Rank 0's entry must be the certificate it presented to this connection, the control plane.
     check_pinned(&conn, 0, &ring.certs[0]).map_err(|e| local(format!("rendezvous: {e}")))?;
     Ok((ring, HostLink { conn, send, recv }))
+}
+
+/// How long after rank 0's own deadline its verdict on a re-form may take to arrive.
+const VERDICT_MARGIN: Duration = Duration::from_secs(2);
+
+/// A re-form's rank 0 could not be reached or stopped answering (`why`): the next attempt leaves it out.
+fn host_absent(cfg: &QuicConfig, why: impl std::fmt::Display) -> CollectiveError {
+    tracing::warn!("rank {}: the re-form's rank 0 at {}: {why}", cfg.rank, cfg.master);
+    CollectiveError::Unformed { missing: vec![0] }
 }
 
 /// Dials rank 0, retrying every 200 ms until it answers (it may not be up yet) or the deadline passes. A
@@ -333,6 +381,7 @@ async fn dial_host(
             }
         };
         match attempt {
+            Err(_) if cfg.re_forming() => return Err(host_absent(cfg, format!("no answer ({last_error})"))),
             Err(_) => return Err(local(format!("rendezvous with rank 0 at {} timed out", cfg.master))),
             Ok(Ok(c)) => return Ok(c),
             Ok(Err(e)) if e.contains("authentication") || e.contains("authenticate") => {
@@ -341,6 +390,9 @@ async fn dial_host(
             Ok(Err(e)) => {
                 tracing::debug!("rendezvous attempt failed, retrying: {e}");
                 if Instant::now() + Duration::from_millis(200) >= deadline {
+                    if cfg.re_forming() {
+                        return Err(host_absent(cfg, e));
+                    }
                     return Err(local(format!("rendezvous with rank 0 at {} failed: {e}", cfg.master)));
                 }
                 last_error = e;
@@ -387,6 +439,9 @@ fn welcomed_ring(reply: Control, world: usize) -> Result<Ring> {
             locals.len()
         ))),
         Control::Refused { reason } => Err(local(format!("rendezvous refused by rank 0: {reason}"))),
+        Control::Unformed { missing } if !missing.is_empty() && missing.iter().all(|&r| r > 0 && r < world) => {
+            Err(CollectiveError::Unformed { missing })
+        }
         other => Err(local(format!("rendezvous: unexpected reply {other:?}"))),
     }
 }
