@@ -379,7 +379,7 @@ fn joins_claiming_a_running_member_or_another_configuration_are_refused_and_chan
     };
     let ranks: Vec<_> = (0..3).map(|rank| start(rank, &[], false)).collect();
     let started = Instant::now();
-    while records_so_far(dir.path()).len() < 20 {
+    while records_so_far(dir.path(), 0).len() < 20 {
         assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -392,7 +392,7 @@ fn joins_claiming_a_running_member_or_another_configuration_are_refused_and_chan
         let stderr = stderr_of(out);
         assert!(!out.status.success(), "{stderr}");
         assert!(
-            stderr.contains("rank 0 refused the join") && stderr.contains(why),
+            stderr.contains(&format!("rank 0 at 127.0.0.1:{port} refused the join")) && stderr.contains(why),
             "{stderr}"
         );
     }
@@ -450,7 +450,8 @@ fn a_crashed_rank_restarted_by_launch_rejoins_and_the_job_ends_with_the_full_wor
     let dir = tempfile::tempdir().unwrap();
     let steps = 300;
     let out = launch_with(3, steps, dir.path(), &["--max-restarts", "1"])
-        .env("RINGTRAIN_INJECT_FAULT", "kill=2:10")
+        // Member 0 slowed (bits unchanged), so that the job still runs when the restarted rank asks.
+        .env("RINGTRAIN_INJECT_FAULT", "kill=2:10,compute=0:5")
         .output()
         .unwrap();
     let stderr = stderr_of(&out);
@@ -478,12 +479,6 @@ fn a_crashed_rank_restarted_by_launch_rejoins_and_the_job_ends_with_the_full_wor
     assert_eq!(saved_hash(dir.path()), history);
 }
 
-/// Rank 0's metrics records so far (a line still being written is left out).
-fn records_so_far(dir: &Path) -> Vec<StepMetrics> {
-    let text = std::fs::read_to_string(dir.join("m.jsonl")).unwrap_or_default();
-    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
-}
-
 /// The soak: `RINGTRAIN_SOAK_KILLS` (default 20) times, once the job is back to its full world, a rank
 /// other than 0 is killed with SIGKILL and `launch --max-restarts` starts it again to rejoin. The job
 /// finishes with its full world, nothing hangs, and the final parameters equal the whole history
@@ -509,7 +504,7 @@ fn soak_kills_and_rejoins_end_with_the_replayed_bits() {
                 started.elapsed() < Duration::from_secs(600),
                 "kill {kill}: the job did not recover"
             );
-            let records = records_so_far(dir.path());
+            let records = records_so_far(dir.path(), 0);
             let changes = records.iter().filter(|m| m.membership.is_some()).count();
             let full = records.last().is_some_and(|m| m.world_size == 3);
             let since = records.iter().rev().take_while(|m| m.membership.is_none()).count();
@@ -590,7 +585,8 @@ fn sharded_a_crashed_rank_restarted_by_launch_rejoins() {
     let dir = tempfile::tempdir().unwrap();
     let steps = 300;
     let out = launch_in(UpdateMode::Sharded, 3, steps, dir.path(), &["--max-restarts", "1"])
-        .env("RINGTRAIN_INJECT_FAULT", "kill=1:10")
+        // Member 0 slowed (bits unchanged), so that the job still runs when the restarted rank asks.
+        .env("RINGTRAIN_INJECT_FAULT", "kill=1:10,compute=0:5")
         .output()
         .unwrap();
     let stderr = stderr_of(&out);
@@ -681,5 +677,97 @@ fn a_regroup_fault_without_elastic_is_refused() {
         .unwrap();
     let stderr = stderr_of(&out);
     assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("fault regroup=1:1 acts on an elastic re-form"), "{stderr}");
+    assert!(
+        stderr.contains("fault regroup=1:1 acts on an elastic re-form"),
+        "{stderr}"
+    );
+}
+
+/// Member 0, which hosted the job's first rendezvous, crashes and `launch --max-restarts 1` starts it
+/// again: nobody answers at the master address any more, so it finds the running job at the other ranks'
+/// listen ports (`RINGTRAIN_JOIN_ADDRS`, which launch gives every rank) and rejoins under member 1, now
+/// rank 0. The job ends with the full world and the replayed bits.
+#[test]
+fn member_0_restarted_by_launch_rejoins_through_the_other_ranks() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 300;
+    let out = launch_with(3, steps, dir.path(), &["--max-restarts", "1"])
+        .env("RINGTRAIN_INJECT_FAULT", "kill=0:10,compute=1:10")
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("member 0: rejoined the running job at step"),
+        "{stderr}"
+    );
+    let m = metrics_of(dir.path(), 1);
+    assert_eq!((m.last().unwrap().step, m.last().unwrap().world_size), (steps, 3));
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 2, "{changes:?}");
+    assert_eq!(
+        (changes[0].members.clone(), changes[1].members.clone()),
+        (vec![1, 2], vec![1, 2, 0])
+    );
+    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
+    let history = replay_history(steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
+    assert_eq!(saved_hash(dir.path()), history);
+}
+
+/// Ranks started by hand with listen ports; member 0 crashes. A process restarted as member 0 is told only
+/// member 2's address: member 2 (rank 1 of the running ring) points it to rank 0 (member 1), which admits
+/// it; the job ends with the full world and the replayed bits.
+#[test]
+fn a_running_rank_that_is_not_rank_0_points_a_joiner_to_rank_0() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let (port, steps) = (free_port(), 300);
+    let listen: Vec<u16> = (0..3).map(|r| if r == 0 { port } else { free_port() }).collect();
+    let fault = "kill=0:5,compute=1:10";
+    let children: Vec<_> = (0..3)
+        .map(|rank| {
+            let mut cmd = direct_rank(rank, port, steps, dir.path(), "m.jsonl");
+            if rank > 0 {
+                cmd.env("RINGTRAIN_LISTEN_PORT", listen[rank].to_string());
+            }
+            cmd.env("RINGTRAIN_INJECT_FAULT", fault).spawn().unwrap()
+        })
+        .collect();
+    // Once the survivors run as a group of two, member 0 comes back knowing only member 2's address.
+    let started = Instant::now();
+    while !records_so_far(dir.path(), 1).iter().any(|m| m.membership.is_some()) {
+        assert!(started.elapsed() < Duration::from_secs(60), "no re-form");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let joiner = direct_rank(0, port, steps, dir.path(), "joiner.jsonl")
+        .env("RINGTRAIN_ELASTIC_REJOIN", "1")
+        .env("RINGTRAIN_JOIN_ADDRS", format!("127.0.0.1:{}", listen[2]))
+        .spawn()
+        .unwrap();
+    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let joined = joiner.wait_with_output().unwrap();
+    assert!(joined.status.success(), "{}", stderr_of(&joined));
+    assert!(
+        stderr_of(&joined).contains(&format!("127.0.0.1:{} says rank 0 of the running job is at", listen[2])),
+        "{}",
+        stderr_of(&joined)
+    );
+    for rank in [1, 2] {
+        assert!(outs[rank].status.success(), "rank {rank}: {}", stderr_of(&outs[rank]));
+    }
+    let m = metrics_of(dir.path(), 1);
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 2, "{changes:?}");
+    assert_eq!(changes[1].members, vec![1, 2, 0]);
+    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
+    let history = replay_history(steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
+    assert_eq!(saved_hash(dir.path()), history);
+}
+
+/// The records member `member` has written so far (a line still being written is left out).
+fn records_so_far(dir: &Path, member: usize) -> Vec<StepMetrics> {
+    let path = rank_metrics_path(&dir.join("m.jsonl"), member);
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }

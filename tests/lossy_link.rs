@@ -142,6 +142,7 @@ fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: Link
                         port: Some(front.port()),
                     }),
                     host_id: None,
+                    ..Default::default()
                 };
                 s.spawn(move || {
                     let comm = join_on(&launch, &opts, &network, socket)

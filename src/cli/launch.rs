@@ -9,7 +9,7 @@
 
 use super::progress::eprint_line;
 use anyhow::{bail, ensure, Context, Result};
-use ringtrain::dist::{generate_secret, JOB_ID_VAR, REJOIN_VAR};
+use ringtrain::dist::{generate_secret, JOB_ID_VAR, JOIN_ADDRS_VAR, LISTEN_PORT_VAR, REJOIN_VAR};
 use ringtrain::fault_plan::INJECT_FAULT_VAR;
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
@@ -42,6 +42,14 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, max_restarts: usize, c
     };
     let secret = std::env::var("RINGTRAIN_SECRET").unwrap_or_else(|_| generate_secret());
     let job_id = rand::random::<u64>() >> 1;
+    let elastic = elastic_flag(command);
+    // An elastic job's ranks listen at ports chosen here for the whole job (rank 0 at the master port), so
+    // that a restarted rank finds the running ones there, whichever of them is rank 0 by then.
+    let listen_ports: Vec<u16> = match elastic {
+        true => distinct_free_ports(port, nproc - 1)?,
+        false => Vec::new(),
+    };
+    let join_addrs: Vec<String> = listen_ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
     let exe = std::env::current_exe().context("locating the ringtrain executable")?;
     let spawn = |rank: usize, rejoin: bool| -> Result<Child> {
         let mut cmd = Command::new(&exe);
@@ -54,6 +62,19 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, max_restarts: usize, c
             .env("MASTER_PORT", port.to_string())
             .env("RINGTRAIN_SECRET", &secret)
             .env(JOB_ID_VAR, job_id.to_string());
+        if elastic {
+            // A restarted rank looks for the others, not for the port it is about to listen at again.
+            let others: Vec<&str> = join_addrs
+                .iter()
+                .enumerate()
+                .filter(|&(r, _)| !(rejoin && r == rank))
+                .map(|(_, a)| a.as_str())
+                .collect();
+            cmd.env(JOIN_ADDRS_VAR, others.join(","));
+            if rank > 0 {
+                cmd.env(LISTEN_PORT_VAR, listen_ports[rank].to_string());
+            }
+        }
         if rejoin {
             // A restarted rank rejoins as it is: the injected faults rehearsed the first failure.
             cmd.env(REJOIN_VAR, "1").env_remove(INJECT_FAULT_VAR);
@@ -64,10 +85,10 @@ pub fn run_launch(nproc: usize, master_port: Option<u16>, max_restarts: usize, c
         .map(|rank| spawn(rank, false).map(Some))
         .collect::<Result<Vec<_>>>()?;
     ensure!(
-        max_restarts == 0 || elastic_flag(command),
+        max_restarts == 0 || elastic,
         "--max-restarts restarts a rank into a running elastic job: add --elastic to the train flags"
     );
-    match elastic_flag(command) {
+    match elastic {
         true => supervise_elastic(children, max_restarts, &spawn),
         false => supervise(children),
     }
@@ -204,6 +225,21 @@ fn is_stopped(pid: u32) -> bool {
 }
 
 /// A UDP port that was free a moment ago on loopback (the rendezvous binds it right after).
+/// `first`, then `more` other free UDP ports on loopback, all different: each is held until all are found.
+fn distinct_free_ports(first: u16, more: usize) -> Result<Vec<u16>> {
+    let mut held = Vec::with_capacity(more);
+    let mut ports = vec![first];
+    while held.len() < more {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("finding free ports for the ranks")?;
+        let port = socket.local_addr()?.port();
+        if !ports.contains(&port) {
+            ports.push(port);
+            held.push(socket);
+        }
+    }
+    Ok(ports)
+}
+
 pub(crate) fn free_udp_port() -> Result<u16> {
     let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("finding a free port for the rendezvous")?;
     Ok(socket.local_addr()?.port())

@@ -9,19 +9,14 @@
 //! than continue split. Each epoch runs under its own job id ([`epoch_job_id`]), so no frame or hello of an
 //! older ring is taken for one of the new ring.
 
-use super::{join_on, join_with, quic_config, JoinOptions, LaunchEnv, NetworkEnv};
+use super::{join_with, quic_config, JoinOptions, LaunchEnv, NetworkEnv, JOIN_ADDRS_VAR};
 use crate::collective::mem::single_rank;
 use crate::collective::quic::ask_to_join;
 use crate::collective::{Collective, CollectiveError};
 use crate::elastic::{next_membership, retry_membership, Cause, ElasticRules, ElasticStop, MemberId, Membership};
 use crate::trainer::{MembershipEvent, Regroup, Regrouped};
 use anyhow::{ensure, Context, Result};
-use std::net::{SocketAddr, UdpSocket};
-use std::time::{Duration, Instant};
-
-/// How long the new rank 0 tries to bind the port its last ring knew it by (the old endpoint closes as it
-/// is dropped).
-const REBIND_FOR: Duration = Duration::from_secs(5);
+use std::net::SocketAddr;
 
 /// The job id of membership epoch `epoch`: the job's own for the first, a digest of it and the epoch after.
 pub fn epoch_job_id(job_id: u64, epoch: u64) -> u64 {
@@ -97,13 +92,9 @@ impl QuicRegroup {
             faults: self.opts.faults.for_members(&next.members),
             ..self.opts.clone()
         };
-        let comm = if rank == 0 {
-            let ip = self.network.bind_ip.unwrap_or(master.ip());
-            let socket = rebind(SocketAddr::new(ip, master.port()))?;
-            join_on(&launch, &opts, &self.network, socket)?
-        } else {
-            join_with(&launch, &opts, &self.network)?
-        };
+        // The new rank 0 binds the address the last ring knew it by (and a rank with a listen port that
+        // port), retrying while the last ring's endpoint lets go of it.
+        let comm = join_with(&launch, &opts, &self.network)?;
         self.addrs = comm.ring_addrs().context("the re-formed ring has no addresses")?;
         Ok(comm)
     }
@@ -210,25 +201,19 @@ pub fn rejoin(
         ..opts.clone()
     };
     let cfg = quic_config(launch, &first, network)?;
-    let admitted = ask_to_join(cfg).with_context(|| {
+    let ((epoch, rank, members), master) = ask_to_join(cfg, &network.join_addrs).with_context(|| {
         format!(
-            "member {member} asking to join the running job at {}:{}",
-            launch.master_addr, launch.master_port
+            "member {member} asking to join the running job at {}:{} (and {} more address(es) of {JOIN_ADDRS_VAR})",
+            launch.master_addr,
+            launch.master_port,
+            network.join_addrs.len()
         )
     })?;
-    let (epoch, rank, members) = admitted;
     let membership = Membership { epoch, members };
     ensure!(
         membership.rank_of(member) == Some(rank),
         "rank 0 admitted member {member} as rank {rank} of {:?}",
         membership.members
-    );
-    let master = SocketAddr::new(
-        launch
-            .master_addr
-            .parse()
-            .context("MASTER_ADDR must be an IP address to rejoin")?,
-        launch.master_port,
     );
     let mut regroup = QuicRegroup {
         member,
@@ -241,20 +226,6 @@ pub fn rejoin(
     let comm = regroup.join_epoch(&membership, rank, master)?;
     Ok((comm, membership, regroup))
 }
-/// Binds `addr`, retrying while the last ring's endpoint still holds it.
-fn rebind(addr: SocketAddr) -> Result<UdpSocket> {
-    let until = Instant::now() + REBIND_FOR;
-    loop {
-        match UdpSocket::bind(addr) {
-            Ok(socket) => return Ok(socket),
-            Err(e) if Instant::now() < until && e.kind() == std::io::ErrorKind::AddrInUse => {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            Err(e) => return Err(e).with_context(|| format!("binding {addr} to host the re-formed ring")),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

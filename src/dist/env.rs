@@ -12,6 +12,13 @@ pub const ADVERTISE_ADDR_VAR: &str = "RINGTRAIN_ADVERTISE_ADDR";
 /// Names this rank's host: ranks with the same value link through shared memory (default: the machine id
 /// and the network namespace).
 pub const HOST_ID_VAR: &str = "RINGTRAIN_HOST_ID";
+/// The UDP port a rank other than 0 binds (default: an ephemeral one). An elastic job's ranks bind it again at
+/// every re-form, so a member asking to join can find them there ([`JOIN_ADDRS_VAR`]).
+pub const LISTEN_PORT_VAR: &str = "RINGTRAIN_LISTEN_PORT";
+/// Where a member asking to join a running elastic job may find its ranks, after the master address:
+/// `host:port` entries separated by commas (the ranks' [`LISTEN_PORT_VAR`] addresses). Any running rank
+/// points the member to the ring's rank 0, so one live entry is enough, also once rank 0 has left.
+pub const JOIN_ADDRS_VAR: &str = "RINGTRAIN_JOIN_ADDRS";
 
 /// Launch-related command-line flags (all optional).
 #[derive(Clone, Debug, Default)]
@@ -209,6 +216,10 @@ pub struct NetworkEnv {
     pub advertise: Option<AdvertiseAddr>,
     /// [`HOST_ID_VAR`]: which ranks share a host, when the machine cannot tell (`None`: it can).
     pub host_id: Option<String>,
+    /// [`LISTEN_PORT_VAR`]: the port a rank other than 0 binds (`None`: an ephemeral one).
+    pub listen_port: Option<u16>,
+    /// [`JOIN_ADDRS_VAR`]: where a joining member looks for the running job after the master address.
+    pub join_addrs: Vec<SocketAddr>,
 }
 
 /// A host the other ranks should dial this rank at, and the port unless it is the one this rank binds.
@@ -289,12 +300,55 @@ pub fn detect_network(getenv: impl Fn(&str) -> Option<String>) -> Result<Network
                 .map_err(|e| format!("environment variable {HOST_ID_VAR}: {e}"))
         })
         .transpose()?;
+    let listen_port = match getenv(LISTEN_PORT_VAR) {
+        None => None,
+        Some(v) => match v.trim().parse::<u16>() {
+            Ok(port) if port > 0 => Some(port),
+            _ => {
+                return Err(format!(
+                    "environment variable {LISTEN_PORT_VAR}={v:?} is not a port (1-65535)"
+                ))
+            }
+        },
+    };
+    let join_addrs = match getenv(JOIN_ADDRS_VAR) {
+        None => Vec::new(),
+        Some(v) => parse_join_addrs(&v)?,
+    };
     Ok(NetworkEnv {
         bind_ip,
         advertise,
         host_id,
+        listen_port,
+        join_addrs,
     })
 }
+
+/// The `host:port` entries of [`JOIN_ADDRS_VAR`], each resolved; at most [`MAX_JOIN_ADDRS`].
+fn parse_join_addrs(value: &str) -> Result<Vec<SocketAddr>, String> {
+    let bad = |why: String| format!("environment variable {JOIN_ADDRS_VAR}={value:?} is not valid: {why}");
+    let entries: Vec<&str> = value.split(',').map(str::trim).filter(|e| !e.is_empty()).collect();
+    if entries.len() > MAX_JOIN_ADDRS {
+        return Err(bad(format!("{} entries, at most {MAX_JOIN_ADDRS}", entries.len())));
+    }
+    entries
+        .iter()
+        .map(|entry| {
+            let (host, port) = entry
+                .rsplit_once(':')
+                .ok_or_else(|| bad(format!("{entry:?} is not host:port")))?;
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let port = match port.parse::<u16>() {
+                Ok(p) if p > 0 => p,
+                _ => return Err(bad(format!("{entry:?} has no port to dial"))),
+            };
+            resolve_host(host, port).map_err(bad)
+        })
+        .collect()
+}
+
+/// Most entries [`JOIN_ADDRS_VAR`] may list.
+pub const MAX_JOIN_ADDRS: usize = 1024;
 
 /// Resolves `host:port`, preferring IPv4.
 pub fn resolve_master(host: &str, port: u16) -> Result<SocketAddr, String> {
@@ -463,6 +517,36 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn listen_port_and_join_addresses() {
+        let n = detect_network(env(&[
+            ("RINGTRAIN_LISTEN_PORT", " 29601 "),
+            ("RINGTRAIN_JOIN_ADDRS", "127.0.0.1:29500, [::1]:29601,,localhost:29602"),
+        ]))
+        .unwrap();
+        assert_eq!(n.listen_port, Some(29601));
+        let want: Vec<SocketAddr> = ["127.0.0.1:29500", "[::1]:29601", "127.0.0.1:29602"]
+            .iter()
+            .map(|a| a.parse().unwrap())
+            .collect();
+        assert_eq!(n.join_addrs, want);
+        for bad in ["0", "65536", "x", ""] {
+            let e = detect_network(env(&[("RINGTRAIN_LISTEN_PORT", bad)])).unwrap_err();
+            assert!(e.contains("RINGTRAIN_LISTEN_PORT") && e.contains("not a port"), "{e}");
+        }
+        for (bad, why) in [
+            ("10.0.0.1", "not host:port"),
+            ("10.0.0.1:0", "no port"),
+            ("10.0.0.1:x", "no port"),
+        ] {
+            let e = detect_network(env(&[("RINGTRAIN_JOIN_ADDRS", bad)])).unwrap_err();
+            assert!(e.contains("RINGTRAIN_JOIN_ADDRS") && e.contains(why), "{bad}: {e}");
+        }
+        let many = vec!["127.0.0.1:1"; MAX_JOIN_ADDRS + 1].join(",");
+        let e = detect_network(env(&[("RINGTRAIN_JOIN_ADDRS", &many)])).unwrap_err();
+        assert!(e.contains("at most"), "{e}");
     }
 
     #[test]

@@ -8,7 +8,7 @@ pub mod threads;
 
 pub use env::{
     detect_launch, detect_network, generate_secret, load_secret, resolve_master, AdvertiseAddr, LaunchEnv, LaunchFlags,
-    LaunchSource, NetworkEnv, ADVERTISE_ADDR_VAR, BIND_ADDR_VAR, HOST_ID_VAR,
+    LaunchSource, NetworkEnv, ADVERTISE_ADDR_VAR, BIND_ADDR_VAR, HOST_ID_VAR, JOIN_ADDRS_VAR, LISTEN_PORT_VAR,
 };
 pub use threads::{thread_budget, ThreadBudget};
 
@@ -150,6 +150,7 @@ pub(crate) fn quic_config(launch: &LaunchEnv, opts: &JoinOptions, network: &Netw
     cfg.transport = opts.transport;
     cfg.collective = opts.collective;
     cfg.host_id = network.host_id.clone();
+    cfg.listen_port = network.listen_port;
     Ok(cfg)
 }
 

@@ -44,7 +44,7 @@ pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Re
     }
     let socket = match socket {
         Some(s) => s,
-        None => UdpSocket::bind(bind).map_err(|e| local(format!("cannot bind {bind}: {e}")))?,
+        None => bind_now_or_soon(bind, cfg.re_forming())?,
     };
     let bind = socket.local_addr().map_err(|e| local(format!("socket address: {e}")))?;
     if cfg.rank == 0 && cfg.master.port() == 0 {
@@ -59,7 +59,26 @@ pub(super) fn bind_socket(cfg: &mut QuicConfig, socket: Option<UdpSocket>) -> Re
     Ok(socket)
 }
 
-/// The address this rank binds when it is not given a socket (see [`QuicConfig::bind_ip`]).
+/// How long an elastic re-form retries binding its address while the last ring's endpoint, just dropped,
+/// still holds it (rank 0 at the master address, a rank with a listen port at that port).
+const REBIND_FOR: Duration = Duration::from_secs(5);
+
+/// Binds `addr`; in a re-form (`retry`), again every 50 ms while it is in use, for up to [`REBIND_FOR`].
+fn bind_now_or_soon(addr: SocketAddr, retry: bool) -> Result<UdpSocket> {
+    let until = std::time::Instant::now() + REBIND_FOR;
+    loop {
+        match UdpSocket::bind(addr) {
+            Ok(socket) => return Ok(socket),
+            Err(e) if retry && e.kind() == std::io::ErrorKind::AddrInUse && std::time::Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(local(format!("cannot bind {addr}: {e}"))),
+        }
+    }
+}
+
+/// The address this rank binds when it is not given a socket (see [`QuicConfig::bind_ip`] and
+/// [`QuicConfig::listen_port`]).
 fn bind_addr(cfg: &QuicConfig) -> SocketAddr {
     if cfg.rank == 0 {
         return SocketAddr::new(cfg.bind_ip.unwrap_or(cfg.master.ip()), cfg.master.port());
@@ -69,7 +88,7 @@ fn bind_addr(cfg: &QuicConfig) -> SocketAddr {
         IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
         IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
     });
-    SocketAddr::new(ip, 0)
+    SocketAddr::new(ip, cfg.listen_port.unwrap_or(0))
 }
 
 /// Transport tuning, chosen per link type and measured with `bench/allreduce/run.sh` (see BENCHMARKS.md).

@@ -94,9 +94,14 @@ impl Refusals {
 impl Joined {
     /// Tells the peer why it is turned away (and logs that once per address, see [`Refusals`]), then
     /// closes its connection once the answer is through (or after 2 s).
-    pub(super) fn refuse(mut self, job: u64, refusals: &Refusals, cause: Cause, reason: String) {
+    pub(super) fn refuse(self, job: u64, refusals: &Refusals, cause: Cause, reason: String) {
         refusals.record(self.conn.remote_address(), cause, &reason);
-        let bytes = control_frame(job, &Control::Refused { reason });
+        self.answer_and_close(job, &Control::Refused { reason });
+    }
+
+    /// Sends `answer`, then closes the connection once it is through (or after 2 s).
+    fn answer_and_close(mut self, job: u64, answer: &Control) {
+        let bytes = control_frame(job, answer);
         tokio::spawn(async move {
             let _ = self.send.write_all(&bytes).await;
             let _ = self.send.finish();
@@ -131,10 +136,10 @@ impl Listener {
     }
 
     /// After setup: late connections (a second peer claiming a rank, a retry) keep being answered with a
-    /// refusal that names the rank they claim. Early peers that were never taken are closed. With `joins`
-    /// (rank 0 of an elastic job), a hello of the job's first epoch that passes the join check waits there
-    /// to be admitted instead.
-    pub(super) fn refuse_late(self, job: u64, joins: Option<JoinDesk>) {
+    /// refusal that names the rank they claim. Early peers that were never taken are closed. In an elastic
+    /// job a hello of the job's first epoch is a member asking to join (`joins`): on rank 0 it waits at the
+    /// desk to be admitted, on the other ranks it is sent to rank 0.
+    pub(super) fn refuse_late(self, job: u64, joins: Option<Joins>) {
         let Listener {
             mut arrivals,
             early_peers,
@@ -144,13 +149,19 @@ impl Listener {
         tokio::spawn(async move {
             while let Some(j) = arrivals.recv().await {
                 let reason = match (&j.msg, &joins) {
-                    (Control::Hello(h), Some(desk)) if h.job_id == desk.first_job => match desk.park(j).await {
-                        Ok(()) => continue,
-                        Err((j, reason)) => {
-                            j.refuse(job, &refusals, Cause::Refused, reason);
-                            continue;
+                    (Control::Hello(h), Some(Joins::Redirect { first_job, to })) if h.job_id == *first_job => {
+                        j.answer_and_close(job, &Control::Redirect { to: *to });
+                        continue;
+                    }
+                    (Control::Hello(h), Some(Joins::Desk(desk))) if h.job_id == desk.first_job => {
+                        match desk.park(j).await {
+                            Ok(()) => continue,
+                            Err((j, reason)) => {
+                                j.refuse(job, &refusals, Cause::Refused, reason);
+                                continue;
+                            }
                         }
-                    },
+                    }
                     (Control::Hello(h), _) => format!("{RENDEZVOUS_CLOSED}: rank {} has already joined", h.rank),
                     (Control::PeerHello { rank, .. }, _) => {
                         format!("the ring is formed: rank {rank}'s link is already connected")
@@ -161,6 +172,15 @@ impl Listener {
             }
         });
     }
+}
+
+/// How a running rank of an elastic job answers a member asking to join.
+#[derive(Clone)]
+pub(super) enum Joins {
+    /// Rank 0: the member waits at its desk.
+    Desk(JoinDesk),
+    /// The other ranks: the member is sent to rank 0, which listens at `to`.
+    Redirect { first_job: u64, to: SocketAddr },
 }
 
 /// Rank 0 of an elastic job: where one member asking to join waits (its connection kept open) until the

@@ -173,6 +173,9 @@ pub enum Control {
     /// its deadline: the ring of this membership will not form, and `missing` (ranks of it) are left out of
     /// the next attempt (protocol version 7).
     Unformed { missing: Vec<usize> },
+    /// A running rank other than 0 of an elastic job → a member asking it to join: rank 0 of the running
+    /// ring listens at `to` (protocol version 7).
+    Redirect { to: SocketAddr },
 }
 
 #[cfg(test)]

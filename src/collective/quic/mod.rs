@@ -105,7 +105,7 @@ use super::{run_ring, Collective, CollectiveError, ComputeBusy, Result};
 use crate::fault_plan::FaultPlan;
 use control::ControlPlane;
 use links::{DataLinks, LeftLink, RightLink, Ring};
-use listener::{JoinDesk, Listener};
+use listener::{JoinDesk, Joins, Listener};
 use shm_links::LocalSide;
 
 /// Largest byte-gather blob (hashes, scalars) accepted on a data link.
@@ -156,6 +156,8 @@ pub struct QuicConfig {
     /// job as a member asking to join (parked until the running ranks admit it, [`Collective::pending_join`])
     /// instead of refusing it.
     pub elastic_first: Option<(u64, usize)>,
+    /// The port a rank other than 0 binds (`None`: an ephemeral one).
+    pub listen_port: Option<u16>,
 }
 
 impl QuicConfig {
@@ -178,6 +180,7 @@ impl QuicConfig {
             host_id: None,
             collective: CollectiveChoice::Flat,
             elastic_first: None,
+            listen_port: None,
         }
     }
 
@@ -619,7 +622,15 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
         }
         _ => None,
     };
-    listener.refuse_late(cfg.job_id, joins.clone());
+    let answer_joins = match (&joins, cfg.elastic_first) {
+        (Some(desk), _) => Some(Joins::Desk(desk.clone())),
+        (None, Some((first_job, _))) => Some(Joins::Redirect {
+            first_job,
+            to: ring.addrs[0],
+        }),
+        (None, None) => None,
+    };
+    listener.refuse_late(cfg.job_id, answer_joins);
     Ok(Setup {
         endpoint,
         joins: joins.clone(),
