@@ -10,8 +10,12 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// A member of the job: the rank it had in the first membership.
+/// A member of the job: the rank it had in the first membership, or for a member that joined later the id
+/// it was started with (past the first membership's ranks).
 pub type MemberId = u32;
+
+/// Member ids are below this: the ranks agree on a joiner with an all-reduce of `f64`s, exact far beyond it.
+pub const MAX_MEMBER_ID: MemberId = 1 << 20;
 
 /// The members of one epoch, in rank order (rank `r` is `members[r]`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -771,3 +771,70 @@ fn records_so_far(dir: &Path, member: usize) -> Vec<StepMetrics> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
+
+/// A process that was never part of the job asks to join it as new member 7 (`RINGTRAIN_ELASTIC_JOIN=7`,
+/// started like a rank of the job): the ranks take it in at a step boundary and the job ends on 4 ranks
+/// with the bits of the 3 → 4 history replayed in one process. One started with another world size is
+/// refused naming it, and changes nothing.
+#[test]
+fn a_new_member_joins_the_running_job() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let (port, steps) = (free_port(), 300);
+    let ranks: Vec<_> = (0..3)
+        .map(|rank| {
+            direct_rank(rank, port, steps, dir.path(), "m.jsonl")
+                .env("RINGTRAIN_JOB_ID", "4343")
+                // Slowed (bits unchanged), so that the job is still running when the new member asks.
+                .env("RINGTRAIN_INJECT_FAULT", "compute=0:10")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let started = Instant::now();
+    while records_so_far(dir.path(), 0).len() < 10 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let new_member = |world: &str| {
+        direct_rank(0, port, steps, dir.path(), "m.jsonl")
+            .env("RINGTRAIN_JOB_ID", "4343")
+            .env("RINGTRAIN_ELASTIC_JOIN", "7")
+            .env("WORLD_SIZE", world)
+            .output()
+            .unwrap()
+    };
+    let other_world = new_member("2");
+    assert!(!other_world.status.success());
+    assert!(
+        stderr_of(&other_world).contains("world size mismatch"),
+        "{}",
+        stderr_of(&other_world)
+    );
+    let joined = new_member("3");
+    assert!(joined.status.success(), "{}", stderr_of(&joined));
+    assert!(
+        stderr_of(&joined).contains("member 7: rejoined the running job at step"),
+        "{}",
+        stderr_of(&joined)
+    );
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "rank {rank}: {}", stderr_of(&out));
+    }
+    let m = metrics_of(dir.path(), 0);
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 1, "{changes:?}");
+    assert_eq!(
+        (changes[0].members.clone(), changes[0].joined.clone()),
+        (vec![0, 1, 2, 7], vec![7])
+    );
+    assert_eq!(m.last().unwrap().world_size, 4);
+    // The new member wrote its own metrics file.
+    assert_eq!(metrics_of(dir.path(), 7).last().unwrap().step, steps);
+    let joined_at = changes[0].resumed_from_step;
+    assert_eq!(
+        saved_hash(dir.path()),
+        replay_history(steps, &[(3, joined_at), (4, steps)])
+    );
+}

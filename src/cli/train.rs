@@ -14,12 +14,12 @@ use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::{Collective, TwoLevel};
 use ringtrain::data::{load_splits, BatchPlan, BatchSplit, DataSplits};
 use ringtrain::dist::elastic::{rejoin as rejoin_running, QuicRegroup};
-use ringtrain::dist::REJOIN_VAR;
 use ringtrain::dist::{
     detect_launch, detect_network, join, load_secret, thread_budget, threads, JoinOptions, LaunchEnv, LaunchFlags,
     ThreadBudget,
 };
-use ringtrain::elastic::Membership;
+use ringtrain::dist::{JOIN_AS_VAR, REJOIN_VAR};
+use ringtrain::elastic::{MemberId, Membership, MAX_MEMBER_ID};
 use ringtrain::fault_plan::{Fault, FaultPlan, INJECT_FAULT_VAR};
 use ringtrain::metrics::{rank_metrics_path, set_aside_earlier_run, MetricsWriter, StepMetrics};
 use ringtrain::trainer::{host_available, measured_peak, MemoryPlan, ModelSource, RunObserver, TrainOptions, Trainer};
@@ -184,11 +184,34 @@ fn check_memory_plan(s: &RunSetup, be: &dyn Backend) -> Result<MemoryPlan> {
 
 /// How this process joins: the ring it belongs to (a one-rank stand-in for a single process, QUIC
 /// otherwise); with `--elastic` over several ranks, also what re-forms it after a loss; and for a rank
-/// restarted to rejoin a running job (`launch --max-restarts`), the membership that admitted it.
+/// restarted to rejoin a running job (`launch --max-restarts`) or started to join it as a new member, the
+/// membership that admitted it.
 struct Connection {
     comm: Box<dyn Collective>,
     regroup: Option<QuicRegroup>,
     admitted: Option<Membership>,
+    /// This process's member id: its first rank, or the id it joined as.
+    member: MemberId,
+}
+
+/// The member this process asks a running elastic job to take in, if it is one: its own first rank when
+/// restarted ([`REJOIN_VAR`]), or a new member's id ([`JOIN_AS_VAR`]).
+fn joining_as(launch: &LaunchEnv) -> Result<Option<MemberId>> {
+    let rejoin = std::env::var(REJOIN_VAR).is_ok_and(|v| v == "1");
+    let Ok(value) = std::env::var(JOIN_AS_VAR) else {
+        return Ok(rejoin.then_some(launch.rank as MemberId));
+    };
+    ensure!(
+        !rejoin,
+        "{REJOIN_VAR} and {JOIN_AS_VAR} are both set: a process rejoins or joins anew, not both"
+    );
+    let id: MemberId = value
+        .trim()
+        .parse()
+        .ok()
+        .filter(|&id| id < MAX_MEMBER_ID)
+        .with_context(|| format!("{JOIN_AS_VAR}={value:?} is not a member id (a number below {MAX_MEMBER_ID})"))?;
+    Ok(Some(id))
 }
 
 fn connect(s: &RunSetup) -> Result<Connection> {
@@ -207,25 +230,29 @@ fn connect(s: &RunSetup) -> Result<Connection> {
         epoch: 0,
         elastic: elastic.map(|_| s.launch.world_size),
     };
-    let rejoin = std::env::var(REJOIN_VAR).is_ok_and(|v| v == "1");
+    let joining = joining_as(&s.launch)?;
+    let member = joining.unwrap_or(s.launch.rank as MemberId);
     let Some(rules) = elastic else {
         ensure!(
-            !rejoin,
-            "{REJOIN_VAR} is set, but only an --elastic job of several ranks can be rejoined"
+            joining.is_none(),
+            "{REJOIN_VAR} or {JOIN_AS_VAR} is set, but only an --elastic job of several ranks (WORLD_SIZE, the \
+             job's first world size) takes members in"
         );
         return Ok(Connection {
             comm: join(&s.launch, &opts)?,
             regroup: None,
             admitted: None,
+            member,
         });
     };
     let network = detect_network(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
-    if rejoin {
-        let (comm, membership, regroup) = rejoin_running(&s.launch, &opts, &network, rules)?;
+    if let Some(member) = joining {
+        let (comm, membership, regroup) = rejoin_running(member, &s.launch, &opts, &network, rules)?;
         return Ok(Connection {
             comm,
             regroup: Some(regroup),
             admitted: Some(membership),
+            member,
         });
     }
     let comm = join(&s.launch, &opts)?;
@@ -234,6 +261,7 @@ fn connect(s: &RunSetup) -> Result<Connection> {
         comm,
         regroup: Some(regroup),
         admitted: None,
+        member,
     })
 }
 
@@ -247,6 +275,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         comm,
         mut regroup,
         admitted,
+        member,
     } = connect(&s)?;
     let links = format!("{}{}", links_note(comm.ring_links()), layout_note(comm.two_level()));
     let is_rank0 = s.launch.rank == 0 && admitted.is_none();
@@ -262,8 +291,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             arm_faults(&mut trainer, &s.faults);
             let step = trainer.join_running(comm, membership)?;
             eprint_line(&format!(
-                "member {}: rejoined the running job at step {step} as rank {} of {}",
-                s.launch.rank,
+                "member {member}: rejoined the running job at step {step} as rank {} of {}",
                 trainer.rank(),
                 trainer.world()
             ));
@@ -286,7 +314,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             true => Progress::new(trainer.options().steps, trainer.step()),
             false => Progress::hidden(),
         },
-        metrics_path: s.metrics_path.map(|p| rank_metrics_path(&p, s.launch.rank)),
+        metrics_path: s.metrics_path.map(|p| rank_metrics_path(&p, member as usize)),
         resuming,
         metrics: None,
         is_rank0,

@@ -13,7 +13,9 @@ use super::{join_with, quic_config, JoinOptions, LaunchEnv, NetworkEnv, JOIN_ADD
 use crate::collective::mem::single_rank;
 use crate::collective::quic::ask_to_join;
 use crate::collective::{Collective, CollectiveError};
-use crate::elastic::{next_membership, retry_membership, Cause, ElasticRules, ElasticStop, MemberId, Membership};
+use crate::elastic::{
+    next_membership, retry_membership, Cause, ElasticRules, ElasticStop, MemberId, Membership, MAX_MEMBER_ID,
+};
 use crate::trainer::{MembershipEvent, Regroup, Regrouped};
 use anyhow::{ensure, Context, Result};
 use std::net::SocketAddr;
@@ -189,19 +191,23 @@ fn absent_from_attempt(error: &anyhow::Error, attempt: &Membership) -> Option<Ve
 /// until the running ranks admit it at a step boundary, then joins the new epoch's rendezvous. Returns its
 /// collective, the membership it joined, and the regroup for its later changes.
 pub fn rejoin(
+    member: MemberId,
     launch: &LaunchEnv,
     opts: &JoinOptions,
     network: &NetworkEnv,
     rules: ElasticRules,
 ) -> Result<(Box<dyn Collective>, Membership, QuicRegroup)> {
-    let member = launch.rank as MemberId;
+    ensure!(
+        member < MAX_MEMBER_ID,
+        "member id {member} is too large: a member id is below {MAX_MEMBER_ID}"
+    );
     // A hello of the first epoch: the member's first rank in the first world.
     let first = JoinOptions {
         epoch: 0,
         ..opts.clone()
     };
     let cfg = quic_config(launch, &first, network)?;
-    let ((epoch, rank, members), master) = ask_to_join(cfg, &network.join_addrs).with_context(|| {
+    let ((epoch, rank, members), master) = ask_to_join(cfg, member, &network.join_addrs).with_context(|| {
         format!(
             "member {member} asking to join the running job at {}:{} (and {} more address(es) of {JOIN_ADDRS_VAR})",
             launch.master_addr,

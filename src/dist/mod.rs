@@ -31,6 +31,12 @@ pub const JOB_ID_VAR: &str = "RINGTRAIN_JOB_ID";
 /// elastic job to take it back ([`elastic::rejoin`]) instead of joining a first rendezvous.
 pub const REJOIN_VAR: &str = "RINGTRAIN_ELASTIC_REJOIN";
 
+/// Set to a member id by whoever starts a new rank for a running elastic job: the rank asks the job to take
+/// it in as that member ([`elastic::rejoin`]). The job's first members are 0 to its first world size minus
+/// one; a new member takes an id the job does not use, below [`elastic::MAX_MEMBER_ID`]. The rank is
+/// started like one of the job's (`WORLD_SIZE` the job's first world size, the same flags).
+pub const JOIN_AS_VAR: &str = "RINGTRAIN_ELASTIC_JOIN";
+
 /// What [`join`] needs besides the launch environment.
 #[derive(Clone, Debug)]
 pub struct JoinOptions {

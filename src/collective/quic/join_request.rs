@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::auth::{self, dial};
 use super::endpoint;
 use super::framing::{control_frame, read_control};
-use super::messages::Control;
+use super::messages::{Control, Hello};
 use super::rendezvous::{hello, RENDEZVOUS_CLOSED, RE_FORMING};
 use super::{local, validate, QuicConfig};
 use crate::collective::rank_runtime::RankRuntime;
@@ -32,7 +32,7 @@ pub type Admission = (u64, usize, Vec<u32>);
 /// ([`Control::Redirect`]), and an address where nobody answers is passed over. Gives up after twice
 /// `cfg.timeout` (the running ranks may first have to notice a loss and re-form). Returns the admission and
 /// the address of the rank 0 that admitted it, where the new epoch's rendezvous opens.
-pub fn ask_to_join(mut cfg: QuicConfig, elsewhere: &[SocketAddr]) -> Result<(Admission, SocketAddr)> {
+pub fn ask_to_join(mut cfg: QuicConfig, member: u32, elsewhere: &[SocketAddr]) -> Result<(Admission, SocketAddr)> {
     validate(&mut cfg)?;
     // An ephemeral port on loopback for a loopback master, else any address of the master's family: this
     // connection only asks (the member's own endpoint comes with the new epoch's rendezvous).
@@ -81,7 +81,12 @@ pub fn ask_to_join(mut cfg: QuicConfig, elsewhere: &[SocketAddr]) -> Result<(Adm
                     )));
                 }
             };
-            send.write_all(&control_frame(cfg.job_id, &Control::Hello(hello(&cfg, None))))
+            // The hello names the member, which for a new one is past the first world's ranks.
+            let asking = Hello {
+                rank: member as usize,
+                ..hello(&cfg, None)
+            };
+            send.write_all(&control_frame(cfg.job_id, &Control::Hello(asking)))
                 .await
                 .map_err(|e| local(format!("asking to join: {e}")))?;
             let answer = loop {

@@ -61,16 +61,26 @@ impl Hello {
     /// Checks a joining rank's hello against rank 0's own. The error names the first mismatching field.
     /// Whether a member asking to join a running elastic job (`self`, a hello of the job's first epoch)
     /// may: the same protocol version, job, configuration and collective as `host` (rank 0's hello of
-    /// the running epoch, whose job id is `first_job`), and a member id of the first membership.
+    /// the running epoch, whose job id is `first_job`), and a member id below [`crate::elastic::MAX_MEMBER_ID`]:
+    /// one of the first membership's ranks, or a new member's id past them.
     pub fn check_join(&self, host: &Hello, first_job: u64, first_world: usize) -> Result<(), String> {
         let me = Hello {
             job_id: first_job,
             world: first_world,
             ..host.clone()
         };
-        // A member id is a first rank; rank 0 included (it may have left and be coming back).
+        // A member id is a first rank, rank 0 included (it may have left and be coming back), or a new
+        // member's id past them.
+        let max = crate::elastic::MAX_MEMBER_ID as usize;
+        if self.rank >= max {
+            return Err(format!("join refused: member id {} is not below {max}", self.rank));
+        }
         let as_joiner = Hello {
-            rank: self.rank.max(1),
+            rank: if self.rank == 0 || self.rank >= first_world {
+                1
+            } else {
+                self.rank
+            },
             ..self.clone()
         };
         as_joiner.check_against(&me).map_err(|e| format!("join refused: {e}"))
@@ -225,6 +235,31 @@ mod tests {
         assert!(e.contains("protocol version"), "{e}");
         let e = Hello { rank: 4, ..ok.clone() }.check_against(&host).unwrap_err();
         assert!(e.contains("rank 4"), "{e}");
+        // Joins of a running elastic job (rank 0's hello of epoch 3, first epoch's job 7, first world 4): a
+        // first rank, 0 included, or a new member's id past them, below the bound; the first world counts.
+        let running = Hello {
+            job_id: 99,
+            world: 2,
+            ..host.clone()
+        };
+        for member in [0, 3, 4, 1000] {
+            let asking = Hello {
+                rank: member,
+                ..host.clone()
+            };
+            assert!(asking.check_join(&running, 7, 4).is_ok(), "member {member}");
+        }
+        let too_large = Hello {
+            rank: crate::elastic::MAX_MEMBER_ID as usize,
+            ..host.clone()
+        };
+        assert!(too_large.check_join(&running, 7, 4).unwrap_err().contains("is not below"));
+        let other_world = Hello {
+            rank: 5,
+            world: 3,
+            ..host.clone()
+        };
+        assert!(other_world.check_join(&running, 7, 4).unwrap_err().contains("world size mismatch"));
         let e = Hello {
             collective: "flat".into(),
             ..ok.clone()
