@@ -9,7 +9,7 @@ mod common;
 use common::worker_pid;
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::mem::{mem_cluster, MemOptions};
-use ringtrain::collective::Collective;
+use ringtrain::collective::{Collective, CollectiveChoice};
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::elastic::MembershipChange;
 use ringtrain::metrics::{rank_metrics_path, read_metrics, StepMetrics};
@@ -307,8 +307,13 @@ fn free_port() -> u16 {
 /// `port` on loopback), writing its metrics to `metrics` and checkpoints to `ck` in `dir` (the save
 /// settings are part of the configuration every rank must share).
 fn direct_rank(rank: usize, port: u16, steps: u64, dir: &Path, metrics: &str) -> Command {
+    direct_rank_in(UpdateMode::Replicated, rank, port, steps, dir, metrics)
+}
+
+/// [`direct_rank`] under the update `update`.
+fn direct_rank_in(update: UpdateMode, rank: usize, port: u16, steps: u64, dir: &Path, metrics: &str) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ringtrain"));
-    cmd.args(train_flags(steps))
+    cmd.args(train_flags_in(update, steps))
         .arg("--metrics")
         .arg(dir.join(metrics))
         .arg("--save")
@@ -837,4 +842,111 @@ fn a_new_member_joins_the_running_job() {
         saved_hash(dir.path()),
         replay_history(steps, &[(3, joined_at), (4, steps)])
     );
+}
+
+/// 4 ranks started by hand as 2 hosts of 2 (`RINGTRAIN_HOST_ID`), `--collective auto`: the replicated
+/// update runs the two-level ring; member 3 crashes, the 3 left are hosts of 2 and 1, and the re-formed
+/// job runs the flat ring. The bits equal the same history replayed in this process: 4 ranks on two
+/// levels to the committed step, then 3 on a flat ring. Sharded, the same hosts run the flat ring from the
+/// start (the buddy mirrors live there) and survive the same crash.
+#[test]
+fn elastic_jobs_across_two_level_hosts_re_form_and_keep_the_replayed_bits() {
+    let _one = one_job();
+    let hosts = ["a", "a", "b", "b"];
+    for update in [UpdateMode::Replicated, UpdateMode::Sharded] {
+        let dir = tempfile::tempdir().unwrap();
+        let (port, steps) = (free_port(), 6);
+        let children: Vec<_> = (0..4)
+            .map(|rank| {
+                direct_rank_in(update, rank, port, steps, dir.path(), "m.jsonl")
+                    .args(["--collective", "auto"])
+                    .envs([
+                        ("WORLD_SIZE", "4"),
+                        ("LOCAL_WORLD_SIZE", "2"),
+                        ("RINGTRAIN_HOST_ID", hosts[rank]),
+                    ])
+                    .env("RINGTRAIN_INJECT_FAULT", "kill=3:3")
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+        for rank in 0..3 {
+            assert!(
+                outs[rank].status.success(),
+                "{update:?} rank {rank}: {}",
+                stderr_of(&outs[rank])
+            );
+        }
+        let rank0 = stderr_of(&outs[0]);
+        let change = first_change(dir.path(), 0);
+        assert_eq!((change.members.clone(), change.resumed_from_step), (vec![0, 1, 2], 2));
+        let first = match update {
+            UpdateMode::Replicated => CollectiveChoice::Auto,
+            UpdateMode::Sharded => {
+                assert!(
+                    rank0.contains("the flat ring (an elastic run of the sharded update"),
+                    "{rank0}"
+                );
+                CollectiveChoice::Flat
+            }
+        };
+        let replayed = replay_two_level_then_flat(update, first, &hosts, steps, 2);
+        assert_eq!(saved_hash(dir.path()), replayed, "{update:?}");
+        if first == CollectiveChoice::Auto {
+            // The two levels add in another order than the flat ring: the bits tell which ring ran.
+            let flat_first = replay_two_level_then_flat(update, CollectiveChoice::Flat, &hosts, steps, 2);
+            assert_ne!(replayed, flat_first);
+        }
+    }
+}
+
+/// 4 ranks on the hosts `hosts` (`first`: the ring they form, which must be two levels for `auto`) train to
+/// `committed` and save; 3 ranks on a flat ring resume it with the same global batch to `steps`. The final
+/// parameters' fingerprint.
+fn replay_two_level_then_flat(
+    update: UpdateMode,
+    first: CollectiveChoice,
+    hosts: &[&str],
+    steps: u64,
+    committed: u64,
+) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = TrainOptions {
+        global_batch: Some(hosts.len() * options(update, steps).batch_size),
+        collective: first,
+        ..options(update, steps)
+    };
+    let ck = dir.path().join("ck");
+    common::quic_ranks(hosts, first, 4242, |rank, q| {
+        assert_eq!(q.layout().is_some(), first == CollectiveChoice::Auto, "rank {rank}");
+        let mut t = trainer(&opts, ModelSource::Fresh(ModelConfig::tiny()), Box::new(q));
+        while t.step() < committed {
+            t.train_step().unwrap();
+        }
+        // Every rank takes part in gathering a sharded checkpoint; rank 0 writes it.
+        t.save(&ck).unwrap();
+    });
+    let flat = TrainOptions {
+        collective: CollectiveChoice::Auto,
+        ..opts.clone()
+    };
+    let hashes: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = mem_cluster(3, MemOptions::default())
+            .into_iter()
+            .map(|comm| {
+                let (flat, ck) = (&flat, &ck);
+                s.spawn(move || {
+                    let mut t = trainer(flat, ModelSource::Resume(ck.clone()), Box::new(comm));
+                    while t.step() < steps {
+                        t.train_step().unwrap();
+                    }
+                    t.param_hash().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(hashes.windows(2).all(|w| w[0] == w[1]));
+    hashes[0].clone()
 }

@@ -6,15 +6,11 @@
 
 mod common;
 
-use common::{assert_trains_like, Run};
-use std::net::UdpSocket;
+use common::{assert_trains_like, quic_ranks, Run};
 use std::path::Path;
-use std::time::Duration;
 
 use ringtrain::backend::factory::{self, BackendChoice};
 use ringtrain::collective::mem::single_rank;
-use ringtrain::collective::quic::{QuicCollective, QuicConfig};
-use ringtrain::collective::shm::LinkTransport;
 use ringtrain::collective::{Collective, CollectiveChoice};
 use ringtrain::data::{load_splits, TokenizerKind};
 use ringtrain::model::ModelConfig;
@@ -67,44 +63,18 @@ fn run_trainer(
 
 /// Trains the 4 ranks of 2 hosts up to step `until`, saving at the end when `save` is given.
 fn two_hosts(opts: &TrainOptions, until: u64, save: Option<&Path>) -> Vec<Run> {
-    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let master = sock.local_addr().unwrap();
-    let mut sock = Some(sock);
     let job = opts.job_hash(&model(), HOSTS.len());
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..HOSTS.len())
-            .map(|rank| {
-                let sock = if rank == 0 { sock.take() } else { None };
-                let opts = opts.clone();
-                s.spawn(move || {
-                    let mut cfg = QuicConfig::new(rank, HOSTS.len(), master);
-                    cfg.job_id = job;
-                    cfg.config_hash = job;
-                    cfg.secret = Some(b"two-level training test".to_vec());
-                    cfg.timeout = Duration::from_secs(60);
-                    cfg.rendezvous_timeout = Duration::from_secs(60);
-                    cfg.transport = LinkTransport::Auto;
-                    cfg.collective = opts.collective;
-                    cfg.host_id = Some(HOSTS[rank].to_string());
-                    let q = match sock {
-                        Some(sock) => QuicCollective::connect_with_socket(cfg, sock),
-                        None => QuicCollective::connect(cfg),
-                    }
-                    .unwrap();
-                    let t = q.layout().expect("two hosts of two ranks run the two-level ring");
-                    assert_eq!((t.host.len(), t.cross.len()), (2, 2));
-                    // Each host's pair talks through shared memory, the pairs through QUIC.
-                    let want = if rank % 2 == 0 {
-                        ["quic", "shm"]
-                    } else {
-                        ["shm", "quic"]
-                    };
-                    assert_eq!(q.data_links(), want, "rank {rank}: [from the left, to the right]");
-                    run_trainer(Box::new(q), opts, ModelSource::Fresh(model()), until, save)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    quic_ranks(&HOSTS, opts.collective, job, |rank, q| {
+        let t = q.layout().expect("two hosts of two ranks run the two-level ring");
+        assert_eq!((t.host.len(), t.cross.len()), (2, 2));
+        // Each host's pair talks through shared memory, the pairs through QUIC.
+        let want = if rank % 2 == 0 {
+            ["quic", "shm"]
+        } else {
+            ["shm", "quic"]
+        };
+        assert_eq!(q.data_links(), want, "rank {rank}: [from the left, to the right]");
+        run_trainer(Box::new(q), opts.clone(), ModelSource::Fresh(model()), until, save)
     })
 }
 

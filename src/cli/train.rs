@@ -226,10 +226,15 @@ fn connect(s: &RunSetup) -> Result<Connection> {
         timeout: s.timeout,
         faults: s.faults.clone(),
         transport: s.transport,
-        collective: s.opts.collective,
+        collective: s.opts.ring_to_form(),
         epoch: 0,
         elastic: elastic.map(|_| s.launch.world_size),
     };
+    if s.opts.ring_to_form() != s.opts.collective && s.launch.rank == 0 && s.launch.world_size > 1 {
+        eprint_line(
+            "--collective auto: the flat ring (an elastic run of the sharded update keeps its buddy mirrors there)",
+        );
+    }
     let joining = joining_as(&s.launch)?;
     let member = joining.unwrap_or(s.launch.rank as MemberId);
     let Some(rules) = elastic else {

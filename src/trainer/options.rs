@@ -267,9 +267,21 @@ impl TrainOptions {
         );
         anyhow::ensure!(
             self.collective != CollectiveChoice::Hierarchical,
-            "--elastic re-forms a flat ring; --collective hierarchical is not re-formed"
+            "--elastic with --collective hierarchical: after a membership change the hosts left may not hold \
+             equal numbers of ranks, which the two-level ring needs; use --collective auto (two levels while they \
+             do, the flat ring when not)"
         );
         Ok(())
+    }
+
+    /// The ring the transport is asked to form: `--collective`, except that an elastic run of the sharded
+    /// update keeps its buddy mirrors on the flat ring (a buddy is the left neighbour there; the two-level
+    /// ring's chunk order has none), so `auto` forms the flat ring for it.
+    pub fn ring_to_form(&self) -> CollectiveChoice {
+        match (self.elastic.is_some(), self.update, self.collective) {
+            (true, UpdateMode::Sharded, CollectiveChoice::Auto) => CollectiveChoice::Flat,
+            (_, _, choice) => choice,
+        }
     }
 
     /// What `--sync outer` runs with: equal shares (the outer step averages the ranks' changes alike), and the run's

@@ -143,3 +143,44 @@ pub fn tiny_options(steps: u64) -> ringtrain::trainer::TrainOptions {
         ..ringtrain::trainer::TrainOptions::for_model(&model).with_steps(steps)
     }
 }
+
+/// Joins `hosts.len()` ranks of this process over QUIC on loopback (shared memory between ranks told they
+/// share a host: rank `r`'s host is `hosts[r]`), under `collective` and job hash `job`, and runs `body` on
+/// each rank's collective in a thread of its own. The results in rank order.
+pub fn quic_ranks<R: Send>(
+    hosts: &[&str],
+    collective: ringtrain::collective::CollectiveChoice,
+    job: u64,
+    body: impl Fn(usize, ringtrain::collective::quic::QuicCollective) -> R + Sync,
+) -> Vec<R> {
+    use ringtrain::collective::quic::{QuicCollective, QuicConfig};
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let master = sock.local_addr().unwrap();
+    let mut sock = Some(sock);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..hosts.len())
+            .map(|rank| {
+                let sock = if rank == 0 { sock.take() } else { None };
+                let body = &body;
+                s.spawn(move || {
+                    let mut cfg = QuicConfig::new(rank, hosts.len(), master);
+                    cfg.job_id = job;
+                    cfg.config_hash = job;
+                    cfg.secret = Some(b"in-process ranks of a test".to_vec());
+                    cfg.timeout = std::time::Duration::from_secs(60);
+                    cfg.rendezvous_timeout = std::time::Duration::from_secs(60);
+                    cfg.transport = ringtrain::collective::shm::LinkTransport::Auto;
+                    cfg.collective = collective;
+                    cfg.host_id = Some(hosts[rank].to_string());
+                    let q = match sock {
+                        Some(sock) => QuicCollective::connect_with_socket(cfg, sock),
+                        None => QuicCollective::connect(cfg),
+                    }
+                    .unwrap();
+                    body(rank, q)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}

@@ -253,13 +253,19 @@ mod tests {
             rank: crate::elastic::MAX_MEMBER_ID as usize,
             ..host.clone()
         };
-        assert!(too_large.check_join(&running, 7, 4).unwrap_err().contains("is not below"));
+        assert!(too_large
+            .check_join(&running, 7, 4)
+            .unwrap_err()
+            .contains("is not below"));
         let other_world = Hello {
             rank: 5,
             world: 3,
             ..host.clone()
         };
-        assert!(other_world.check_join(&running, 7, 4).unwrap_err().contains("world size mismatch"));
+        assert!(other_world
+            .check_join(&running, 7, 4)
+            .unwrap_err()
+            .contains("world size mismatch"));
         let e = Hello {
             collective: "flat".into(),
             ..ok.clone()
