@@ -950,3 +950,46 @@ fn replay_two_level_then_flat(
     assert!(hashes.windows(2).all(|w| w[0] == w[1]));
     hashes[0].clone()
 }
+
+/// A restarted member that dies during its state transfer (`drop=2:1`: after its first message in the
+/// group that admitted it, inside the catch-up): the running ranks re-form again without it and finish
+/// with the bits of a job that never took it back.
+#[test]
+fn a_joiner_killed_during_its_state_transfer_leaves_a_job_that_finishes() {
+    let _one = one_job();
+    let dir = tempfile::tempdir().unwrap();
+    let (port, steps) = (free_port(), 300);
+    let children: Vec<_> = (0..3)
+        .map(|rank| {
+            direct_rank(rank, port, steps, dir.path(), "m.jsonl")
+                .env("RINGTRAIN_INJECT_FAULT", "kill=2:3,compute=0:10")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let started = Instant::now();
+    while !records_so_far(dir.path(), 0).iter().any(|m| m.membership.is_some()) {
+        assert!(started.elapsed() < Duration::from_secs(60), "no re-form");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let joiner = direct_rank(2, port, steps, dir.path(), "joiner.jsonl")
+        .env("RINGTRAIN_ELASTIC_REJOIN", "1")
+        .env("RINGTRAIN_INJECT_FAULT", "drop=2:1")
+        .output()
+        .unwrap();
+    assert!(!joiner.status.success(), "{}", stderr_of(&joiner));
+    assert!(stderr_of(&joiner).contains("injected crash after 1 messages"), "{}", stderr_of(&joiner));
+    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    for rank in [0, 1] {
+        assert!(outs[rank].status.success(), "rank {rank}: {}", stderr_of(&outs[rank]));
+    }
+    let m = metrics_of(dir.path(), 0);
+    assert_eq!((m.last().unwrap().step, m.last().unwrap().world_size), (steps, 2));
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    // The loss, then the failed admission recorded with the re-form that followed it.
+    assert_eq!(changes.len(), 2, "{changes:?}");
+    assert_eq!(changes[1].members, vec![0, 1]);
+    assert_eq!(changes[1].joined, Vec::<u32>::new());
+    let lost_at = changes[0].resumed_from_step;
+    assert_eq!(saved_hash(dir.path()), replay(steps, 3, lost_at, 2));
+}
