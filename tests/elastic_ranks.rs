@@ -778,9 +778,10 @@ fn records_so_far(dir: &Path, member: usize) -> Vec<StepMetrics> {
 }
 
 /// A process that was never part of the job asks to join it as new member 7 (`RINGTRAIN_ELASTIC_JOIN=7`,
-/// started like a rank of the job): the ranks take it in at a step boundary and the job ends on 4 ranks
-/// with the bits of the 3 → 4 history replayed in one process. One started with another world size is
-/// refused naming it, and changes nothing.
+/// the job's flags with its global batch, no `WORLD_SIZE`: the elastic job hash holds the global batch,
+/// not the world): the ranks take it in at a step boundary and the job ends on 4 ranks with the bits of
+/// the 3 → 4 history replayed in one process. One started with another global batch is refused naming
+/// the configuration, and changes nothing.
 #[test]
 fn a_new_member_joins_the_running_job() {
     let _one = one_job();
@@ -801,22 +802,23 @@ fn a_new_member_joins_the_running_job() {
         assert!(started.elapsed() < Duration::from_secs(60), "the job did not get going");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let new_member = |world: &str| {
+    let new_member = |global_batch: &str| {
         direct_rank(0, port, steps, dir.path(), "m.jsonl")
+            .args(["--global-batch", global_batch])
             .env("RINGTRAIN_JOB_ID", "4343")
             .env("RINGTRAIN_ELASTIC_JOIN", "7")
-            .env("WORLD_SIZE", world)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("LOCAL_WORLD_SIZE")
             .output()
             .unwrap()
     };
-    let other_world = new_member("2");
-    assert!(!other_world.status.success());
-    assert!(
-        stderr_of(&other_world).contains("world size mismatch"),
-        "{}",
-        stderr_of(&other_world)
-    );
-    let joined = new_member("3");
+    let other_batch = new_member("4");
+    assert!(!other_batch.status.success());
+    let why = stderr_of(&other_batch);
+    assert!(why.contains("config hash mismatch"), "{why}");
+    // The job's 3 ranks x 2 sequences.
+    let joined = new_member("6");
     assert!(joined.status.success(), "{}", stderr_of(&joined));
     assert!(
         stderr_of(&joined).contains("member 7: rejoined the running job at step"),
@@ -871,12 +873,8 @@ fn elastic_jobs_across_two_level_hosts_re_form_and_keep_the_replayed_bits() {
             })
             .collect();
         let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
-        for rank in 0..3 {
-            assert!(
-                outs[rank].status.success(),
-                "{update:?} rank {rank}: {}",
-                stderr_of(&outs[rank])
-            );
+        for (rank, out) in outs.iter().enumerate().take(3) {
+            assert!(out.status.success(), "{update:?} rank {rank}: {}", stderr_of(out));
         }
         let rank0 = stderr_of(&outs[0]);
         let change = first_change(dir.path(), 0);
@@ -978,7 +976,11 @@ fn a_joiner_killed_during_its_state_transfer_leaves_a_job_that_finishes() {
         .output()
         .unwrap();
     assert!(!joiner.status.success(), "{}", stderr_of(&joiner));
-    assert!(stderr_of(&joiner).contains("injected crash after 1 messages"), "{}", stderr_of(&joiner));
+    assert!(
+        stderr_of(&joiner).contains("injected crash after 1 messages"),
+        "{}",
+        stderr_of(&joiner)
+    );
     let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     for rank in [0, 1] {
         assert!(outs[rank].status.success(), "rank {rank}: {}", stderr_of(&outs[rank]));

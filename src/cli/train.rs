@@ -215,11 +215,13 @@ fn joining_as(launch: &LaunchEnv) -> Result<Option<MemberId>> {
 }
 
 fn connect(s: &RunSetup) -> Result<Connection> {
-    let secret = match s.launch.world_size {
-        1 => None,
+    // A member joining a running job may be started without WORLD_SIZE (it needs the job's global batch).
+    let joining = joining_as(&s.launch)?;
+    let secret = match (s.launch.world_size, joining) {
+        (1, None) => None,
         _ => load_secret(s.secret_file.as_deref(), |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?,
     };
-    let elastic = s.opts.elastic.filter(|_| s.launch.world_size > 1);
+    let elastic = s.opts.elastic.filter(|_| s.launch.world_size > 1 || joining.is_some());
     let opts = JoinOptions {
         config_hash: s.job_hash,
         secret,
@@ -235,13 +237,11 @@ fn connect(s: &RunSetup) -> Result<Connection> {
             "--collective auto: the flat ring (an elastic run of the sharded update keeps its buddy mirrors there)",
         );
     }
-    let joining = joining_as(&s.launch)?;
     let member = joining.unwrap_or(s.launch.rank as MemberId);
     let Some(rules) = elastic else {
         ensure!(
             joining.is_none(),
-            "{REJOIN_VAR} or {JOIN_AS_VAR} is set, but only an --elastic job of several ranks (WORLD_SIZE, the \
-             job's first world size) takes members in"
+            "{REJOIN_VAR} or {JOIN_AS_VAR} is set, but only an --elastic job takes members in"
         );
         return Ok(Connection {
             comm: join(&s.launch, &opts)?,

@@ -428,8 +428,14 @@ impl TrainOptions {
     /// with different settings is refused at rendezvous instead of hanging a collective.
     pub fn job_hash(&self, model: &ModelConfig, world: usize) -> u64 {
         let layout = match self.batch_plan(world).ok().and_then(|plan| plan.equal) {
-            Some((b, k)) => format!("b{b}|k{k}"),
-            None => format!("split{}", self.batch_split),
+            // An elastic job is one job over any membership: a new member cannot know the world of the
+            // moment, and the global batch (below) is what fixes the bits.
+            _ if self.elastic.is_some() => format!(
+                "elastic-b{}|k{}|split{}",
+                self.batch_size, self.grad_accum, self.batch_split
+            ),
+            Some((b, k)) => format!("world{world}|b{b}|k{k}"),
+            None => format!("world{world}|split{}", self.batch_split),
         };
         // The sync mode and the outer cadence decide when the ranks communicate; --elastic adds the joiner
         // agreement after every step (and the buddy shifts under the sharded update); --wire decides the
@@ -445,7 +451,7 @@ impl TrainOptions {
             None => "every-step".to_string(),
         };
         let text = format!(
-            "{}|world{world}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}|{}|{sync}|elastic{}|wire{}",
+            "{}|g{}|{layout}|t{}|steps{}|seed{}|{}|shuffle{}|verify{}|save{}|every{}|{}|{sync}|elastic{}|wire{}",
             model.hash_hex(),
             self.global_batch_for(world),
             self.seq_len,
@@ -515,6 +521,19 @@ mod tests {
         let distinct: std::collections::BTreeSet<_> = hashes.iter().collect();
         assert_eq!(distinct.len(), 4, "{hashes:?}");
         assert_eq!(outer(10).job_hash(&model, 2), hashes[1]);
+        // An elastic job's hash holds its global batch, not the world: a new member given the job's global
+        // batch computes it alone; without one, the global batch follows the world and so does the hash.
+        let fixed = TrainOptions {
+            global_batch: Some(24),
+            ..elastic.clone()
+        };
+        assert_eq!(fixed.job_hash(&model, 1), fixed.job_hash(&model, 3));
+        assert_ne!(elastic.job_hash(&model, 1), elastic.job_hash(&model, 3));
+        let static_job = TrainOptions {
+            global_batch: Some(24),
+            ..base.clone()
+        };
+        assert_ne!(static_job.job_hash(&model, 1), static_job.job_hash(&model, 3));
     }
 
     #[test]

@@ -190,16 +190,14 @@ pub(super) struct JoinDesk {
     /// Rank 0's own hello for the running epoch, which a join must match (but for job id and world).
     host: Hello,
     pub(super) first_job: u64,
-    first_world: usize,
     waiting: Arc<Mutex<Option<(u32, Joined)>>>,
 }
 
 impl JoinDesk {
-    pub(super) fn new(host: Hello, first_job: u64, first_world: usize) -> Self {
+    pub(super) fn new(host: Hello, first_job: u64) -> Self {
         JoinDesk {
             host,
             first_job,
-            first_world,
             waiting: Arc::default(),
         }
     }
@@ -218,7 +216,7 @@ impl JoinDesk {
         let Control::Hello(h) = &j.msg else {
             return Err((j, "not a hello".into()));
         };
-        if let Err(reason) = h.check_join(&self.host, self.first_job, self.first_world) {
+        if let Err(reason) = h.check_join(&self.host, self.first_job) {
             return Err((j, reason));
         }
         let member = h.rank as u32;

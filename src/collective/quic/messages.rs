@@ -62,25 +62,23 @@ impl Hello {
     /// Whether a member asking to join a running elastic job (`self`, a hello of the job's first epoch)
     /// may: the same protocol version, job, configuration and collective as `host` (rank 0's hello of
     /// the running epoch, whose job id is `first_job`), and a member id below [`crate::elastic::MAX_MEMBER_ID`]:
-    /// one of the first membership's ranks, or a new member's id past them.
-    pub fn check_join(&self, host: &Hello, first_job: u64, first_world: usize) -> Result<(), String> {
-        let me = Hello {
-            job_id: first_job,
-            world: first_world,
-            ..host.clone()
-        };
-        // A member id is a first rank, rank 0 included (it may have left and be coming back), or a new
-        // member's id past them.
+    /// one of the first membership's ranks, or a new member's id past them. The world size it gives is not
+    /// compared (see below).
+    pub fn check_join(&self, host: &Hello, first_job: u64) -> Result<(), String> {
         let max = crate::elastic::MAX_MEMBER_ID as usize;
         if self.rank >= max {
             return Err(format!("join refused: member id {} is not below {max}", self.rank));
         }
+        // The member id is checked above, and the world is not compared: the config hash holds the global
+        // batch, which is what a member must share (a new one cannot know the world of the moment).
+        let me = Hello {
+            job_id: first_job,
+            world: 2,
+            ..host.clone()
+        };
         let as_joiner = Hello {
-            rank: if self.rank == 0 || self.rank >= first_world {
-                1
-            } else {
-                self.rank
-            },
+            rank: 1,
+            world: 2,
             ..self.clone()
         };
         as_joiner.check_against(&me).map_err(|e| format!("join refused: {e}"))
@@ -235,37 +233,35 @@ mod tests {
         assert!(e.contains("protocol version"), "{e}");
         let e = Hello { rank: 4, ..ok.clone() }.check_against(&host).unwrap_err();
         assert!(e.contains("rank 4"), "{e}");
-        // Joins of a running elastic job (rank 0's hello of epoch 3, first epoch's job 7, first world 4): a
-        // first rank, 0 included, or a new member's id past them, below the bound; the first world counts.
+        // Joins of a running elastic job (rank 0's hello of epoch 3, the first epoch's job 7): a first rank,
+        // 0 included, or a new member's id past them, below the bound; whatever world size the member gives.
         let running = Hello {
             job_id: 99,
             world: 2,
             ..host.clone()
         };
-        for member in [0, 3, 4, 1000] {
+        for (member, world) in [(0, 4), (3, 4), (4, 1), (1000, 9)] {
             let asking = Hello {
                 rank: member,
+                world,
                 ..host.clone()
             };
-            assert!(asking.check_join(&running, 7, 4).is_ok(), "member {member}");
+            assert!(asking.check_join(&running, 7).is_ok(), "member {member}");
         }
         let too_large = Hello {
             rank: crate::elastic::MAX_MEMBER_ID as usize,
             ..host.clone()
         };
-        assert!(too_large
-            .check_join(&running, 7, 4)
-            .unwrap_err()
-            .contains("is not below"));
-        let other_world = Hello {
+        assert!(too_large.check_join(&running, 7).unwrap_err().contains("is not below"));
+        let other_config = Hello {
             rank: 5,
-            world: 3,
+            config_hash: 10,
             ..host.clone()
         };
-        assert!(other_world
-            .check_join(&running, 7, 4)
+        assert!(other_config
+            .check_join(&running, 7)
             .unwrap_err()
-            .contains("world size mismatch"));
+            .contains("config hash mismatch"));
         let e = Hello {
             collective: "flat".into(),
             ..ok.clone()

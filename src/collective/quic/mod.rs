@@ -617,9 +617,7 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
         Err(e) => (DataLinks::default(), Some(e)),
     };
     let joins = match (cfg.elastic_first, cfg.rank) {
-        (Some((first_job, first_world)), 0) => {
-            Some(JoinDesk::new(rendezvous::hello(cfg, None), first_job, first_world))
-        }
+        (Some((first_job, _)), 0) => Some(JoinDesk::new(rendezvous::hello(cfg, None), first_job)),
         _ => None,
     };
     let answer_joins = match (&joins, cfg.elastic_first) {
