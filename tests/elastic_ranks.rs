@@ -446,42 +446,50 @@ fn a_frozen_rank_that_wakes_after_the_re_form_leaves_without_disturbing_the_job(
     );
 }
 
+/// A 3-rank job of 300 steps under `launch --max-restarts 1` whose member `victim` crashes at step 10 and
+/// is started again: it must rejoin, and the job end with its full world and the bits of the 3 → 2 → 3
+/// history replayed in one process. Returns launch's stderr and the two changes member `reporter` recorded.
+fn crashed_and_restarted(update: UpdateMode, victim: usize, reporter: usize) -> (String, Vec<MembershipChange>) {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 300;
+    // One member slowed (bits unchanged), so that the job still runs when the restarted rank asks.
+    let slowed = if victim == 0 { 1 } else { 0 };
+    let out = launch_in(update, 3, steps, dir.path(), &["--max-restarts", "1"])
+        .env("RINGTRAIN_INJECT_FAULT", format!("kill={victim}:10,compute={slowed}:5"))
+        .output()
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("member {victim}: rejoined the running job at step")),
+        "{stderr}"
+    );
+    let m = metrics_of(dir.path(), reporter);
+    assert_eq!((m.last().unwrap().step, m.last().unwrap().world_size), (steps, 3));
+    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
+    assert_eq!(changes.len(), 2, "{changes:?}");
+    assert_eq!(changes[1].joined, vec![victim as u32]);
+    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
+    let history = replay_history_in(update, steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
+    assert_eq!(saved_hash(dir.path()), history);
+    (stderr, changes)
+}
+
 /// `launch --max-restarts 1`: the crashed rank is started again, asks the running job to take it back, and is
 /// admitted at a step boundary: the job ends with its full world and the bits of the history it went
 /// through (3 ranks, then 2, then 3 again).
 #[test]
 fn a_crashed_rank_restarted_by_launch_rejoins_and_the_job_ends_with_the_full_world() {
     let _one = one_job();
-    let dir = tempfile::tempdir().unwrap();
-    let steps = 300;
-    let out = launch_with(3, steps, dir.path(), &["--max-restarts", "1"])
-        // Member 0 slowed (bits unchanged), so that the job still runs when the restarted rank asks.
-        .env("RINGTRAIN_INJECT_FAULT", "kill=2:10,compute=0:5")
-        .output()
-        .unwrap();
-    let stderr = stderr_of(&out);
-    assert!(out.status.success(), "{stderr}");
+    let (stderr, changes) = crashed_and_restarted(UpdateMode::Replicated, 2, 0);
     assert!(
         stderr.contains("launch: restarting rank 2 to rejoin the job (restart 1 of 1)"),
         "{stderr}"
     );
-    assert!(
-        stderr.contains("member 2: rejoined the running job at step"),
-        "{stderr}"
-    );
-    let m = metrics_of(dir.path(), 0);
-    assert_eq!(m.last().unwrap().step, steps);
-    assert_eq!(m.last().unwrap().world_size, 3, "the job ends with the full world");
-    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
-    assert_eq!(changes.len(), 2, "{changes:?}");
     assert_eq!(
         (changes[0].members.clone(), changes[1].members.clone()),
         (vec![0, 1], vec![0, 1, 2])
     );
-    assert_eq!(changes[1].joined, vec![2]);
-    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
-    let history = replay_history(steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
-    assert_eq!(saved_hash(dir.path()), history);
 }
 
 /// The soak: `RINGTRAIN_SOAK_KILLS` (default 20) times, once the job is back to its full world, a rank
@@ -587,23 +595,8 @@ fn sharded_a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
 #[test]
 fn sharded_a_crashed_rank_restarted_by_launch_rejoins() {
     let _one = one_job();
-    let dir = tempfile::tempdir().unwrap();
-    let steps = 300;
-    let out = launch_in(UpdateMode::Sharded, 3, steps, dir.path(), &["--max-restarts", "1"])
-        // Member 0 slowed (bits unchanged), so that the job still runs when the restarted rank asks.
-        .env("RINGTRAIN_INJECT_FAULT", "kill=1:10,compute=0:5")
-        .output()
-        .unwrap();
-    let stderr = stderr_of(&out);
-    assert!(out.status.success(), "{stderr}");
-    let m = metrics_of(dir.path(), 0);
-    assert_eq!((m.last().unwrap().step, m.last().unwrap().world_size), (steps, 3));
-    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
-    assert_eq!(changes.len(), 2, "{changes:?}");
+    let (_, changes) = crashed_and_restarted(UpdateMode::Sharded, 1, 0);
     assert_eq!(changes[1].members, vec![0, 2, 1]);
-    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
-    let history = replay_history_in(UpdateMode::Sharded, steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
-    assert_eq!(saved_hash(dir.path()), history);
 }
 
 /// A 4-rank job under `--quorum any` that loses member 3 at step 3 and then `also` (a `regroup` fault) as
@@ -695,29 +688,11 @@ fn a_regroup_fault_without_elastic_is_refused() {
 #[test]
 fn member_0_restarted_by_launch_rejoins_through_the_other_ranks() {
     let _one = one_job();
-    let dir = tempfile::tempdir().unwrap();
-    let steps = 300;
-    let out = launch_with(3, steps, dir.path(), &["--max-restarts", "1"])
-        .env("RINGTRAIN_INJECT_FAULT", "kill=0:10,compute=1:10")
-        .output()
-        .unwrap();
-    let stderr = stderr_of(&out);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("member 0: rejoined the running job at step"),
-        "{stderr}"
-    );
-    let m = metrics_of(dir.path(), 1);
-    assert_eq!((m.last().unwrap().step, m.last().unwrap().world_size), (steps, 3));
-    let changes: Vec<_> = m.iter().filter_map(|m| m.membership.clone()).collect();
-    assert_eq!(changes.len(), 2, "{changes:?}");
+    let (_, changes) = crashed_and_restarted(UpdateMode::Replicated, 0, 1);
     assert_eq!(
         (changes[0].members.clone(), changes[1].members.clone()),
         (vec![1, 2], vec![1, 2, 0])
     );
-    let (lost_at, joined_at) = (changes[0].resumed_from_step, changes[1].resumed_from_step);
-    let history = replay_history(steps, &[(3, lost_at), (2, joined_at), (3, steps)]);
-    assert_eq!(saved_hash(dir.path()), history);
 }
 
 /// Ranks started by hand with listen ports; member 0 crashes. A process restarted as member 0 is told only
