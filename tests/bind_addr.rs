@@ -40,7 +40,7 @@ fn job_with_rank_0_bound_to(bind: &str, wildcard: &str, world: usize) -> Vec<Vec
         transport: ringtrain::collective::shm::LinkTransport::Quic,
         collective: Default::default(),
         epoch: 0,
-        elastic: None,
+        elastic: false,
     };
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
@@ -116,7 +116,7 @@ fn an_invalid_bind_address_is_refused_naming_the_variable() {
         transport: ringtrain::collective::shm::LinkTransport::Quic,
         collective: Default::default(),
         epoch: 0,
-        elastic: None,
+        elastic: false,
     };
     let e = format!("{:#}", join_with(&launch, &opts, &network).err().unwrap());
     assert!(e.contains("RINGTRAIN_BIND_ADDR=127.0.0.1 is a loopback address"), "{e}");
@@ -134,7 +134,7 @@ fn join_from_launch_env() {
         transport: ringtrain::collective::shm::LinkTransport::Quic,
         collective: Default::default(),
         epoch: 0,
-        elastic: None,
+        elastic: false,
     };
     // World size 1: no network at all.
     let solo = LaunchEnv {

@@ -131,7 +131,7 @@ fn train_through_relay(model: &ModelConfig, options: &TrainOptions, faults: Link
                     transport: ringtrain::collective::shm::LinkTransport::Quic,
                     collective: Default::default(),
                     epoch: 0,
-                    elastic: None,
+                    elastic: false,
                 };
                 // Each rank advertises its own front of the relay, whose port differs from the one it binds.
                 let front = relay.front(rank);

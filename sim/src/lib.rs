@@ -305,7 +305,7 @@ fn join_quic(cfg: &SimConfig, rank: usize, port: u16) -> Result<Box<dyn Collecti
         },
         collective: cfg.options.collective,
         epoch: 0,
-        elastic: None,
+        elastic: false,
     };
     dist::join_with(&launch, &opts, &NetworkEnv::default())
 }

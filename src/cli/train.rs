@@ -230,7 +230,7 @@ fn connect(s: &RunSetup) -> Result<Connection> {
         transport: s.transport,
         collective: s.opts.ring_to_form(),
         epoch: 0,
-        elastic: elastic.map(|_| s.launch.world_size),
+        elastic: elastic.is_some(),
     };
     if s.opts.ring_to_form() != s.opts.collective && s.launch.rank == 0 && s.launch.world_size > 1 {
         eprint_line(

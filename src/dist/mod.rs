@@ -56,9 +56,9 @@ pub struct JoinOptions {
     /// The membership epoch this join forms (0 at the start; an elastic re-form counts up), which gives
     /// the ring its own job id ([`elastic::epoch_job_id`]).
     pub epoch: u64,
-    /// An elastic job: its first world size (rank 0 then parks a member asking to join until the running
-    /// ranks admit it).
-    pub elastic: Option<usize>,
+    /// An elastic job: a member asking to join waits at rank 0 until the running ranks admit it (the other
+    /// ranks point it there), and a re-form's rendezvous ends with who is missing.
+    pub elastic: bool,
 }
 
 /// The job id: the value of [`JOB_ID_VAR`] when it is set (`value`), else `config_hash`. A value that is not
@@ -152,7 +152,7 @@ pub(crate) fn quic_config(launch: &LaunchEnv, opts: &JoinOptions, network: &Netw
     cfg.config_hash = opts.config_hash;
     let job = job_id(std::env::var(JOB_ID_VAR).ok().as_deref(), opts.config_hash)?;
     cfg.job_id = elastic::epoch_job_id(job, opts.epoch);
-    cfg.elastic_first = opts.elastic.map(|world| (job, world));
+    cfg.elastic_first = opts.elastic.then_some(job);
     cfg.transport = opts.transport;
     cfg.collective = opts.collective;
     cfg.host_id = network.host_id.clone();

@@ -152,10 +152,10 @@ pub struct QuicConfig {
     /// `--collective`: the flat ring or the two-level one ([`crate::collective::two_level`]); rank 0
     /// resolves it at rendezvous. `new` gives [`CollectiveChoice::Flat`].
     pub collective: CollectiveChoice,
-    /// An elastic job: its first epoch's job id and world size. Rank 0 then takes a late hello of that
-    /// job as a member asking to join (parked until the running ranks admit it, [`Collective::pending_join`])
-    /// instead of refusing it.
-    pub elastic_first: Option<(u64, usize)>,
+    /// An elastic job: its first epoch's job id. Rank 0 then takes a late hello of that job as a member
+    /// asking to join (parked until the running ranks admit it, [`Collective::pending_join`]) instead of
+    /// refusing it, and the other ranks point such a member to rank 0.
+    pub elastic_first: Option<u64>,
     /// The port a rank other than 0 binds (`None`: an ephemeral one).
     pub listen_port: Option<u16>,
 }
@@ -187,7 +187,7 @@ impl QuicConfig {
     /// Whether this join re-forms a running elastic job (an epoch after the first): its rendezvous then
     /// ends with a verdict on who is missing instead of failing the job.
     pub(crate) fn re_forming(&self) -> bool {
-        self.elastic_first.is_some_and(|(first, _)| first != self.job_id)
+        self.elastic_first.is_some_and(|first| first != self.job_id)
     }
 }
 
@@ -617,12 +617,12 @@ async fn setup(cfg: &QuicConfig, socket: UdpSocket, shared: Arc<Shared>) -> Resu
         Err(e) => (DataLinks::default(), Some(e)),
     };
     let joins = match (cfg.elastic_first, cfg.rank) {
-        (Some((first_job, _)), 0) => Some(JoinDesk::new(rendezvous::hello(cfg, None), first_job)),
+        (Some(first_job), 0) => Some(JoinDesk::new(rendezvous::hello(cfg, None), first_job)),
         _ => None,
     };
     let answer_joins = match (&joins, cfg.elastic_first) {
         (Some(desk), _) => Some(Joins::Desk(desk.clone())),
-        (None, Some((first_job, _))) => Some(Joins::Redirect {
+        (None, Some(first_job)) => Some(Joins::Redirect {
             first_job,
             to: ring.addrs[0],
         }),

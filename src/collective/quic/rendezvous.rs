@@ -161,7 +161,7 @@ async fn collect_hellos(cfg: &QuicConfig, listener: &mut Listener, deadline: Ins
         // A member asking to join while the running ranks re-form: it asks again once they run.
         let rejoining = cfg
             .elastic_first
-            .is_some_and(|(first, _)| first == hello.job_id && first != cfg.job_id);
+            .is_some_and(|first| first == hello.job_id && first != cfg.job_id);
         if rejoining {
             j.refuse(cfg.job_id, &listener.refusals, Cause::Refused, RE_FORMING.to_string());
             continue;
