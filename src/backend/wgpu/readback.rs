@@ -12,6 +12,7 @@
 //! - **Staging.** A view gets one MAP_READ staging buffer per 256 MiB (less where `max_buffer_size` says
 //!   so), so a larger view gets several, under one ticket. Finished ones are unmapped into a pool keyed by
 //!   size: the buckets of a training step are the same every step, so after the first step none is created.
+//!   A plain `download` (the loss, a norm) takes its staging buffers from the same pool and gives them back.
 //! - **Unfinished read-backs.** A dropped [`Download`] cannot tell the backend. Each `synchronize` reclaims
 //!   the read-backs begun before the previous `synchronize` (their staging buffers go back to the pool) and
 //!   frees the pooled buffers that no read-back used since then. So the staging held is at most what two
@@ -97,8 +98,17 @@ impl Readbacks {
     }
 
     /// A pooled staging buffer of exactly `bytes` bytes.
-    fn take(&mut self, bytes: u64) -> Option<wgpu::Buffer> {
+    pub(super) fn take(&mut self, bytes: u64) -> Option<wgpu::Buffer> {
         self.pool.get_mut(&bytes)?.pop().map(|idle| idle.buffer)
+    }
+
+    /// Puts an unmapped staging buffer into the pool.
+    pub(super) fn give(&mut self, buffer: wgpu::Buffer) {
+        let idle = Idle {
+            interval: self.interval,
+            buffer,
+        };
+        self.pool.entry(idle.buffer.size()).or_default().push(idle);
     }
 
     /// Unmaps `s` into the pool. One whose map failed, or is still pending (it could not be mapped again),
@@ -106,11 +116,7 @@ impl Readbacks {
     fn recycle(&mut self, s: Staged) {
         if matches!(s.mapped.get(), Some(Ok(()))) {
             s.buffer.unmap();
-            let idle = Idle {
-                interval: self.interval,
-                buffer: s.buffer,
-            };
-            self.pool.entry(idle.buffer.size()).or_default().push(idle);
+            self.give(s.buffer);
         }
     }
 

@@ -259,11 +259,15 @@ impl WgpuBackend {
     /// One staging round of [`read_back`](Self::read_back): appends `bytes` bytes to `out`.
     fn read_round(&mut self, pieces: &[Piece], bytes: u64, out: &mut Vec<u8>) -> Result<(), BackendError> {
         let device = &self.ctx.device;
-        let staging = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: bytes.max(4),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
+        // The step's reads are the same every step: their staging buffers come back from the pool.
+        let size = bytes.max(4);
+        let staging = self.readbacks.take(size).unwrap_or_else(|| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
         });
         let mut enc = device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         record_copies(&mut enc, pieces, &staging);
@@ -283,6 +287,7 @@ impl WgpuBackend {
         out.extend_from_slice(&mapped[..bytes as usize]);
         drop(mapped);
         staging.unmap();
+        self.readbacks.give(staging);
         Ok(())
     }
 }

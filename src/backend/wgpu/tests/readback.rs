@@ -241,3 +241,24 @@ fn dropped_read_backs_stay_bounded_without_synchronize() {
     assert!(is_invalid_view(&err), "{err:#}");
     be.synchronize().unwrap();
 }
+
+/// A plain `download` (a step's loss, a norm) takes its staging buffer from the pool and gives it back: the
+/// same read every step creates no new buffer, and one no read used for a whole interval is freed.
+#[test]
+fn plain_downloads_reuse_pooled_staging_buffers() {
+    let Some(mut be) = wgpu_or_skip(None) else { return };
+    let loss = be.alloc(1).unwrap();
+    for step in 0..3 {
+        be.fill(loss, step as f32);
+        assert_eq!(download(&mut be, loss), vec![step as f32]);
+        assert_eq!(
+            be.readbacks.pooled(),
+            1,
+            "step {step}: one staging buffer, taken and given back"
+        );
+        be.synchronize().unwrap();
+    }
+    be.synchronize().unwrap();
+    be.synchronize().unwrap();
+    assert_eq!(be.readbacks.pooled(), 0, "unused for a whole interval: freed");
+}
