@@ -584,6 +584,15 @@ fn sharded_crashed_ranks_chunks_come_from_their_buddies() {
     }
 }
 
+/// Sharded: a rank frozen with SIGSTOP; its optimizer chunk comes from its buddy.
+#[test]
+fn sharded_a_rank_frozen_with_sigstop_is_gone_on_without() {
+    let _one = one_job();
+    let (stderr, change) = lose_a_rank_in(UpdateMode::Sharded, "-STOP", 2, 60, 5);
+    assert!(stderr.contains("launch: rank 2 is stopped"), "{stderr}");
+    assert!(change.recovery_ms < 6_000.0 + 2_000.0, "{change:?}");
+}
+
 #[test]
 fn sharded_a_rank_killed_with_sigkill_at_an_unplanned_step_is_survived() {
     let _one = one_job();
