@@ -427,15 +427,17 @@ impl TrainOptions {
     /// whatever decides which collectives run (verification, checkpoint gathers), so that a rank started
     /// with different settings is refused at rendezvous instead of hanging a collective.
     pub fn job_hash(&self, model: &ModelConfig, world: usize) -> u64 {
-        let layout = match self.batch_plan(world).ok().and_then(|plan| plan.equal) {
-            // An elastic job is one job over any membership: a new member cannot know the world of the
-            // moment, and the global batch (below) is what fixes the bits.
-            _ if self.elastic.is_some() => format!(
+        // An elastic job is one job over any membership: a new member cannot know the world of the moment,
+        // and the global batch (below) is what fixes the bits.
+        let layout = match self.elastic {
+            Some(_) => format!(
                 "elastic-b{}|k{}|split{}",
                 self.batch_size, self.grad_accum, self.batch_split
             ),
-            Some((b, k)) => format!("world{world}|b{b}|k{k}"),
-            None => format!("world{world}|split{}", self.batch_split),
+            None => match self.batch_plan(world).ok().and_then(|plan| plan.equal) {
+                Some((b, k)) => format!("world{world}|b{b}|k{k}"),
+                None => format!("world{world}|split{}", self.batch_split),
+            },
         };
         // The sync mode and the outer cadence decide when the ranks communicate; --elastic adds the joiner
         // agreement after every step (and the buddy shifts under the sharded update); --wire decides the
