@@ -450,10 +450,27 @@ fn overlapped(every: u64, steps: u64) -> TrainOptions {
     }
 }
 
-/// `--outer-overlap on`: the ranks still hold the same bits after every outer step, under both update
-/// modes (which agree), and a rerun gives the same bits.
+/// What a rank of an overlapped run holds after each step: its metrics, the fingerprints of its device's
+/// parameters and of the shared ones, and whether the device's are its own.
+type OverlapTrace = Vec<(StepMetrics, String, String, bool)>;
+
+fn run_overlapped(world: usize, options: &TrainOptions) -> Vec<OverlapTrace> {
+    on_each_rank(world, options, fresh, |t| {
+        let mut out = Vec::new();
+        while t.step() < options.steps {
+            let m = t.train_step().unwrap();
+            let own = t.holds_own_params();
+            out.push((m, t.param_hash().unwrap(), t.shared_param_hash().unwrap(), own));
+        }
+        out
+    })
+}
+
+/// `--outer-overlap on`: the shared parameters are the same bits on every rank after every outer step,
+/// while each rank works on its own (the shared ones plus its own last round); the run's end puts the same
+/// final model on every rank. Both update modes agree, and a rerun gives the same bits.
 #[test]
-fn overlapped_outer_steps_keep_the_replicas_identical_and_the_run_deterministic() {
+fn overlapped_outer_steps_keep_the_shared_parameters_identical_and_the_run_deterministic() {
     let finals: Vec<String> = [UpdateMode::Sharded, UpdateMode::Replicated]
         .into_iter()
         .map(|update| {
@@ -461,19 +478,30 @@ fn overlapped_outer_steps_keep_the_replicas_identical_and_the_run_deterministic(
                 update,
                 ..overlapped(2, 6)
             };
-            let ranks = run(3, &opts);
+            let ranks = run_overlapped(3, &opts);
             for step in [1, 3, 5] {
                 assert!(
-                    ranks.iter().all(|r| r[step].1 == ranks[0][step].1),
-                    "{update:?}, step {}",
+                    ranks.iter().all(|r| r[step].2 == ranks[0][step].2),
+                    "{update:?}, step {}: the shared parameters",
                     step + 1
                 );
             }
-            assert_ne!(ranks[0][2].1, ranks[1][2].1, "between outer steps the ranks differ");
+            for step in [1, 3] {
+                assert!(ranks.iter().all(|r| r[step].3), "{update:?}, step {}", step + 1);
+                assert!(
+                    ranks.windows(2).all(|w| w[0][step].1 != w[1][step].1),
+                    "{update:?}, step {}: each rank keeps its own round",
+                    step + 1
+                );
+            }
+            // The run's end: every rank holds the last outer step.
+            assert!(ranks
+                .iter()
+                .all(|r| !r[5].3 && r[5].1 == ranks[0][5].1 && r[5].2 == r[5].1));
             // The first outer step has no earlier one to apply; each later one reports the round before.
-            let reported: Vec<bool> = ranks[0].iter().map(|(m, _)| m.outer.is_some()).collect();
+            let reported: Vec<bool> = ranks[0].iter().map(|(m, ..)| m.outer.is_some()).collect();
             assert_eq!(reported, [false, false, false, true, false, true], "{update:?}");
-            assert_eq!(run(3, &opts)[0][5].1, ranks[0][5].1, "{update:?}: a rerun");
+            assert_eq!(run_overlapped(3, &opts)[0][5].1, ranks[0][5].1, "{update:?}: a rerun");
             ranks[0][5].1.clone()
         })
         .collect();
@@ -482,11 +510,12 @@ fn overlapped_outer_steps_keep_the_replicas_identical_and_the_run_deterministic(
     assert_ne!(plain[0][5].1, finals[0], "the delayed outer step is another trajectory");
 }
 
-/// One rank: the first outer step puts the run's start back (it has no earlier step to apply), the second
-/// applies the first round's Nesterov step to it, one round late, and the run's last step puts its own
-/// outer step on the device.
+/// One rank: the first outer step leaves the rank on its own parameters (nothing to apply yet), so the
+/// second round trains as plain training does; the second outer step applies the first round's Nesterov
+/// step to the start and adds the second round's own progress back; the run's last step puts its own outer
+/// step on the device.
 #[test]
-fn an_overlapped_outer_step_is_applied_one_round_late() {
+fn an_overlapped_outer_step_is_applied_one_round_late_keeping_the_rank_s_progress() {
     let (every, steps) = (2, 6);
     let opts = overlapped(every, steps);
     let plain = TrainOptions {
@@ -495,29 +524,78 @@ fn an_overlapped_outer_step_is_applied_one_round_late() {
     };
     let mut t = trainer(&plain, single_rank());
     let start = t.params().unwrap();
-    while t.step() < every {
+    let mut trained = Vec::new();
+    while t.step() < 2 * every {
         t.train_step().unwrap();
+        trained.push(t.params().unwrap());
     }
-    let first_round = t.params().unwrap();
+    let (first_round, second_round) = (&trained[1], &trained[3]);
+    let start_loss = trainer(&opts, single_rank()).evaluate().unwrap();
     let mut t = trainer(&opts, single_rank());
     let mut after = Vec::new();
     while t.step() < steps {
         t.train_step().unwrap();
-        after.push(t.params().unwrap());
+        after.push((t.params().unwrap(), t.shared_params().unwrap()));
+        if t.step() == every {
+            // Evaluation reads the shared parameters (the start, here) and leaves the rank's own in place.
+            assert_eq!(t.evaluate().unwrap(), start_loss);
+            assert_eq!(t.params().unwrap(), after[1].0);
+        }
     }
-    assert_eq!(after[1], start, "the second round starts from the run's start");
+    assert_eq!(
+        &after[1].0, first_round,
+        "the first round goes on from the rank's own parameters"
+    );
+    assert_eq!(
+        after[1].1, start,
+        "the shared parameters are the start until an outer step is applied"
+    );
+    assert_eq!(&after[2].0, &trained[2], "the second round trains as plain training");
     let (lr, mu) = (0.7f32, 0.9f32);
     for i in 0..start.len() {
         let delta = start[i] - first_round[i];
-        let expected = start[i] - lr * (delta + mu * delta);
-        assert_eq!(after[3][i].to_bits(), expected.to_bits(), "element {i}");
+        let shared = start[i] - lr * (delta + mu * delta);
+        assert_eq!(after[3].1[i].to_bits(), shared.to_bits(), "shared element {i}");
+        let own = shared - (first_round[i] - second_round[i]);
+        assert_eq!(after[3].0[i].to_bits(), own.to_bits(), "element {i}");
     }
-    assert_ne!(after[5], after[3], "the last outer step is on the device at the end");
+    assert_eq!(
+        after[5].0, after[5].1,
+        "the last outer step is on the device at the end"
+    );
+    assert_ne!(after[5].0, after[3].1);
 }
 
-/// A checkpoint of `--outer-overlap on` holds the outer step still to apply: resumed at an outer step, in
-/// a round, and from the end of a shorter run (whose model files hold its last outer step, applied early),
-/// the run ends with the bits of one that never stopped. A run without overlap refuses it.
+/// Several ranks: the shared parameters the second overlapped outer step applies are the Nesterov step on
+/// the mean of the ranks' first-round changes (within float rounding of the ring's mean).
+#[test]
+fn the_overlapped_shared_parameters_are_the_outer_step_on_the_mean_change() {
+    let opts = overlapped(2, 6);
+    let ranks = on_each_rank(3, &opts, fresh, |t| {
+        let start = t.params().unwrap();
+        let mut after = Vec::new();
+        while t.step() < 4 {
+            t.train_step().unwrap();
+            after.push((t.params().unwrap(), t.shared_params().unwrap()));
+        }
+        (start, after)
+    });
+    let start = &ranks[0].0;
+    let (lr, mu) = (0.7f32, 0.9f32);
+    let mut worst = 0f32;
+    for i in 0..start.len() {
+        let mean: f32 = ranks.iter().map(|(_, a)| start[i] - a[1].0[i]).sum::<f32>() / 3.0;
+        let expected = start[i] - lr * (mean + mu * mean);
+        worst = worst.max((ranks[0].1[3].1[i] - expected).abs());
+    }
+    assert!(worst <= 1e-6, "largest difference {worst}");
+    assert!(ranks.iter().all(|(_, a)| a[3].1 == ranks[0].1[3].1));
+}
+
+/// A checkpoint of `--outer-overlap on` holds the outer step still to apply and each rank's round start:
+/// resumed at an outer step, in a round, and from the end of a shorter run (whose model files hold its last
+/// outer step, applied early), the run ends with the bits of one that never stopped. A run without overlap
+/// refuses it.
 #[test]
 fn an_overlapped_run_resumes_exactly() {
     let dir = tempfile::tempdir().unwrap();

@@ -8,7 +8,9 @@
 #
 # tokens/s is the median of the steps' own figures after the first tenth (outer mode: whole rounds of H
 # steps, so its outer steps count at their share). RINGTRAIN_BIN overrides the binary; WIRES (default
-# "bf16 int8") the compact formats run.
+# "bf16 int8") the compact formats run; OUTER_EVERY (default H) the values of --outer-every run, each
+# plain and overlapped; DATA a corpus directory (`ringtrain tokenize --tokenizer byte` output) instead of
+# the built-in one.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -18,10 +20,14 @@ N=${1:-2}
 RATE=${2:-50mbit}
 STEPS=${3:-200}
 H=${4:-50}
-((STEPS % H == 0)) || hosts_die "STEPS ($STEPS) must be a multiple of H ($H)"
+OUTER_EVERY=${OUTER_EVERY:-$H}
+for h in $OUTER_EVERY; do
+  ((STEPS % h == 0)) || hosts_die "STEPS ($STEPS) must be a multiple of every H ($h)"
+done
 hosts_job_setup outer "$ROOT"
 TRAIN=(train --model small --batch-size 8 --seq-len 128 --steps "$STEPS" --eval-every "$STEPS" --eval-batches 16
   --update replicated --threads 1 --backend cpu)
+if [ -n "${DATA:-}" ]; then TRAIN+=(--data "$DATA"); fi
 
 hosts_up "$N" "$RATE"
 job() { # NAME FLAGS...
@@ -46,15 +52,17 @@ for wire in $WIRES; do
   echo "== every-step sync with --wire $wire on $N hosts at $RATE"
   job "every-$wire" --wire "$wire"
 done
-echo "== --sync outer --outer-every $H on $N hosts at $RATE"
-job outer --sync outer --outer-every "$H"
-echo "== --sync outer --outer-every $H --outer-overlap on on $N hosts at $RATE"
-job outer-overlap --sync outer --outer-every "$H" --outer-overlap on
+for h in $OUTER_EVERY; do
+  echo "== --sync outer --outer-every $h on $N hosts at $RATE"
+  job "outer-$h" --sync outer --outer-every "$h"
+  echo "== --sync outer --outer-every $h --outer-overlap on on $N hosts at $RATE"
+  job "outer-overlap-$h" --sync outer --outer-every "$h" --outer-overlap on
+done
 
-python3 - "$WORK" "$N" "$RATE" "$STEPS" "$H" $WIRES << 'PY'
+python3 - "$WORK" "$N" "$RATE" "$STEPS" "$OUTER_EVERY" $WIRES << 'PY'
 import json, statistics, sys
-work, n, rate, steps, h = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-wires = sys.argv[6:]
+work, n, rate, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+hs, wires = sys.argv[5].split(), sys.argv[6:]
 
 def read(name):
     rows = [json.loads(line) for line in open(f"{work}/{name}.jsonl")]
@@ -71,7 +79,8 @@ single, _, single_val, _ = read("single")
 print(f"{n} hosts at {rate}, small 8 x 128 per rank, {steps} steps; one rank alone {single:,.0f} tokens/s, "
       f"so N x single = {n * single:,.0f}")
 runs = [("every", "every-step")] + [(f"every-{w}", f"every {w}") for w in wires]
-runs += [("outer", f"outer H={h}"), ("outer-overlap", f"overlap H={h}")]
+for h in hs:
+    runs += [(f"outer-{h}", f"outer H={h}"), (f"outer-overlap-{h}", f"overlap H={h}")]
 for name, label in runs:
     median, mean, val, sent = read(name)
     print(f"{label:12s} {mean:,.0f} tokens/s over the steps ({mean / (n * single):.2f}x N x single; median step "

@@ -69,7 +69,12 @@ pub struct RankTrace {
     /// The step (from 1) of each entry of `losses` and `hashes`.
     pub steps: Vec<u64>,
     pub losses: Vec<f64>,
+    /// The fingerprint of the parameters on the worker's device.
     pub hashes: Vec<String>,
+    /// The fingerprint of the parameters every replica must hold alike: the device's, except where the
+    /// worker holds its own by design (`--sync outer` between outer steps, and with `--outer-overlap on`
+    /// after them), where it is the shared parameters' (`Trainer::shared_param_hash`).
+    pub shared_hashes: Vec<String>,
     /// Steps (counted from 1) skipped for a non-finite loss or gradient norm.
     pub skipped: Vec<u64>,
     /// With a `flip` on this rank: its parameter fingerprint right after the flip.
@@ -92,6 +97,7 @@ impl RankTrace {
             steps: Vec::new(),
             losses: Vec::new(),
             hashes: Vec::new(),
+            shared_hashes: Vec::new(),
             skipped: Vec::new(),
             hash_after_flip: None,
             splits: Vec::new(),
@@ -105,6 +111,12 @@ impl RankTrace {
     pub fn at(&self, step: u64) -> Option<(f64, &str)> {
         let i = self.steps.iter().position(|&s| s == step)?;
         Some((self.losses[i], self.hashes[i].as_str()))
+    }
+
+    /// This worker's shared-parameter fingerprint after step `step` (from 1), if it recorded that step.
+    pub fn shared_at(&self, step: u64) -> Option<&str> {
+        let i = self.steps.iter().position(|&s| s == step)?;
+        Some(self.shared_hashes[i].as_str())
     }
 }
 
@@ -128,13 +140,14 @@ impl SimReport {
             .unwrap_or(0)
     }
 
-    /// First (step, worker) whose fingerprint differs from the first worker that recorded that step.
+    /// First (step, worker) whose shared-parameter fingerprint differs from the first worker that recorded
+    /// that step.
     pub fn first_divergence(&self) -> Option<(usize, usize)> {
         let every = self.agree_every.max(1) as usize;
         for step in (every..=self.last_step() as usize).step_by(every).map(|s| s as u64) {
             let mut reference = None;
             for (rank, trace) in self.ranks.iter().enumerate() {
-                let Some((_, hash)) = trace.at(step) else { continue };
+                let Some(hash) = trace.shared_at(step) else { continue };
                 match reference {
                     None => reference = Some(hash),
                     Some(r) if r != hash => return Some((step as usize, rank)),
@@ -263,7 +276,13 @@ impl<B: Backend> RunObserver<B> for Recorder {
     fn step(&mut self, trainer: &mut Trainer<B>, m: &StepMetrics) -> Result<()> {
         self.trace.steps.push(m.step);
         self.trace.losses.push(m.loss);
-        self.trace.hashes.push(trainer.param_hash()?);
+        let device = trainer.param_hash()?;
+        let shared = match trainer.holds_own_params() {
+            true => trainer.shared_param_hash()?,
+            false => device.clone(),
+        };
+        self.trace.hashes.push(device);
+        self.trace.shared_hashes.push(shared);
         if m.skipped {
             self.trace.skipped.push(m.step);
         }

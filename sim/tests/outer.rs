@@ -30,3 +30,32 @@ fn workers_agree_after_every_outer_step_under_both_update_modes() {
     }
     assert_eq!(finals[0], finals[1]);
 }
+
+/// `--outer-overlap on`: the harness compares the shared parameters at the outer steps, where each worker's
+/// device holds its own (the shared ones plus its last round); they agree, and at the end so do the devices.
+#[test]
+fn overlapped_workers_agree_on_the_shared_parameters_after_every_outer_step() {
+    let outer = OuterOptions {
+        every: 3,
+        lr: 0.7,
+        momentum: 0.9,
+        overlap: true,
+    };
+    for update in [UpdateMode::Sharded, UpdateMode::Replicated] {
+        let run = Cluster::new(3).update(update).outer_sync(outer).run(9).unwrap();
+        assert!(run.replicas_identical(), "{update:?}: {:?}", run.first_divergence());
+        let at = |s: u64| -> (Vec<&str>, Vec<&str>) {
+            let ranks = &run.report.ranks;
+            let device = ranks.iter().map(|r| r.at(s).unwrap().1).collect();
+            (device, ranks.iter().map(|r| r.shared_at(s).unwrap()).collect())
+        };
+        let (device, shared) = at(6);
+        assert!(device.windows(2).any(|w| w[0] != w[1]), "{update:?}");
+        assert!(shared.windows(2).all(|w| w[0] == w[1]), "{update:?}");
+        let (device, shared) = at(9);
+        assert!(
+            device.windows(2).all(|w| w[0] == w[1]) && device == shared,
+            "{update:?}"
+        );
+    }
+}

@@ -12,7 +12,7 @@ use ringtrain::optim::schedule::{LrScaling, ScheduleKind};
 use ringtrain::optim::{AdamWConfig, LrSchedule};
 use ringtrain::trainer::{
     bucket_elems, OnDivergence, OnNonFinite, OuterOptions, SyncMode, TrainOptions, UpdateMode, DEFAULT_OUTER_EVERY,
-    DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, MAX_BUCKET_MB,
+    DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_OVERLAPPED_OUTER_MOMENTUM, MAX_BUCKET_MB,
 };
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -149,7 +149,7 @@ pub struct TrainArgs {
     /// With --sync outer: the outer learning rate [default: 0.7]
     #[arg(long, allow_negative_numbers = true)]
     pub outer_lr: Option<f64>,
-    /// With --sync outer: the outer Nesterov momentum [default: 0.9]
+    /// With --sync outer: the outer Nesterov momentum [default: 0.9; 0.5 with --outer-overlap on]
     #[arg(long, allow_negative_numbers = true)]
     pub outer_momentum: Option<f64>,
     /// With --sync outer: run each outer step on the communication thread while the next round trains, and
@@ -399,16 +399,23 @@ impl TrainArgs {
                 bail!("--outer-every, --outer-lr, --outer-momentum and --outer-overlap apply to --sync outer only")
             }
             None | Some("every-step") => SyncMode::EveryStep,
-            Some("outer") => SyncMode::Outer(OuterOptions {
-                every: self.outer_every.unwrap_or(DEFAULT_OUTER_EVERY),
-                lr: self.outer_lr.unwrap_or(DEFAULT_OUTER_LR),
-                momentum: self.outer_momentum.unwrap_or(DEFAULT_OUTER_MOMENTUM),
-                overlap: match self.outer_overlap.as_deref() {
+            Some("outer") => {
+                let overlap = match self.outer_overlap.as_deref() {
                     None | Some("off") => false,
                     Some("on") => true,
                     Some(other) => bail!("--outer-overlap {other:?}: expected on or off"),
-                },
-            }),
+                };
+                let default_momentum = match overlap {
+                    true => DEFAULT_OVERLAPPED_OUTER_MOMENTUM,
+                    false => DEFAULT_OUTER_MOMENTUM,
+                };
+                SyncMode::Outer(OuterOptions {
+                    every: self.outer_every.unwrap_or(DEFAULT_OUTER_EVERY),
+                    lr: self.outer_lr.unwrap_or(DEFAULT_OUTER_LR),
+                    momentum: self.outer_momentum.unwrap_or(default_momentum),
+                    overlap,
+                })
+            }
             Some(other) => bail!("--sync {other:?}: expected every-step or outer"),
         };
         let wire = self.wire.unwrap_or_default();
@@ -491,6 +498,27 @@ mod tests {
             ..TrainArgs::default()
         };
         assert_eq!(args.merged_with_file().unwrap().steps, Some(3));
+    }
+
+    /// `--sync outer`'s defaults: DiLoCo's momentum for the plain outer step, a lower one for the delayed
+    /// (overlapped) step; a momentum given on the command line wins in both.
+    #[test]
+    fn the_outer_momentum_default_depends_on_overlap() {
+        let outer = |overlap: Option<&str>, momentum: Option<f64>| {
+            let args = TrainArgs {
+                sync: Some("outer".into()),
+                outer_overlap: overlap.map(str::to_string),
+                outer_momentum: momentum,
+                steps: Some(100),
+                ..TrainArgs::default()
+            };
+            args.resolve(&ModelConfig::tiny(), 2).unwrap().sync.outer().unwrap()
+        };
+        assert_eq!(outer(None, None).momentum, DEFAULT_OUTER_MOMENTUM);
+        assert_eq!(outer(Some("off"), None).momentum, DEFAULT_OUTER_MOMENTUM);
+        assert_eq!(outer(Some("on"), None).momentum, DEFAULT_OVERLAPPED_OUTER_MOMENTUM);
+        assert_eq!(outer(Some("on"), Some(0.8)).momentum, 0.8);
+        assert_eq!(outer(None, Some(0.0)).momentum, 0.0);
     }
 
     /// No flags: the trainer's defaults, which are the values the command line has always resolved.

@@ -26,6 +26,8 @@ pub(super) fn u64_from_f32_pair(pair: [f32; 2]) -> u64 {
 /// Each rank's outer round under way (its own inner losses, then its inner optimizer step as an f32 pair)
 /// in a `--sync outer` checkpoint.
 pub(super) const INNER_ROUND: &str = "inner_round";
+/// Each rank's own round start in a `--sync outer --outer-overlap on` checkpoint.
+pub(super) const INNER_ROUND_START: &str = "inner_round_start";
 /// What every per-rank tensor name starts with.
 pub(super) const INNER_PREFIX: &str = "inner_";
 
@@ -42,8 +44,9 @@ impl<B: Backend> Trainer<B> {
             None => self.sync.checkpoint_state(&mut self.be, &self.comm)?,
         };
         if let Some(outer) = self.opts.sync.outer() {
-            // Between outer steps every rank's parameters are its own: each is kept, and the model files
-            // hold the shared parameters of the last outer step (what `sample` and `--init` read).
+            // Between outer steps every rank's parameters are its own: each is kept (with --outer-overlap on,
+            // each rank's round start too), and the model files hold the newest shared parameters (what
+            // `sample` and `--init` read).
             let mid_round = self.step % outer.every != 0;
             let local = mid_round.then_some(params.as_slice());
             let mut round = sync
@@ -51,12 +54,10 @@ impl<B: Backend> Trainer<B> {
                 .context("the outer sync kept no round")?;
             // With this rank's inner optimizer step: each rank skips its own non-finite steps.
             round.extend(u64_as_f32_pair(self.opt.step));
-            sync.extend(self.gather_inner_state(&m, &v, &round, local)?);
-            if mid_round {
-                params = sync
-                    .get(super::outer_sync::ANCHOR)
-                    .context("the outer sync kept no anchor")?
-                    .clone();
+            let round_start = sync.remove(super::outer_sync::ROUND_START);
+            sync.extend(self.gather_inner_state(&m, &v, &round, local, round_start.as_deref())?);
+            if let Some(shared) = self.sync.shared_params() {
+                params = shared.to_vec();
             }
         }
         if self.rank != 0 {
@@ -94,8 +95,9 @@ impl<B: Backend> Trainer<B> {
     /// `--sync outer`: every other rank's inner moments (`m`, `v` are this rank's), which differ from rank
     /// 0's by design, as sync tensors `inner_exp_avg.rank<R>` and `inner_exp_avg_sq.rank<R>`, every rank's
     /// outer round under way (`round`, its own inner losses) as `inner_round.rank<R>`, and between
-    /// outer steps every rank's own parameters (`local`) as `inner_params.rank<R>` (rank 0's too), for rank
-    /// 0 to write, so that a resume continues each rank with its own bits. Collective: each rank broadcasts
+    /// outer steps every rank's own parameters (`local`) as `inner_params.rank<R>` (rank 0's too), and with
+    /// `--outer-overlap on` every rank's round start as `inner_round_start.rank<R>`, for rank 0 to write, so
+    /// that a resume continues each rank with its own bits. Collective: each rank broadcasts
     /// its tensors in turn (one `[P]` buffer at a time on every rank); the others' state is empty.
     fn gather_inner_state(
         &mut self,
@@ -103,6 +105,7 @@ impl<B: Backend> Trainer<B> {
         v: &[f32],
         round: &[f32],
         local: Option<&[f32]>,
+        round_start: Option<&[f32]>,
     ) -> Result<super::sync::SyncState> {
         let mut state = super::sync::SyncState::new();
         for root in 0..self.world {
@@ -111,6 +114,7 @@ impl<B: Backend> Trainer<B> {
                 tensors.extend([(INNER_M, m), (INNER_V, v)]);
             }
             tensors.extend(local.map(|p| (INNER_P, p)));
+            tensors.extend(round_start.map(|p| (INNER_ROUND_START, p)));
             for (name, mine) in tensors {
                 let mut buf = if self.rank == root {
                     mine.to_vec()

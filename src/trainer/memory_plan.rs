@@ -70,8 +70,8 @@ struct PlanShape {
     rebuilds: bool,
     /// `--sync outer`: the anchor and the outer step's buffer on the host instead of the gradient staging.
     outer: bool,
-    /// `--outer-overlap on`: at an outer step, the finished step's parameters arrive while the round's Δ and
-    /// the anchor are still held.
+    /// `--outer-overlap on`: this rank's round start `[P]`, and at an outer step the finished step's
+    /// parameters arrive while the round's Δ and the anchor are still held.
     outer_overlap: bool,
     /// `--update sharded`.
     sharded: bool,
@@ -128,7 +128,7 @@ impl MemoryPlan {
             (true, _) => 3 * p * F32,
             (false, true) => 2 * p * F32,
             (false, false) => 0,
-        } + u64::from(shape.outer_overlap) * p * F32;
+        } + u64::from(shape.outer_overlap) * 2 * p * F32;
         let init_copy = if shape.resume { 3 * p * F32 } else { p * F32 };
         // Both full moments and the gathered pieces (at most two chunks per rank over every rank).
         let init_copy = if shape.rebuilds {
@@ -503,11 +503,12 @@ mod tests {
         assert_eq!(cpu_plan(&cfg, &opts, (1, 0)).staging, 3 * p * F32);
         opts.update = UpdateMode::Replicated;
         assert_eq!(cpu_plan(&cfg, &opts, (4, 0)).staging, 3 * p * F32);
-        // Overlapped, the finished outer step's parameters arrive beside Δ and the anchor.
+        // Overlapped, the rank's round start, and the finished outer step's parameters arriving beside Δ
+        // and the anchor.
         if let SyncMode::Outer(o) = &mut opts.sync {
             o.overlap = true;
         }
-        assert_eq!(cpu_plan(&cfg, &opts, (4, 0)).staging, 4 * p * F32);
+        assert_eq!(cpu_plan(&cfg, &opts, (4, 0)).staging, 5 * p * F32);
     }
 
     /// The case from the issue tracker: gpt2 at batch 64 x 1024 needs about 24e9 floats of activations.

@@ -61,7 +61,7 @@ pub use memory_plan::{host_available, measured_peak, Available, MemoryPlan};
 pub use options::{
     bucket_elems, default_batch_size, default_lr, OnDivergence, OnNonFinite, OuterOptions, SyncMode, TrainOptions,
     UpdateMode, DEFAULT_BATCH_SIZE, DEFAULT_BUCKET_MB, DEFAULT_OUTER_EVERY, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM,
-    DEFAULT_STEPS, MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, SMALL_BATCH_SIZE,
+    DEFAULT_OVERLAPPED_OUTER_MOMENTUM, DEFAULT_STEPS, MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, SMALL_BATCH_SIZE,
 };
 
 /// Where the parameters of a new run come from.
@@ -380,7 +380,11 @@ impl<B: Backend> Trainer<B> {
                     .get(&format!("{}.rank{rank}", checkpointing::INNER_ROUND))
                     .cloned()
                     .context("--resume: no outer round for this rank")?;
+                let round_start = sync_state.remove(&format!("{}.rank{rank}", checkpointing::INNER_ROUND_START));
                 sync_state.retain(|k, _| !k.starts_with(checkpointing::INNER_PREFIX));
+                if let Some(start) = round_start {
+                    sync_state.insert(outer_sync::ROUND_START.to_string(), start);
+                }
                 ensure!(
                     round.len() == 5,
                     "--resume: this rank's outer round has {} values, not 5",
@@ -841,8 +845,23 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Mean loss over the validation batches (the first windows of the validation stream, in order).
+    /// Uses the parameters every rank holds alike: when the device holds this rank's own (`--sync outer`
+    /// with `--outer-overlap on`), the shared ones are put there for the evaluation and this rank's own
+    /// put back after it.
     pub fn evaluate(&mut self) -> Result<Option<f64>> {
         self.settle_params()?;
+        let Some(shared) = self.sync.shared_params().map(<[f32]>::to_vec) else {
+            return self.evaluate_device_params();
+        };
+        let own = self.model.download_params(&mut self.be)?;
+        self.be.upload(self.model.params, &shared)?;
+        let loss = self.evaluate_device_params();
+        self.be.upload(self.model.params, &own)?;
+        loss
+    }
+
+    /// The mean validation loss of the parameters on the device.
+    fn evaluate_device_params(&mut self) -> Result<Option<f64>> {
         let Some(val) = &self.val else { return Ok(None) };
         let (b, t) = (self.opts.batch_size, self.opts.seq_len);
         let batches = eval_windows(val.n_windows(t), self.opts.eval_batches, b);

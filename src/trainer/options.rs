@@ -86,6 +86,10 @@ pub const DEFAULT_OUTER_LR: f64 = 0.7;
 /// `--outer-momentum` by default: DiLoCo's Nesterov momentum.
 pub const DEFAULT_OUTER_MOMENTUM: f64 = 0.9;
 
+/// `--outer-momentum` by default with `--outer-overlap on`: a Δ applied one round late overshoots with
+/// DiLoCo's 0.9, which corrects itself only a round later (BENCHMARKS.md, "Outer synchronisation").
+pub const DEFAULT_OVERLAPPED_OUTER_MOMENTUM: f64 = 0.5;
+
 /// How the ranks stay together (`--sync`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum SyncMode {

@@ -18,22 +18,24 @@
 //! The whole outer step (reduction, outer optimizer, gather, the round's scalars) runs as one job on the
 //! communication thread. By default the step waits for it, at the end of the round: exposed.
 //!
-//! `--outer-overlap on` runs it while the next round trains and applies it one round late (the "delayed"
-//! outer gradient of the local-SGD literature): at the end of round k each rank takes Δ_k against the
-//! parameters round k started from, applies the outer step of round k−1 (waited for only now) to get the
-//! next round's start, and starts round k's outer step from that start on the communication thread. So
-//! every round but the first starts from the shared parameters of the outer step before it, every rank
-//! holds the same bits at every outer step, and the bits depend on no timing. The price is staleness: Δ_k
-//! was measured from parameters one outer step older than those it is applied to, and the second round
-//! starts from the run's start again. At the run's last step its outer step is waited for and put on the
-//! device, so the final model holds every round; the anchor stays the last round's start, so a resumed
-//! run continues exactly (a resume at a round's start puts the anchor back on the device).
+//! `--outer-overlap on` runs it while the next round trains and applies it one round late (the delayed
+//! outer gradient of the local-SGD literature), keeping each rank's own progress: at the end of round k a
+//! rank takes Δ_k against the parameters its round k started from, waits for round k−1's outer step (run
+//! during round k) and makes its result the new shared parameters A, starts round k+1 from A − Δ_k (the
+//! shared parameters plus its own progress of round k, which the outer step now in flight will replace by
+//! the average), and starts round k's outer step from A on the communication thread. Every round's
+//! averaged progress enters A once, and nothing depends on timing; the price is that Δ_k is applied one
+//! outer step late. So the shared parameters (the anchor, and the outer step's result) are identical on
+//! every rank at every outer step, while each rank's working parameters are its own from the first outer
+//! step on (like its inner moments); evaluation, the replica check and the model files use the shared
+//! ones ([`GradientSync::shared_params`]). At the run's last step its outer step is waited for and put on
+//! the device, so the final model holds every round and is the same on every rank.
 //!
 //! State: the anchor `[P]` on every rank (host memory; the same bits everywhere) and the outer momentum of
 //! this rank's chunk `[≈P/N]`. A checkpoint carries both, full, as `sync.outer_anchor` and
 //! `sync.outer_momentum`; with `--outer-overlap on`, after waiting for the outer step in flight, also its
 //! parameters (`sync.outer_next`) and round record (`sync.outer_next_round`), the momentum then being the
-//! one after it.
+//! one after it, and each rank's own round start (`ROUND_START`, which the trainer stores per rank).
 
 use super::checkpointing::{u64_as_f32_pair, u64_from_f32_pair};
 use super::comm_ledger::{CommLedger, CommTime};
@@ -79,6 +81,12 @@ pub struct OuterSync {
     /// `[owned elements]`: the outer Nesterov momentum of this rank's part of the flat parameters (empty
     /// while an outer step that updates it is in flight).
     momentum: Vec<f32>,
+    /// `--outer-overlap on`: `[P]`, this rank's parameters at the start of the round under way (its own:
+    /// the shared parameters plus its progress of the round before). Empty until the first forward.
+    round_start: Vec<f32>,
+    /// Whether the device holds the shared parameters (the run's start, after an outer step without
+    /// overlap, and at the end of an overlapped run), rather than this rank's own.
+    device_shared: bool,
     /// Inner losses summed since the last outer step, and how many.
     round_loss: f64,
     round_steps: u64,
@@ -183,6 +191,8 @@ impl OuterSync {
             steps,
             anchor: Arc::default(),
             momentum: Vec::new(),
+            round_start: Vec::new(),
+            device_shared: true,
             round_loss: 0.0,
             round_steps: 0,
             finished_round: None,
@@ -234,15 +244,35 @@ impl OuterSync {
                 self.anchor = Arc::new(anchor);
                 self.momentum = momentum[self.owned()].to_vec();
                 self.ready = restore_next(&mut state, params.len, &self.momentum)?;
-                if self.outer.overlap && self.round_steps == 0 {
-                    // The next round starts from the anchor; the model files of a run's end hold the
-                    // parameters of the outer step still to be applied.
-                    be.upload(params, &self.anchor)?;
+                let mid_round = self.round_steps > 0;
+                self.device_shared = !mid_round;
+                if self.outer.overlap {
+                    self.round_start = match state.remove(ROUND_START) {
+                        Some(start) => {
+                            ensure!(
+                                start.len() == params.len,
+                                "the checkpoint's round start has {} elements, the model {}",
+                                start.len(),
+                                params.len
+                            );
+                            start
+                        }
+                        // Written without overlap: its rounds start at the anchor.
+                        None => self.anchor.to_vec(),
+                    };
+                    if !mid_round {
+                        // The model files hold the shared parameters; this rank goes on from its own.
+                        be.upload(params, &self.round_start)?;
+                        self.device_shared = bit_equal(&self.round_start, &self.anchor);
+                    }
                 }
             }
             None => {
                 let mut anchor = vec![0.0; params.len];
                 be.download(params, &mut anchor)?;
+                if self.outer.overlap {
+                    self.round_start = anchor.clone();
+                }
                 self.anchor = Arc::new(anchor);
                 self.momentum = vec![0.0; self.owned().len()];
             }
@@ -250,16 +280,17 @@ impl OuterSync {
         Ok(())
     }
 
-    /// The outer step of the round just ended, ready to run: Δ from this rank's parameters, the anchor it
-    /// applies to, and the momentum it updates (taken: it comes back with the result).
-    fn prepare<B: Backend>(&mut self, be: &mut B, params: View, averaging: bool) -> Result<OuterStep> {
-        let mut buf = vec![0f32; params.len];
-        be.download(params, &mut buf)?;
-        if !averaging {
-            for (d, a) in buf.iter_mut().zip(self.anchor.iter()) {
-                *d = *a - *d;
-            }
-        }
+    /// This rank's parameters, from the device.
+    fn download_params<B: Backend>(be: &mut B, params: View) -> Result<Vec<f32>> {
+        let mut host = vec![0f32; params.len];
+        be.download(params, &mut host)?;
+        Ok(host)
+    }
+
+    /// The outer step of the round just ended, ready to run: `buf` (Δ, or this rank's parameters when
+    /// `averaging`), the anchor it applies to, and the momentum it updates (taken: it comes back with the
+    /// result).
+    fn job(&mut self, buf: Vec<f32>, averaging: bool) -> OuterStep {
         let sharded = self.update == UpdateMode::Sharded;
         let step = OuterStep {
             buf,
@@ -275,16 +306,14 @@ impl OuterSync {
             world: self.world,
         };
         (self.round_loss, self.round_steps) = (0.0, 0);
-        Ok(step)
+        step
     }
 
-    /// Makes an outer step's parameters the anchor and the device's parameters.
-    fn apply<B: Backend>(&mut self, be: &mut B, params: View, result: OuterResult) -> Result<()> {
-        be.upload(params, &result.params)?;
+    /// Makes an outer step's parameters the anchor, with its momentum and round record.
+    fn adopt(&mut self, result: OuterResult) {
         self.anchor = Arc::new(result.params);
         self.momentum = result.momentum;
         self.finished_round = Some(result.round);
-        Ok(())
     }
 
     /// The outer step, at the end of its round: averages Δ over the ranks, applies the outer optimizer (to
@@ -294,30 +323,41 @@ impl OuterSync {
     /// one rank keeps its own bits).
     fn outer_step<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
         let averaging = self.outer.lr == 1.0 && self.outer.momentum == 0.0;
-        let step = self.prepare(be, params, averaging)?;
+        let mut buf = Self::download_params(be, params)?;
+        if !averaging {
+            for (d, a) in buf.iter_mut().zip(self.anchor.iter()) {
+                *d = *a - *d;
+            }
+        }
+        let step = self.job(buf, averaging);
         let result = self.ledger.wait(comm.submit(move |c| step.run(c)))?.0;
-        self.apply(be, params, result)
+        be.upload(params, &result.params)?;
+        self.adopt(result);
+        self.device_shared = true;
+        Ok(())
     }
 
-    /// `--outer-overlap on`: Δ of the round just ended is taken against the anchor it started from; the
-    /// previous outer step (run during this round) is then applied, and this round's starts on the
-    /// communication thread from its result, to be applied at the end of the next round. The next round
-    /// starts from the applied parameters, the same on every rank. The first round's outer step has nothing
-    /// to follow: the second round starts from the run's start again. At the run's last step the outer step
-    /// is waited for and its parameters put on the device (the anchor stays, so a resume continues the
-    /// same run).
+    /// `--outer-overlap on`: Δ of the round just ended is taken against the parameters this rank started
+    /// it from; the previous outer step (run during this round) becomes the shared parameters A, the next
+    /// round starts from A − Δ (this rank's own progress kept, until the outer step now starting replaces
+    /// it by the average), and this round's outer step starts from A on the communication thread, to be
+    /// applied at the end of the next round. The first outer step has nothing to apply: the rank goes on
+    /// from its own parameters. At the run's last step the outer step is waited for and its parameters put
+    /// on the device (the round start stays, so a resume continues the same run).
     fn overlapped_outer_step<B: Backend>(&mut self, be: &mut B, comm: &CommThread, params: View) -> Result<()> {
-        let mut step = self.prepare(be, params, false)?;
+        let local = Self::download_params(be, params)?;
+        let delta: Vec<f32> = self.round_start.iter().zip(&local).map(|(s, l)| *s - *l).collect();
         self.drain()?;
-        match self.ready.take() {
+        self.round_start = match self.ready.take() {
             Some(previous) => {
-                self.apply(be, params, previous)?;
-                step.anchor = self.anchor.clone();
-                step.momentum = std::mem::take(&mut self.momentum);
+                self.adopt(previous);
+                let start: Vec<f32> = self.anchor.iter().zip(&delta).map(|(a, d)| *a - *d).collect();
+                be.upload(params, &start)?;
+                start
             }
-            // The first outer step: `prepare` took the momentum it starts from.
-            None => be.upload(params, &self.anchor)?,
-        }
+            None => local,
+        };
+        let step = self.job(delta, false);
         let pending = comm.submit(move |c| step.run(c));
         if self.step + 1 >= self.steps {
             // The run's end: its final model holds every round, and its metrics the last round's record.
@@ -325,8 +365,10 @@ impl OuterSync {
             be.upload(params, &last.params)?;
             self.finished_round = Some(last.round);
             self.ready = Some(last);
+            self.device_shared = true;
         } else {
             self.in_flight = Some(pending);
+            self.device_shared = false;
         }
         Ok(())
     }
@@ -389,6 +431,14 @@ pub(super) const ROUND: &str = "outer_round";
 /// it.
 const NEXT: &str = "outer_next";
 const NEXT_ROUND: &str = "outer_next_round";
+/// `--outer-overlap on`: this rank's own round start; the trainer stores it per rank
+/// (`inner_round_start.rank<R>`) and gives each rank its own back.
+pub(super) const ROUND_START: &str = "outer_round_start";
+
+/// Whether two buffers hold the same bits.
+fn bit_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
 
 impl<B: Backend> GradientSync<B> for OuterSync {
     /// Each rank's gradient is the mean over its own tokens: nothing is reduced between outer steps.
@@ -417,6 +467,7 @@ impl<B: Backend> GradientSync<B> for OuterSync {
     fn synchronise(&mut self, be: &mut B, _comm: &CommThread, grads: View, local: LocalStep) -> Result<AgreedStep> {
         self.round_loss += local.loss;
         self.round_steps += 1;
+        self.device_shared = false;
         Ok(AgreedStep {
             loss: local.loss,
             grad_sq: be.sum_squares(grads)?,
@@ -482,6 +533,9 @@ impl<B: Backend> GradientSync<B> for OuterSync {
             (MOMENTUM.to_string(), momentum),
             (ROUND.to_string(), round),
         ]);
+        if self.outer.overlap {
+            state.insert(ROUND_START.to_string(), self.round_start.clone());
+        }
         if let Some(next) = &self.ready {
             let r = next.round;
             let record = [r.loss.to_bits(), r.delta_norm.to_bits(), r.inner_steps];
@@ -500,7 +554,7 @@ impl<B: Backend> GradientSync<B> for OuterSync {
         let expected = [ANCHOR, MOMENTUM, ROUND];
         let names: Vec<&str> = state.keys().map(|k| k.as_str()).collect();
         let pending = state.contains_key(NEXT) && state.contains_key(NEXT_ROUND);
-        let extra = if pending { 2 } else { 0 };
+        let extra = if pending { 2 } else { 0 } + usize::from(state.contains_key(ROUND_START));
         ensure!(
             expected.iter().all(|k| state.contains_key(*k)) && names.len() == expected.len() + extra,
             "the checkpoint holds the synchronisation state {names:?}, not --sync outer's {expected:?}: it was \
@@ -533,6 +587,18 @@ impl<B: Backend> GradientSync<B> for OuterSync {
 
     fn take_round(&mut self) -> Option<OuterRound> {
         self.finished_round.take()
+    }
+
+    /// Between outer steps, and with `--outer-overlap on` after them too, the device holds this rank's own
+    /// parameters: the shared ones are the newest outer step's (waited for, or applied), else the anchor.
+    fn shared_params(&self) -> Option<&[f32]> {
+        if self.device_shared || self.anchor.is_empty() {
+            return None;
+        }
+        Some(match &self.ready {
+            Some(next) => &next.params,
+            None => &self.anchor,
+        })
     }
 
     /// The anchor, and the outer momentum when replicated (a sharded rank's chunk is its own); with

@@ -10,9 +10,14 @@ impl<B: Backend> Trainer<B> {
     /// Stage 1: every rank must start from the same parameters (and moments). Hashes are compared; on a
     /// mismatch rank 0's state is broadcast. Returns whether a broadcast happened.
     pub fn replicate(&mut self) -> Result<bool> {
-        // A --sync outer run resumed between outer steps: each rank's parameters are its own.
-        let mid_round = self.opts.sync.outer().is_some_and(|o| self.step % o.every != 0);
-        if self.world == 1 || mid_round {
+        // A --sync outer run resumed between outer steps, or after the first with --outer-overlap on:
+        // each rank's parameters are its own.
+        let own = self
+            .opts
+            .sync
+            .outer()
+            .is_some_and(|o| self.step % o.every != 0 || (o.overlap && self.step >= o.every));
+        if self.world == 1 || own {
             return Ok(false);
         }
         let hash = self.state_hash(self.moments_are_replicated() && self.opts.sync.outer().is_none())?;
@@ -30,25 +35,24 @@ impl<B: Backend> Trainer<B> {
         self.opt.owned_len() == self.model.layout.total
     }
 
-    /// The views every replica must hold bit for bit: the parameters, plus the moments when replicated.
-    fn replicated_views(&self) -> Vec<View> {
-        // With --sync outer each rank's inner moments are its own.
-        match self.moments_are_replicated() && self.opts.sync.outer().is_none() {
-            true => vec![self.model.params, self.opt.m, self.opt.v],
-            false => vec![self.model.params],
+    /// The views every replica must hold bit for bit: the parameters (unless the sync says the device holds
+    /// this rank's own, [`super::sync::GradientSync::shared_params`]), plus the moments when replicated.
+    fn replicated_views(&self, with_moments: bool) -> Vec<View> {
+        let mut views = Vec::new();
+        if self.sync.shared_params().is_none() {
+            views.push(self.model.params);
         }
+        if with_moments {
+            views.extend([self.opt.m, self.opt.v]);
+        }
+        views
     }
 
     /// blake3 over the parameters (and, when asked, both moments): the replica fingerprint.
     pub(super) fn state_hash(&mut self, with_moments: bool) -> Result<[u8; 32]> {
         self.settle_params()?;
         let mut hasher = blake3::Hasher::new();
-        let views = if with_moments {
-            vec![self.model.params, self.opt.m, self.opt.v]
-        } else {
-            vec![self.model.params]
-        };
-        for view in views {
+        for view in self.replicated_views(with_moments) {
             let mut host = vec![0f32; view.len];
             self.be.download(view, &mut host)?;
             hash_into(&mut hasher, &host);
@@ -68,7 +72,9 @@ impl<B: Backend> Trainer<B> {
     /// Copies rank `root`'s replicated state to every rank.
     pub(super) fn broadcast_state_from(&mut self, root: usize) -> Result<()> {
         self.settle_params()?;
-        for view in self.replicated_views() {
+        // With --sync outer each rank's inner moments are its own.
+        let with_moments = self.moments_are_replicated() && self.opts.sync.outer().is_none();
+        for view in self.replicated_views(with_moments) {
             let mut host = vec![0f32; view.len];
             self.be.download(view, &mut host)?;
             let host = self.comm.run(move |c| c.broadcast(&mut host, root).map(|()| host))?;
@@ -122,6 +128,27 @@ impl<B: Backend> Trainer<B> {
         self.settle_params()?;
         let params = self.model.download_params(&mut self.be)?;
         Ok(hash_f32(&params))
+    }
+
+    /// Whether the device holds this rank's own parameters rather than the ones every replica shares.
+    pub fn holds_own_params(&self) -> bool {
+        self.sync.shared_params().is_some()
+    }
+
+    /// The parameters every replica holds alike, in the flat layout: the device's, or the sync's shared ones
+    /// when the device holds this rank's own (`--sync outer` between outer steps, and after them with
+    /// `--outer-overlap on`).
+    pub fn shared_params(&mut self) -> Result<Vec<f32>> {
+        self.settle_params()?;
+        match self.sync.shared_params() {
+            Some(shared) => Ok(shared.to_vec()),
+            None => self.model.download_params(&mut self.be),
+        }
+    }
+
+    /// blake3 of [`Trainer::shared_params`], hex.
+    pub fn shared_param_hash(&mut self) -> Result<String> {
+        Ok(hash_f32(&self.shared_params()?))
     }
 }
 

@@ -94,6 +94,13 @@ pub trait GradientSync<B: Backend>: Send {
         Vec::new()
     }
 
+    /// The parameters every replica holds alike, when the device holds this rank's own instead (a periodic
+    /// sync between its outer steps, say): evaluation, the replica check and the model files use them.
+    /// `None` (the default) when the device's parameters are the shared ones.
+    fn shared_params(&self) -> Option<&[f32]> {
+        None
+    }
+
     /// What a periodic sync's outer step of this step agreed on, for the step's metrics.
     fn take_round(&mut self) -> Option<super::outer_sync::OuterRound> {
         None
