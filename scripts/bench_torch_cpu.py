@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
 """PyTorch eager CPU reference for ringtrain's `bench step`: training throughput of the same GPT-2.
 
-Builds ringtrain's preset (tiny / small / gpt2) as transformers.GPT2LMHeadModel in fp32 with eager attention,
-gelu_new and no dropout, and trains it with torch.optim.AdamW (lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight
+Builds ringtrain's preset (tiny / small / gpt2) as transformers.GPT2LMHeadModel in fp32 with eager attention
+(--attention eager, the default) or transformers' own default, torch's scaled_dot_product_attention
+(--attention sdpa), gelu_new and no dropout, and trains it with torch.optim.AdamW (lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight
 decay 0.1 on tensors of rank >= 2 only) on uniformly random tokens: a fresh [B, T+1] batch per step, inputs
 are the first T, targets the last T, mean cross-entropy over all B*T targets. Each step is forward, loss,
 backward, AdamW step and zero_grad. After --warmup untimed steps, --steps steps are timed one by one.
 
-Prints one JSON line, e.g.
+Prints one JSON line ("impl" is pytorch-sdpa-cpu with --attention sdpa), e.g.
   {"impl": "pytorch-eager-cpu", "model": "tiny", "batch": 4, "seq": 64, "threads": 2, "ms_per_step": 5.1,
    "tokens_per_s": 50000.0, "torch": "2.15.0", ...}
 ms_per_step is the mean over the timed steps and tokens_per_s = B*T / mean step time; the extra fields
 (median, min, parameter count, last loss, versions, load average) help judge the noise.
 
 usage: python3 scripts/bench_torch_cpu.py --model tiny|small|gpt2 --batch-size B --seq-len T --steps N
-                                          [--warmup W] [--threads K] [--seed S]
+                                          [--warmup W] [--threads K] [--seed S] [--attention eager|sdpa]
 """
 import argparse
 import json
@@ -37,6 +38,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
+                    help="transformers' attention implementation (default: %(default)s; transformers' own is sdpa)")
     args = ap.parse_args()
 
     try:
@@ -56,7 +59,7 @@ def main():
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel._from_config(cfg, attn_implementation="eager").float().train()
+    model = GPT2LMHeadModel._from_config(cfg, attn_implementation=args.attention).float().train()
     n_params = sum(p.numel() for p in model.parameters())  # wte counted once: lm_head is tied
 
     opt = adamw(model, args.lr)
@@ -88,7 +91,7 @@ def main():
 
     mean_s = sum(times) / len(times)
     out = {
-        "impl": "pytorch-eager-cpu",
+        "impl": f"pytorch-{args.attention}-cpu",
         "model": args.model,
         "batch": B,
         "seq": T,

@@ -308,12 +308,6 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             trainer
         }
     };
-    if is_rank0 && trainer.options().sync.outer().is_some_and(|o| o.overlap) {
-        eprint_line(
-            "warning: --outer-overlap on applies each outer step one round late; on `small` it reached a much \
-             higher loss than the plain outer step at equal steps (BENCHMARKS.md, \"Outer synchronisation\")",
-        );
-    }
     let mut observer = CliObserver {
         progress: match is_rank0 {
             true => Progress::new(trainer.options().steps, trainer.step()),
