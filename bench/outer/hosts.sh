@@ -45,11 +45,14 @@ job() { # NAME FLAGS...
     wait "${pids[$i]}" || { cat "$WORK/$name.$i.log" >&2; hosts_die "$name: host $i failed"; }
   done
 }
-singles() { # NAME CMD...: CMD as a single-rank job in every host at once; host I's output in NAME.I.out
+# singles NAME CMD...: CMD as a single-rank job in every host at once, each {i} in its arguments replaced by
+# the host's index; host I's output in NAME.I.out.
+singles() {
   local name=$1 pids=() i
   shift
   for ((i = 0; i < N; i++)); do
-    hosts_exec "$i" env WORLD_SIZE=1 RANK=0 RAYON_NUM_THREADS=1 "$@" > "$WORK/$name.$i.out" 2> "$WORK/$name.$i.log" &
+    hosts_exec "$i" env WORLD_SIZE=1 RANK=0 RAYON_NUM_THREADS=1 "${@//\{i\}/$i}" > "$WORK/$name.$i.out" \
+      2> "$WORK/$name.$i.log" &
     pids+=($!)
   done
   for ((i = 0; i < N; i++)); do
@@ -57,15 +60,7 @@ singles() { # NAME CMD...: CMD as a single-rank job in every host at once; host 
   done
 }
 echo "== a single-rank job in each of the $N hosts at once"
-pids_single=()
-for ((i = 0; i < N; i++)); do
-  hosts_exec "$i" env WORLD_SIZE=1 RANK=0 "$RT" "${TRAIN[@]}" --metrics "$WORK/single.$i.jsonl" \
-    > "$WORK/single.$i.log" 2>&1 &
-  pids_single+=($!)
-done
-for ((i = 0; i < N; i++)); do
-  wait "${pids_single[$i]}" || { cat "$WORK/single.$i.log" >&2; hosts_die "single rank on host $i failed"; }
-done
+singles single "$RT" "${TRAIN[@]}" --metrics "$WORK/single.{i}.jsonl"
 echo "== every-step sync on $N hosts at $RATE"
 job every
 WIRES=${WIRES-bf16 int8}
