@@ -657,6 +657,30 @@ fn an_overlapped_run_resumes_exactly() {
     }
 }
 
+/// A run resumed between outer steps that saves before its first step writes the model files it read (the
+/// shared parameters), not the rank's own parameters it put on the device; with and without overlap.
+#[test]
+fn a_save_before_the_first_step_of_a_resumed_round_keeps_the_shared_parameters() {
+    for opts in [options(2, 6), overlapped(2, 6)] {
+        let dir = tempfile::tempdir().unwrap();
+        let (ck, again) = (dir.path().join("ck"), dir.path().join("again"));
+        train_to(3, &opts, fresh, 3, Some(&ck));
+        on_each_rank(
+            3,
+            &opts,
+            || ModelSource::Resume(ck.clone()),
+            |t| t.save(&again).unwrap(),
+        );
+        let read = |dir: &std::path::Path| ModelSource::Resume(dir.to_path_buf()).read(0).unwrap().params;
+        assert_eq!(
+            read(&ck),
+            read(&again),
+            "overlap {}",
+            opts.sync.outer().unwrap().overlap
+        );
+    }
+}
+
 /// `--verify-every` at the outer steps compares the parameters and the outer sync's shared state (the
 /// anchor, and the momentum where every rank holds all of it): the ranks agree on all of it, with and
 /// without overlap, so the check passes and reports its fingerprint.

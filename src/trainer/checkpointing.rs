@@ -56,8 +56,20 @@ impl<B: Backend> Trainer<B> {
             round.extend(u64_as_f32_pair(self.opt.step));
             let round_start = sync.remove(super::outer_sync::ROUND_START);
             sync.extend(self.gather_inner_state(&m, &v, &round, local, round_start.as_deref())?);
-            if let Some(shared) = self.sync.shared_params() {
-                params = shared.to_vec();
+            let shared = match self.sync.shared_params() {
+                Some(shared) => Some(shared.to_vec()),
+                // Resumed between outer steps and saved before its first step: the device holds this rank's
+                // own parameters, and the state read names the shared ones.
+                None if mid_round && self.resumed_sync_state.is_some() => Some(
+                    sync.get(super::outer_sync::NEXT)
+                        .or_else(|| sync.get(super::outer_sync::ANCHOR))
+                        .context("the outer sync kept no anchor")?
+                        .clone(),
+                ),
+                None => None,
+            };
+            if let Some(shared) = shared {
+                params = shared;
             }
         }
         if self.rank != 0 {

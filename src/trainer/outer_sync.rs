@@ -429,7 +429,7 @@ pub(super) const ROUND: &str = "outer_round";
 /// `--outer-overlap on`: the outer step finished and not yet applied: its parameters and its round record
 /// (loss and Δ norm as f64 bit pairs, then the inner steps as a pair); `MOMENTUM` is then the momentum after
 /// it.
-const NEXT: &str = "outer_next";
+pub(super) const NEXT: &str = "outer_next";
 const NEXT_ROUND: &str = "outer_next_round";
 /// `--outer-overlap on`: this rank's own round start; the trainer stores it per rank
 /// (`inner_round_start.rank<R>`) and gives each rank its own back.
