@@ -583,9 +583,9 @@ fn the_overlapped_shared_parameters_are_the_outer_step_on_the_mean_change() {
     let start = &ranks[0].0;
     let (lr, mu) = (0.7f32, 0.9f32);
     let mut worst = 0f32;
-    for i in 0..start.len() {
-        let mean: f32 = ranks.iter().map(|(_, a)| start[i] - a[1].0[i]).sum::<f32>() / 3.0;
-        let expected = start[i] - lr * (mean + mu * mean);
+    for (i, &at_start) in start.iter().enumerate() {
+        let mean: f32 = ranks.iter().map(|(_, a)| at_start - a[1].0[i]).sum::<f32>() / 3.0;
+        let expected = at_start - lr * (mean + mu * mean);
         worst = worst.max((ranks[0].1[3].1[i] - expected).abs());
     }
     assert!(worst <= 1e-6, "largest difference {worst}");
