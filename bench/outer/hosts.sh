@@ -126,9 +126,9 @@ for name, label in runs:
 print(f"a single rank: val loss {single_val:.4f} (its global batch is 1/{n} of the others')")
 
 def ddp(name):
-    rows = [json.loads(open(f"{work}/{name}.{i}.out").read().strip().splitlines()[-1]) for i in range(n)
-            if open(f"{work}/{name}.{i}.out").read().strip()]
-    return rows
+    """The JSON line each host printed (the ranks other than a job's rank 0 print nothing)."""
+    outs = [open(f"{work}/{name}.{i}.out").read().strip() for i in range(n)]
+    return [json.loads(out.splitlines()[-1]) for out in outs if out]
 try:
     ddp_single = ddp("ddp-single")
     ddp_job = ddp("ddp")[0]

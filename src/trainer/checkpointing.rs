@@ -61,10 +61,9 @@ impl<B: Backend> Trainer<B> {
                 // Resumed between outer steps and saved before its first step: the device holds this rank's
                 // own parameters, and the state read names the shared ones.
                 None if mid_round && self.resumed_sync_state.is_some() => Some(
-                    sync.get(super::outer_sync::NEXT)
-                        .or_else(|| sync.get(super::outer_sync::ANCHOR))
+                    super::outer_sync::newest_shared(&sync)
                         .context("the outer sync kept no anchor")?
-                        .clone(),
+                        .to_vec(),
                 ),
                 None => None,
             };

@@ -429,11 +429,17 @@ pub(super) const ROUND: &str = "outer_round";
 /// `--outer-overlap on`: the outer step finished and not yet applied: its parameters and its round record
 /// (loss and Δ norm as f64 bit pairs, then the inner steps as a pair); `MOMENTUM` is then the momentum after
 /// it.
-pub(super) const NEXT: &str = "outer_next";
+const NEXT: &str = "outer_next";
 const NEXT_ROUND: &str = "outer_next_round";
 /// `--outer-overlap on`: this rank's own round start; the trainer stores it per rank
 /// (`inner_round_start.rank<R>`) and gives each rank its own back.
 pub(super) const ROUND_START: &str = "outer_round_start";
+
+/// The newest shared parameters a checkpoint's outer state holds: the outer step still to apply, else the
+/// anchor (what [`GradientSync::shared_params`] gives once the state is restored).
+pub(super) fn newest_shared(state: &SyncState) -> Option<&[f32]> {
+    state.get(NEXT).or_else(|| state.get(ANCHOR)).map(Vec::as_slice)
+}
 
 /// Whether two buffers hold the same bits.
 fn bit_equal(a: &[f32], b: &[f32]) -> bool {
